@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set everything up and run the test suite (lint + pytest). This is what CI runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+. .venv/bin/activate
+# Without a GPU, Triton kernels run in the interpreter (small shapes only).
+if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  export TRITON_INTERPRET=1
+fi
+ruff check .
+ruff format --check . || { echo "ruff format: run 'ruff format .'"; exit 1; }
+python -m pytest -q "$@"

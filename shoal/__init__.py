@@ -1,0 +1,3 @@
+"""Shoal: a batched serving engine for Fish Speech DualAR text-to-speech models."""
+
+__version__ = "0.1.0"

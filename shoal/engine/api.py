@@ -1,0 +1,144 @@
+"""The engine's public surface: the only module the server imports from `shoal.engine`.
+
+The server speaks in text, voices and audio; the engine owns tokenization, prompts, the
+batched model, sampling and the codec. Everything here is plain data plus one abstract
+class, so the server can be read (and type-checked) without torch installed.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class; a lower value is served first and may preempt a higher one."""
+
+    REALTIME = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # the model emitted <|im_end|>
+    LENGTH = "length"  # max_new_frames reached
+    ABORTED = "aborted"  # abort() or the consumer went away
+    ERROR = "error"
+
+
+class EngineError(Exception):
+    """Base class of errors the server maps to HTTP statuses."""
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is full; the server answers 503."""
+
+
+class InvalidRequest(EngineError):
+    """The request cannot be served as asked (prompt too long, bad reference codes): 400."""
+
+
+@dataclass(frozen=True)
+class VoiceReference:
+    """One reference clip already encoded by the codec: its transcript and codes int [N, T]."""
+
+    text: str
+    codes: np.ndarray
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.8
+    top_p: float = 0.8
+    top_k: int = 30
+    repetition_penalty: float = 1.1  # S1 / 1.5 only; S2 ignores it as the reference does
+    seed: int | None = None  # None: the engine draws one
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    text: str
+    references: tuple[VoiceReference, ...] = ()
+    # A stable key for the voice (stored voice id, or a hash of inline references): requests
+    # with the same key share the voice prefix's KV pages.
+    voice_key: str | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    priority: Priority = Priority.STANDARD
+    max_new_frames: int = 1024  # per text chunk, as the reference's max_new_tokens
+    chunk_length: int = 200  # S2: bytes per text batch (speaker turns are kept whole)
+    request_id: str | None = None  # None: the engine assigns one
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """New audio for one request: mono float32 PCM in [-1, 1] at `sample_rate`."""
+
+    samples: np.ndarray
+    sample_rate: int
+    frames: np.ndarray | None = None  # int32 [n, N+1]: the frames this audio came from
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: dict[str, int]  # per priority name
+    pages_used: int
+    pages_free: int
+    steps_per_second: float
+    frames_per_second: float
+    prefix_cache_pages: int = 0
+
+
+class RequestHandle(abc.ABC):
+    """A submitted request. Iterate it for audio; the iteration ends when the request does."""
+
+    request_id: str
+
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
+
+    @property
+    @abc.abstractmethod
+    def finish_reason(self) -> FinishReason | None:
+        """None while running; set when the stream has ended."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """The consumer is gone: abort the request (if running) and free its pages."""
+
+
+class Engine(abc.ABC):
+    """What the server drives. Implemented by `shoal.engine.engine.LocalEngine`."""
+
+    sample_rate: int
+    frame_rate: float
+    model_name: str
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
+        """Queue a request; it joins the running batch at the next step. Raises
+        EngineOverloaded when the bounded queue is full, InvalidRequest for bad input."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def prefill_voice(self, references: tuple[VoiceReference, ...], voice_key: str) -> None:
+        """Compute and pin the voice prefix's KV pages ahead of the first request (realtime)."""
+
+    @abc.abstractmethod
+    async def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
+        """Codec-encode mono float audio at any rate -> codes int [N, T]."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
