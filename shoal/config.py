@@ -1,0 +1,78 @@
+"""Settings dataclasses: the one place engine defaults live.
+
+Plain data, no torch import, so the server and the CLI can build and validate settings
+without loading the model stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _default_queue_limits() -> dict[str, int]:
+    # Keyed by Priority name (lower case). Realtime traffic should never queue deeply: if it
+    # cannot start soon it is better rejected so the client can retry elsewhere.
+    return {"realtime": 64, "standard": 1024, "batch": 16384}
+
+
+@dataclass
+class EngineConfig:
+    """How the batching engine uses the GPU. Every field has a serving-ready default."""
+
+    device: str = "cuda"
+    dtype: str = "bfloat16"  # model and KV dtype: "bfloat16" | "float16" | "float32" | "float64"
+
+    # Batching
+    max_running_requests: int = 256  # requests in the decode batch at once ("running slots")
+    max_prefill_tokens: int = 2048  # prompt tokens prefilled per step, after the step's decodes
+    queue_limits: dict[str, int] = field(default_factory=_default_queue_limits)
+    # A waiting request is treated as one class more urgent for every `aging_seconds` it waits,
+    # so batch work is never starved by a steady stream of live traffic.
+    aging_seconds: float = 30.0
+
+    # Paged KV cache
+    page_size: int = 16  # tokens per page
+    num_pages: int | None = None  # None: size the pool from free GPU memory
+    memory_fraction: float = 0.85  # of the memory free after loading the model (num_pages=None)
+    cpu_num_pages: int = 4096  # pool size on a CPU device when num_pages is None
+    max_seq_len: int | None = None  # None: the model's max_seq_len
+
+    # CUDA graphs for the decode step
+    use_cuda_graphs: bool = True
+    graph_max_batch: int | None = None  # None: min(max_running_requests, 256)
+    graph_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max
+
+    # Benchmarks: keep generating past <|im_end|> until max_new_frames (fixed output length).
+    ignore_eos: bool = False
+
+    # Vocoder: decode at least this many new frames per request in one codec call (latency vs
+    # efficiency); the first chunk of a request is decoded as soon as it has `first_chunk_frames`.
+    vocoder_chunk_frames: int = 8
+    vocoder_first_chunk_frames: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError("memory_fraction must be in (0, 1]")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
+
+    @property
+    def resolved_graph_max_batch(self) -> int:
+        if self.graph_max_batch is not None:
+            return min(self.graph_max_batch, self.max_running_requests)
+        return min(self.max_running_requests, 256)
+
+    def resolved_graph_buckets(self) -> tuple[int, ...]:
+        """Batch sizes captured as CUDA graphs; a batch pads up to the next one."""
+        top = self.resolved_graph_max_batch
+        if self.graph_buckets is not None:
+            sizes = sorted({b for b in self.graph_buckets if 1 <= b <= top} | {top})
+            return tuple(sizes)
+        sizes = {1, 2, 4, 8} | set(range(16, top + 1, 8)) | {top}
+        return tuple(sorted(s for s in sizes if s <= top))

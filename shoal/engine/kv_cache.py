@@ -1,0 +1,301 @@
+"""Paged KV cache: the page pool, per-request block tables and the voice-prefix cache.
+
+Pages are reference counted. A request holds one reference on every page of its block table;
+the prefix cache holds one on the whole pages of each cached voice prefix. Requests that start
+with a cached voice borrow those pages (their block table starts with them) and never write to
+them: only whole pages are shared, the partial last page of a prefix is recomputed per request.
+An entry is evictable (least recently used first) once no running request borrows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shoal.engine.request import Request
+
+
+class OutOfPages(RuntimeError):
+    """The pool cannot supply the pages asked for (after evicting idle prefixes)."""
+
+
+class PagePool:
+    """Free list plus reference counts over `num_pages` page ids."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._refs = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def ref_count(self, page: int) -> int:
+        return self._refs[page]
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise RuntimeError(f"retain of free page {p}")
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise RuntimeError(f"double free of page {p}")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+
+@dataclass
+class PrefixEntry:
+    key: str
+    pages: list[int]
+    num_tokens: int  # len(pages) * page_size
+    last_used: int
+    users: int = 0  # running requests borrowing the pages
+
+
+class KVCacheManager:
+    """Block tables for requests, backed by a PagePool, with the voice-prefix cache on top."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.pool = PagePool(num_pages)
+        self.page_size = page_size
+        self._prefixes: dict[str, PrefixEntry] = {}
+        self._clock = itertools.count()
+
+    # Prefix cache ------------------------------------------------------------------------
+
+    def prefix_key(self, prompt: torch.Tensor, prefix_len: int) -> str | None:
+        """Content hash of the whole pages of a voice prefix (None when under one page)."""
+        shared = (prefix_len // self.page_size) * self.page_size
+        if shared == 0:
+            return None
+        cols = prompt[:, :shared].to(torch.int64).contiguous()
+        return hashlib.sha1(cols.numpy().tobytes() + str(tuple(cols.shape)).encode()).hexdigest()
+
+    @property
+    def prefix_cache_pages(self) -> int:
+        return sum(len(e.pages) for e in self._prefixes.values())
+
+    def has_prefix(self, key: str) -> bool:
+        return key in self._prefixes
+
+    def attach_prefix(self, request: Request) -> None:
+        """Start a fresh request's block table with its voice's cached pages, if any."""
+        if request.block_table or request.num_computed:
+            raise RuntimeError("attach_prefix on a request that already has pages")
+        request.prefix_hash = self.prefix_key(request.prompt, request.prefix_len)
+        entry = self._prefixes.get(request.prefix_hash) if request.prefix_hash else None
+        if entry is None or entry.num_tokens >= request.seq_len:
+            return  # the last column must be computed to have logits to sample from
+        self.pool.retain(entry.pages)
+        entry.users += 1
+        entry.last_used = next(self._clock)
+        request.block_table = list(entry.pages)
+        request.num_shared_pages = len(entry.pages)
+        request.num_computed = entry.num_tokens
+
+    def register_prefix(self, request: Request) -> bool:
+        """Once a request has computed its voice prefix's whole pages, cache them (if new)."""
+        key = request.prefix_hash
+        if key is None or request.num_shared_pages or key in self._prefixes:
+            return False
+        n_pages = request.prefix_len // self.page_size
+        if request.num_computed < n_pages * self.page_size:
+            return False
+        pages = request.block_table[:n_pages]
+        self.pool.retain(pages)
+        self._prefixes[key] = PrefixEntry(key, pages, n_pages * self.page_size, next(self._clock), users=1)
+        request.num_shared_pages = n_pages
+        return True
+
+    def evict_prefixes(self, pages_needed: int) -> int:
+        """Drop idle prefixes, least recently used first, until `pages_needed` pages are free."""
+        freed = 0
+        idle = sorted((e for e in self._prefixes.values() if e.users == 0), key=lambda e: e.last_used)
+        for entry in idle:
+            if self.pool.num_free >= pages_needed:
+                break
+            del self._prefixes[entry.key]
+            before = self.pool.num_free
+            self.pool.release(entry.pages)
+            freed += self.pool.num_free - before
+        return freed
+
+    # Block tables ------------------------------------------------------------------------
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def extra_pages_needed(self, request: Request, upto_tokens: int) -> int:
+        return max(0, self.pages_for(upto_tokens) - len(request.block_table))
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether n pages are free or can be freed by evicting idle prefixes."""
+        if n <= self.pool.num_free:
+            return True
+        idle = sum(len(e.pages) for e in self._prefixes.values() if e.users == 0)
+        return n <= self.pool.num_free + idle
+
+    def grow(self, request: Request, upto_tokens: int) -> None:
+        """Give the request pages for its first `upto_tokens` positions (raises OutOfPages)."""
+        n = self.extra_pages_needed(request, upto_tokens)
+        if n == 0:
+            return
+        if n > self.pool.num_free:
+            self.evict_prefixes(n)
+        request.block_table.extend(self.pool.allocate(n))
+
+    def free(self, request: Request) -> None:
+        """Return all of a request's pages (finish, abort or preemption)."""
+        if request.num_shared_pages and request.prefix_hash in self._prefixes:
+            entry = self._prefixes[request.prefix_hash]
+            entry.users -= 1
+            entry.last_used = next(self._clock)
+        self.pool.release(request.block_table)
+        request.block_table = []
+        request.num_shared_pages = 0
+        request.num_computed = 0
+
+    def prefill_prefix_entry(self, key: str, pages: list[int], num_tokens: int) -> None:
+        """Adopt pages already filled with a voice prefix (Engine.prefill_voice); the caller's
+        reference on the pages becomes the cache's."""
+        if key in self._prefixes:
+            self.pool.release(pages)
+            return
+        self._prefixes[key] = PrefixEntry(key, pages, num_tokens, next(self._clock))
+
+
+def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class PagedKV:
+    """The KV tensors, k/v `[num_pages + 1, page_size, Hkv, D]` per layer, and the model's
+    AttentionBackend over them. The extra last page is scratch: padded batch rows of a CUDA
+    graph write there, so they never touch a page a request owns.
+
+    Two modes, set before each forward:
+    - varlen (`set_varlen`): any mix of sequences with any number of new tokens (prefill
+      chunks); loops over sequences on the host, eager only.
+    - decode (`set_decode`): one new token per row, all metadata in tensors, no host sync:
+      the mode captured in CUDA graphs.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.scratch_page = num_pages
+        self._mode = "none"
+        self._slots: torch.Tensor | None = None
+        self._segments: list[tuple[int, int, int, list[int]]] = []  # offset, count, kv_len, pages
+        self._block_tables: torch.Tensor | None = None
+        self._kv_lens: torch.Tensor | None = None
+
+    def slot_of(self, pages: list[int], position: int) -> int:
+        return pages[position // self.page_size] * self.page_size + position % self.page_size
+
+    def set_varlen(self, segments: list[tuple[int, int, int, list[int]]]) -> None:
+        """segments: (offset in the flat batch, new tokens, KV length after them, block table)."""
+        slots = []
+        for _, count, kv_len, pages in segments:
+            slots.extend(self.slot_of(pages, p) for p in range(kv_len - count, kv_len))
+        self._slots = torch.tensor(slots, dtype=torch.long, device=self.k.device)
+        self._segments = segments
+        self._mode = "varlen"
+
+    def set_decode(self, slots: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """slots Long[B] (where each row's new key goes), block_tables int32 [B, P], kv_lens
+        int32 [B] (keys per row after this token). Tensors are used as given (graph buffers)."""
+        self._slots, self._block_tables, self._kv_lens = slots, block_tables, kv_lens
+        self._mode = "decode"
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        flat = self.k.shape[1] * self.page_size
+        self.k[layer].view(flat, *k.shape[1:]).index_copy_(0, self._slots, k)
+        self.v[layer].view(flat, *v.shape[1:]).index_copy_(0, self._slots, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._store(layer, k, v)
+        if self._mode == "decode":
+            return self._attend_decode(layer, q)
+        if self._mode != "varlen":
+            raise RuntimeError("PagedKV.attend before set_varlen/set_decode")
+        out = torch.empty_like(q)
+        for offset, count, kv_len, pages in self._segments:
+            n_pages = -(-kv_len // self.page_size)
+            index = torch.tensor(pages[:n_pages], device=q.device)
+            keys = self.k[layer][index].flatten(0, 1)[:kv_len]
+            values = self.v[layer][index].flatten(0, 1)[:kv_len]
+            query_pos = torch.arange(kv_len - count, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
+            attended = F.scaled_dot_product_attention(
+                q[offset : offset + count].transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=mask[None, None],
+                enable_gqa=True,
+            )
+            out[offset : offset + count] = attended[0].transpose(0, 1)
+        return out
+
+    def _attend_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if _triton_decode is not None and q.is_cuda:
+            return _triton_decode(q, self.k[layer], self.v[layer], self._block_tables, self._kv_lens)
+        batch, pages = self._block_tables.shape
+        index = self._block_tables.long()
+        keys = self.k[layer][index].view(batch, pages * self.page_size, *self.k.shape[-2:])
+        values = self.v[layer][index].view(batch, pages * self.page_size, *self.v.shape[-2:])
+        visible = torch.arange(pages * self.page_size, device=q.device)[None, :] < self._kv_lens[:, None]
+        attended = F.scaled_dot_product_attention(
+            q[:, :, None, :],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=visible[:, None, None, :],
+            enable_gqa=True,
+        )
+        return attended[:, :, 0, :]
+
+
+def _load_triton_decode():
+    """The Triton paged decode attention from kernels/attention.py, when it is there."""
+    try:
+        from shoal.kernels import attention as kernels_attention
+    except Exception:
+        return None
+    return getattr(kernels_attention, "paged_decode_attention", None)
+
+
+_triton_decode = _load_triton_decode()

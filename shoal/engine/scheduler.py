@@ -1,0 +1,183 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens.
+
+Every step: running requests in steady decode get one token each (most urgent first, growing
+their block tables page by page); then prefill chunks fill the per-step prefill budget:
+requests already mid-prefill first, then newly admitted ones in order of effective priority
+(realtime > standard > batch, aged by waiting time). When slots or pages run short, the least
+urgent running request (latest arrival within its class) is preempted: its pages are freed and
+it waits again with the frames it has, to be re-prefilled later (prompt + frames), which
+reproduces its uninterrupted output because sampling randomness is counter-based.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from shoal.config import EngineConfig
+from shoal.engine.api import EngineOverloaded, FinishReason, Priority
+from shoal.engine.kv_cache import KVCacheManager
+from shoal.engine.request import Request, RequestStatus
+
+
+@dataclass
+class StepPlan:
+    """One step's work. `prefills` are (request, new tokens); a chunk that reaches the end of
+    its request's sequence yields that request's next frame."""
+
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_seq_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_seq_len = max_seq_len
+        self.waiting: dict[Priority, list[Request]] = {p: [] for p in Priority}
+        self.running: list[Request] = []
+
+    # Queue --------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def add(self, request: Request) -> None:
+        """Queue a new request; raises EngineOverloaded when its class's queue is full."""
+        queue = self.waiting[request.priority]
+        limit = self.config.queue_limits.get(request.priority.name.lower())
+        if limit is not None and len(queue) >= limit:
+            raise EngineOverloaded(f"{request.priority.name.lower()} queue is full ({limit} waiting)")
+        if request.seq_len + request.max_new_frames - request.num_frames > self.max_seq_len + 1:
+            raise ValueError("request does not fit in max_seq_len")
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        queue = self.waiting[request.priority]
+        keys = [r.arrival for r in queue]
+        queue.insert(bisect.bisect(keys, request.arrival), request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the engine (finished, aborted, failed) and free its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        queue = self.waiting[request.priority]
+        if request in queue:
+            queue.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        self.remove(request)
+
+    # Scheduling ---------------------------------------------------------------------------
+
+    def _urgency(self, request: Request, now: float) -> tuple[int, int]:
+        """Sort key, smaller = more urgent: effective class, then arrival order."""
+        return (request.effective_priority(now, self.config.aging_seconds), request.arrival)
+
+    def _victim(self, now: float, than: Request | None, plan: StepPlan) -> Request | None:
+        """The least urgent running request, if it is less urgent than `than` (None: any)."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=lambda r: self._urgency(r, now))
+        if than is not None and self._urgency(victim, now)[0] <= self._urgency(than, now)[0]:
+            return None
+        return victim
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        plan.preempted.append(victim)
+        if victim in plan.decodes:
+            plan.decodes.remove(victim)
+        plan.prefills = [(r, n) for r, n in plan.prefills if r is not victim]
+        self._enqueue(victim)
+
+    def _reserve(self, request: Request, upto: int, now: float, plan: StepPlan, any_victim: bool) -> bool:
+        """Grow `request`'s pages to cover `upto` tokens, preempting less urgent running work
+        (or, for a running request with `any_victim`, the least urgent one even if it is
+        itself). Returns False when the pages cannot be had."""
+        need = self.kv.extra_pages_needed(request, upto)
+        while not self.kv.can_allocate(need):
+            victim = self._victim(now, None if any_victim else request, plan)
+            if victim is None:
+                return False
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        self.kv.grow(request, upto)
+        return True
+
+    def schedule(self) -> StepPlan:
+        now = time.monotonic()
+        plan = StepPlan()
+        # 1. Decodes of running requests, most urgent first.
+        for request in sorted(self.running, key=lambda r: self._urgency(r, now)):
+            if request not in self.running or not request.is_decoding:
+                continue
+            if self._reserve(request, request.seq_len, now, plan, any_victim=True):
+                plan.decodes.append(request)
+        # 2. Prefill chunks: running requests mid-prefill, then admissions.
+        budget = self.config.max_prefill_tokens
+        for request in sorted(self.running, key=lambda r: self._urgency(r, now)):
+            if budget <= 0:
+                break
+            if request not in self.running or request.is_decoding:
+                continue
+            budget -= self._plan_chunk(request, budget, now, plan)
+        while budget > 0:
+            candidate = self._next_waiting(now)
+            if candidate is None or not self._admit(candidate, now, plan):
+                break
+            budget -= self._plan_chunk(candidate, budget, now, plan)
+        return plan
+
+    def _plan_chunk(self, request: Request, budget: int, now: float, plan: StepPlan) -> int:
+        count = min(request.num_pending, budget)
+        if count <= 0 or not self._reserve(request, request.num_computed + count, now, plan, False):
+            return 0
+        plan.prefills.append((request, count))
+        return count
+
+    def _next_waiting(self, now: float) -> Request | None:
+        heads = [q[0] for q in self.waiting.values() if q]
+        return min(heads, key=lambda r: self._urgency(r, now)) if heads else None
+
+    def _admit(self, request: Request, now: float, plan: StepPlan) -> bool:
+        """Move the most urgent waiting request into the running set if a slot and the pages
+        for a first chunk can be had (preempting less urgent work if needed)."""
+        while len(self.running) >= self.config.max_running_requests:
+            victim = self._victim(now, request, plan)
+            if victim is None:
+                return False
+            self._preempt(victim, plan)
+        self.waiting[request.priority].remove(request)
+        self.kv.attach_prefix(request)
+        first_chunk = request.num_computed + min(request.num_pending, self.config.max_prefill_tokens)
+        if not self.kv.can_allocate(self.kv.extra_pages_needed(request, first_chunk)):
+            while not self.kv.can_allocate(self.kv.extra_pages_needed(request, first_chunk)):
+                victim = self._victim(now, request, plan)
+                if victim is None:
+                    self.kv.free(request)
+                    self._enqueue(request)
+                    return False
+                self._preempt(victim, plan)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True

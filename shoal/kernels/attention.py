@@ -1,0 +1,412 @@
+"""Paged attention in Triton: decode (split-KV), chunked prefill, and shared-prefix decode.
+
+KV cache layout (the engine's `kv_cache.py` allocates it):
+- one page pool per layer, `k_pages` and `v_pages` each `[num_pages, page_size, n_kv_heads,
+  head_dim]` bf16, page_size `PAGE_SIZE` = 16 by default (any size works);
+- `block_tables` int32 `[bs, max_pages_per_seq]`: position p of sequence b lives in page
+  `block_tables[b, p // page_size]` at offset `p % page_size`;
+- `seq_lens` int32 `[bs]`: keys per sequence, this step's new tokens included (their k/v are
+  written first by `norm_rope.qk_norm_rope_kv_write`).
+
+GQA: one program handles all g = Hq/Hkv query heads of a kv head (its tile rows are
+(query token, head in group) pairs), so each kv head's keys are read once per group.
+Decode splits the keys of a sequence across `num_splits` programs writing partial (output,
+log-sum-exp) pairs that a second launch merges; that fills the GPU at batch 1 and long context.
+
+Shared prefix ("cascade"): when consecutive batch rows share their first `prefix_len` tokens'
+pages (a cached voice prefix), one kernel attends all query heads of all those rows to the
+prefix at once (the prefix is read once per group, not once per row), the per-row kernel
+attends only each row's own suffix, and the merge launch combines them by log-sum-exp.
+All scores are kept in base 2 (`exp2`/`log2`), scale folded with log2(e).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+PAGE_SIZE = 16
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tunables; the benchmark's `--sweep` varies them on the GPU."""
+
+    block_n: int = 64  # keys per inner-loop iteration
+    block_m: int = 16  # prefill query tokens per program (decode uses 1)
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 264  # split-KV aims for this many programs (2 per H200 SM)
+    min_split_tokens: int = 256  # never split into pieces shorter than this
+    max_splits: int = 32
+    prefix_block_rows: int = 64  # (row, head) pairs per shared-prefix program
+    prefix_splits: int = 4  # splits of the shared prefix
+
+
+DEFAULT_CONFIG = AttentionConfig()
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter (3.6) multiplies bf16 tiles as raw integers: upcast there."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_key_range(
+    acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, table_row_ptr, kv_head, lo, hi,
+    stride_kp, stride_kt, stride_kh, scale_log2e,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        valid = tok < hi
+        page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
+        k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * scale_log2e
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (tok[None, :] <= query_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_rows(
+    acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
+    stride_ot, stride_oh, num_q_heads, num_slots,
+    HEAD_DIM: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+):  # fmt: skip
+    """Finished rows go to `out` (bf16), or as (normalized output, log2-sum-exp) partials."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    has_keys = l_i > 0
+    normed = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if WRITE_PARTIAL:
+        slot = (token.to(tl.int64) * num_q_heads + head) * num_slots + split
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + slot, lse, mask=row_ok)
+        tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], normed, mask=row_ok[:, None])
+    else:
+        dest = token.to(tl.int64) * stride_ot + head * stride_oh
+        ptrs = out_ptr + dest[:, None] + offs_d[None, :]
+        tl.store(ptrs, normed.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, kv_start_ptr,
+    scale_log2e, num_q_heads, num_slots,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kp, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Grid (bs, query blocks, Hkv * NUM_SPLITS): a block of one sequence's queries x the g heads
+    of one kv head, over one split of that sequence's (causally visible) keys."""
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if IS_DECODE:
+        q_start = seq
+        q_len = 1
+    else:
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_block * BLOCK_M < q_len:
+        rows = tl.arange(0, BLOCK_R)
+        in_group = rows % BLOCK_G
+        q_index = q_block * BLOCK_M + rows // BLOCK_G
+        row_ok = (in_group < GROUP) & (rows // BLOCK_G < BLOCK_M) & (q_index < q_len)
+        token = q_start + q_index
+        head = kv_head * GROUP + in_group
+        query_pos = seq_len - q_len + q_index
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = q_ptr + (token.to(tl.int64) * stride_qt + head * stride_qh)[:, None] + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+        kv_lo = 0
+        if HAS_KV_START:
+            kv_lo = tl.load(kv_start_ptr + seq)
+        last_query = tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len) - 1
+        kv_hi = seq_len - q_len + last_query + 1
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_lo + split * chunk
+        hi = tl.minimum(lo + chunk, kv_hi)
+
+        acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc, m_i, l_i = _attend_key_range(
+            acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
+            CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+        )  # fmt: skip
+        _store_rows(
+            acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
+            stride_ot, stride_oh, num_q_heads, num_slots, HEAD_DIM, WRITE_PARTIAL,
+        )  # fmt: skip
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, prefix_lens_ptr, group_starts_ptr,
+    scale_log2e, num_q_heads, num_slots, first_slot,
+    stride_qt, stride_qh, stride_bt, stride_kp, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Grid (groups, row blocks, Hkv * NUM_SPLITS): decode queries of BLOCK_R/BLOCK_G rows of one
+    group x the g heads of one kv head, over one split of the group's shared prefix pages."""
+    group = tl.program_id(0)
+    row_block = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    first = tl.load(group_starts_ptr + group)
+    end = tl.load(group_starts_ptr + group + 1)
+    seqs_per_block: tl.constexpr = BLOCK_R // BLOCK_G
+    if first + row_block * seqs_per_block < end:
+        rows = tl.arange(0, BLOCK_R)
+        in_group = rows % BLOCK_G
+        seq = first + row_block * seqs_per_block + rows // BLOCK_G
+        row_ok = (in_group < GROUP) & (seq < end)
+        head = kv_head * GROUP + in_group
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = q_ptr + (seq.to(tl.int64) * stride_qt + head * stride_qh)[:, None] + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        prefix_len = tl.load(prefix_lens_ptr + first)
+        chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, prefix_len)
+        acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc, m_i, l_i = _attend_key_range(
+            acc, m_i, l_i, q, seq, k_ptr, v_ptr, block_tables_ptr + first.to(tl.int64) * stride_bt,
+            kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
+            False, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+        )  # fmt: skip
+        _store_rows(
+            acc, m_i, l_i, seq, head, row_ok, first_slot + split, q_ptr, part_out_ptr, part_lse_ptr,
+            0, 0, num_q_heads, num_slots, HEAD_DIM, True,
+        )  # fmt: skip
+
+
+@triton.jit
+def _merge_partials_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_q_heads, num_slots, stride_ot, stride_oh,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, Hq): combine one row's partial outputs weighted by exp2(lse - max lse)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = token * num_q_heads + head
+    slots = tl.arange(0, BLOCK_S)
+    ok = slots < num_slots
+    lse = tl.load(part_lse_ptr + row * num_slots + slots, mask=ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)
+    offs_d = tl.arange(0, HEAD_DIM)
+    partial = tl.load(
+        part_out_ptr + (row * num_slots + slots)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=ok[:, None],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    merged = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch: int, n_kv_heads: int, max_context: int, config: AttentionConfig) -> int:
+    """Splits per sequence so that batch * Hkv * splits reaches `target_programs`, without
+    pieces shorter than `min_split_tokens`. Depends only on shapes, so CUDA graphs can fix it."""
+    wanted = math.ceil(config.target_programs / max(1, batch * n_kv_heads))
+    longest = max(1, max_context // config.min_split_tokens)
+    return max(1, min(wanted, longest, config.max_splits))
+
+
+def _check_inputs(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> tuple[int, int, int]:
+    if k_pages.shape != v_pages.shape or k_pages.stride() != v_pages.stride():
+        raise ValueError("k_pages and v_pages must have the same shape and layout")
+    if k_pages.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("head_dim must be the innermost, contiguous dimension")
+    hq, hkv, d = q.shape[1], k_pages.shape[2], q.shape[2]
+    if hq % hkv or d & (d - 1):
+        raise ValueError(f"need Hq % Hkv == 0 and a power-of-two head_dim (got {hq}, {hkv}, {d})")
+    return hq, hkv, d
+
+
+def _launch_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    query_start_loc: Tensor | None, kv_start: Tensor | None, out: Tensor, part_out: Tensor | None,
+    part_lse: Tensor | None, num_slots: int, grid_q_blocks: int, block_m: int, num_splits: int,
+    scale: float, config: AttentionConfig,
+):  # fmt: skip
+    hq, hkv, d = _check_inputs(q, k_pages, v_pages)
+    group = hq // hkv
+    block_g = triton.next_power_of_2(group)
+    dummy = seq_lens  # any tensor: pointers a constexpr branch never reads
+    _paged_attention_kernel[(seq_lens.shape[0], grid_q_blocks, hkv * num_splits)](
+        q, k_pages, v_pages, out,
+        part_out if part_out is not None else out, part_lse if part_lse is not None else out,
+        block_tables, seq_lens,
+        query_start_loc if query_start_loc is not None else dummy,
+        kv_start if kv_start is not None else dummy,
+        scale * _LOG2E, hq, num_slots,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_R=max(16, block_m * block_g),
+        BLOCK_N=config.block_n, PAGE=k_pages.shape[1], HEAD_DIM=d, NUM_SPLITS=num_splits,
+        IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None, HAS_KV_START=kv_start is not None,
+        WRITE_PARTIAL=part_out is not None, UPCAST=_interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def _merge(part_out: Tensor, part_lse: Tensor, out: Tensor, config: AttentionConfig) -> None:
+    tokens, hq, slots, d = part_out.shape
+    _merge_partials_kernel[(tokens, hq)](
+        part_out, part_lse, out, hq, slots, out.stride(0), out.stride(1),
+        BLOCK_S=triton.next_power_of_2(slots), HEAD_DIM=d, num_warps=4,
+    )  # fmt: skip
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One query per sequence: q [bs, Hq, D] -> [bs, Hq, D]. With `num_splits` > 1 (default:
+    `choose_num_splits` over the block table's capacity) a merge launch follows."""
+    bs, hq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    if num_splits is None:
+        capacity = block_tables.shape[1] * k_pages.shape[1]
+        num_splits = choose_num_splits(bs, k_pages.shape[2], capacity, config)
+    if num_splits == 1:
+        _launch_attention(
+            q, k_pages, v_pages, block_tables, seq_lens, None, None, out, None, None, 1, 1, 1, 1,
+            scale, config,
+        )  # fmt: skip
+        return out
+    part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
+    _launch_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, None, None, out, part_out, part_lse,
+        num_splits, 1, 1, num_splits, scale, config,
+    )  # fmt: skip
+    _merge(part_out, part_lse, out, config)
+    return out
+
+
+def paged_prefill_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    max_query_len: int,
+    scale: float | None = None,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Varlen causal attention for (chunked) prefill: sequence b's queries are
+    q[query_start_loc[b]:query_start_loc[b+1]] [T, Hq, D], its last positions; earlier chunks
+    and cached prefix pages are visible through the block table. Returns [T, Hq, D]."""
+    d = q.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    block_m = config.block_m
+    _launch_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, None, out, None, None, 1,
+        max(1, triton.cdiv(max_query_len, block_m)), block_m, 1, scale, config,
+    )  # fmt: skip
+    return out
+
+
+def shared_prefix_decode_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    prefix_lens: Tensor,
+    group_starts: Tensor,
+    max_group_size: int,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Decode where groups of consecutive rows share their leading pages.
+
+    group_starts int32 [groups+1] partitions rows 0..bs (every row in exactly one group; a row
+    sharing nothing is a group of one with prefix 0); prefix_lens int32 [bs] is the shared token
+    count of the row's group (equal within a group, less than each row's seq_len); the prefix
+    pages are read through the group's first row. max_group_size bounds the rows of any group."""
+    bs, hq, d = q.shape
+    hq, hkv, d = _check_inputs(q, k_pages, v_pages)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    if num_splits is None:
+        capacity = block_tables.shape[1] * k_pages.shape[1]
+        num_splits = choose_num_splits(bs, hkv, capacity, config)
+    prefix_splits = config.prefix_splits
+    slots = num_splits + prefix_splits
+    part_out = torch.empty(bs, hq, slots, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(bs, hq, slots, dtype=torch.float32, device=q.device)
+    _launch_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, None, prefix_lens, out, part_out, part_lse,
+        slots, 1, 1, num_splits, scale, config,
+    )  # fmt: skip
+    group = hq // hkv
+    block_g = triton.next_power_of_2(group)
+    block_r = max(config.prefix_block_rows, block_g, 16)
+    row_blocks = triton.cdiv(max_group_size * block_g, block_r)
+    _shared_prefix_kernel[(group_starts.shape[0] - 1, row_blocks, hkv * prefix_splits)](
+        q, k_pages, v_pages, part_out, part_lse, block_tables, prefix_lens, group_starts,
+        scale * _LOG2E, hq, slots, num_splits,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
+        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    _merge(part_out, part_lse, out, config)
+    return out

@@ -1,0 +1,363 @@
+"""Block-scaled FP8 GEMM for decode shapes (M <= 128): out[M, N] = A[M, K] @ W[N, K]^T in bf16.
+
+Weights are e4m3 [N, K] with one fp32 scale per 128x128 block (`w_scale[n // 128, k // 128]`,
+row-major contiguous). Three ways to feed the activations (a compile-time `ACT_MODE`):
+
+- `ACT_BF16`: bf16 activations, weights dequantized in registers (W8A16, no activation rounding);
+- `ACT_FP8`: activations already quantized by `kernels/quant.py` (e4m3 + [M, K/128] scales);
+- `ACT_QUANT_INLINE`: bf16 activations quantized per token per 128 columns inside the GEMM, with
+  exactly the numerics of `kernels/quant.py`, so no quantization launch at all.
+
+`SWIGLU` (with the bf16 and inline modes) reads A as the gate+up output [M, 2K] and applies
+silu(gate) * up while loading, so the down projection needs no separate activation kernel.
+
+At small M a plain tiling leaves most of the 132 SMs idle, and a memory-bound GEMM needs every SM
+streaming weights. Split-K fixes that: `SPLIT_K` programs share one output tile, each writes an fp32
+partial to a workspace and bumps a per-tile counter; the last to arrive sums the partials in fixed
+order (deterministic), writes bf16 and resets the counter to 0. One launch, no host sync, no
+allocation when the caller passes `out` and a `SplitKWorkspace`: safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.kernels.quant import (
+    FP8_MAX,
+    GROUP,
+    MIN_SCALE,
+    _quantize_groups,
+    check_activation_scales,
+    round_to_bf16,
+)
+
+ACT_BF16 = 0
+ACT_FP8 = 1
+ACT_QUANT_INLINE = 2
+BLOCK_K = GROUP  # one weight-scale column per K step
+H200_SMS = 132
+# Triton's CPU interpreter multiplies bf16 tensors as raw uint16; there the W8A16 dot runs in fp32.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters; the benchmark's `--sweep` searches these per (N, K, M bucket)."""
+
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Measured winners per (N, K, M bucket), filled from `shoal bench gemm --sweep` on the H200.
+# Shapes absent here use `default_config`.
+TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {}
+
+
+def m_bucket(m: int) -> int:
+    """The smallest bucket >= m (buckets are powers of two up to 128; larger M uses 128's row)."""
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return M_BUCKETS[-1]
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SMS
+
+
+def default_config(n: int, k: int, m: int, sms: int = H200_SMS) -> GemmConfig:
+    """Heuristic: tiles sized to M, then split K until about two programs per SM stream weights."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    m_tiles = triton.cdiv(m, block_m)
+    block_n = 128 if m_tiles * triton.cdiv(n, 128) >= sms else 64
+    tiles = m_tiles * triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, BLOCK_K)
+    split_k = max(1, min(triton.cdiv(2 * sms, tiles), k_blocks // 2, 16))
+    return GemmConfig(block_m, block_n, split_k, num_warps=4, num_stages=4)
+
+
+def pick_config(n: int, k: int, m: int, device: torch.device | None = None) -> GemmConfig:
+    tuned = TUNED_CONFIGS.get((n, k, m_bucket(m)))
+    if tuned is not None:
+        return tuned
+    sms = _multiprocessors(device) if device is not None else H200_SMS
+    return default_config(n, k, m, sms)
+
+
+class SplitKWorkspace:
+    """fp32 partials + int32 per-tile counters for split-K. Counters start at 0 and every launch
+    leaves them at 0, so one workspace serves every GEMM on a stream, across graph replays."""
+
+    def __init__(self, max_partial_elements: int, max_tiles: int, device: torch.device | str):
+        self.partials = torch.empty(max(1, max_partial_elements), dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max(1, max_tiles), dtype=torch.int32, device=device)
+
+    @staticmethod
+    def required(m: int, n: int, config: GemmConfig) -> tuple[int, int]:
+        """(partial elements, counters) a launch with this config needs."""
+        if config.split_k == 1:
+            return 0, 0
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+        return config.split_k * m * n, tiles
+
+    def check(self, m: int, n: int, config: GemmConfig) -> None:
+        partials, tiles = self.required(m, n, config)
+        if partials > self.partials.numel() or tiles > self.counters.numel():
+            raise ValueError(
+                f"split-K workspace too small: need {partials} partials and {tiles} counters, "
+                f"have {self.partials.numel()} and {self.counters.numel()}"
+            )
+
+
+_default_workspaces: dict[torch.device, SplitKWorkspace] = {}
+
+
+def _workspace_for(device: torch.device, m: int, n: int, config: GemmConfig) -> SplitKWorkspace:
+    """A lazily grown per-device workspace, for callers (tests, eager use) that pass none."""
+    need_partials, need_tiles = SplitKWorkspace.required(m, n, config)
+    current = _default_workspaces.get(device)
+    if (
+        current is None
+        or current.partials.numel() < need_partials
+        or current.counters.numel() < need_tiles
+    ):
+        have_p = current.partials.numel() if current else 0
+        have_t = current.counters.numel() if current else 0
+        current = SplitKWorkspace(max(need_partials, have_p), max(need_tiles, have_t), device)
+        _default_workspaces[device] = current
+    return current
+
+
+@triton.jit
+def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] fp32 activations; with SWIGLU, silu(gate) * up of a [M, 2K] input."""
+    rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+    mask = m_mask[:, None] & k_mask[None, :]
+    if SWIGLU:
+        gate = tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(rows + K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        return gate / (1.0 + tl.exp(-gate)) * up
+    return tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_blocks,
+    stride_am,
+    stride_asm,
+    stride_asg,
+    stride_wn,
+    stride_wsn,
+    stride_wsk,
+    stride_om,
+    ACT_MODE: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K_: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    STEPS_PER_SPLIT: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    MIN_SCALE_: tl.constexpr,
+):
+    # Grid (m tiles, n tiles, splits): the M tiles of one weight tile run back to back (L2 reuse).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    kb_start = pid_k * STEPS_PER_SPLIT
+
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    w_scale_rows = w_scale_ptr + (offs_n // BLOCK_K_) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A fixed trip count (the last split may run past K: those steps load nothing and add zero).
+    for step in range(0, STEPS_PER_SPLIT):
+        kb = kb_start + step
+        offs_k = kb * BLOCK_K_ + tl.arange(0, BLOCK_K_)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_scale = tl.load(w_scale_rows + kb * stride_wsk, mask=n_mask & (kb < k_blocks), other=0.0)
+        if ACT_MODE == 1:  # pre-quantized e4m3 activations + per-token group scales
+            a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+            a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a_scale_ptrs = a_scale_ptr + offs_m * stride_asm + kb * stride_asg
+            a_scale = tl.load(a_scale_ptrs, mask=m_mask & (kb < k_blocks), other=0.0)
+            part = tl.dot(a, tl.trans(w))
+            acc += part * a_scale[:, None] * w_scale[None, :]
+        elif ACT_MODE == 2:  # quantize this 128-column group of every token in registers
+            a = _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU)
+            a_q, a_scale = _quantize_groups(a, FP8_MAX_, MIN_SCALE_)
+            part = tl.dot(a_q, tl.trans(w))
+            acc += part * a_scale[:, None] * w_scale[None, :]
+        else:  # bf16 activations, e4m3 -> bf16 is exact; the block scale multiplies the partial
+            a = _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU)
+            if DOT_IN_FP32:  # same products (bf16 and e4m3 values are exact in fp32), fp32 sum
+                part = tl.dot(round_to_bf16(a).to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                part = tl.dot(round_to_bf16(a), tl.trans(w.to(tl.bfloat16)))
+            acc += part * w_scale[None, :]
+
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, round_to_bf16(acc), mask=out_mask)
+    else:
+        tile_offsets = offs_m[:, None] * N + offs_n[None, :]  # int32: split_k * M * N < 2**31
+        split_stride = M * N
+        tl.store(partial_ptr + pid_k * split_stride + tile_offsets, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # fixed order: the result does not depend on arrival order
+                total += tl.load(
+                    partial_ptr + s * split_stride + tile_offsets,
+                    mask=out_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            tl.store(out_ptrs, round_to_bf16(total), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+def check_weight_layout(w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
+    """Raise unless the weight and its scales are exactly the layout the kernel indexes."""
+    if w_q.dtype != torch.float8_e4m3fn or w_q.dim() != 2 or w_q.stride(1) != 1:
+        raise ValueError(f"weight must be float8_e4m3fn [N, K] with unit column stride, got {w_q.dtype}")
+    n, k = w_q.shape
+    expected = (triton.cdiv(n, 128), triton.cdiv(k, 128))
+    if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != expected:
+        raise ValueError(f"weight_scale must be float32 {list(expected)}, got {w_scale.dtype} {list(w_scale.shape)}")
+    if not w_scale.is_contiguous():
+        raise ValueError(f"weight_scale must be row-major contiguous, got strides {w_scale.stride()}")
+
+
+def _launch(
+    mode: int,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    swiglu: bool,
+    out: torch.Tensor | None,
+    workspace: SplitKWorkspace | None,
+    config: GemmConfig | None,
+) -> torch.Tensor:
+    check_weight_layout(w_q, w_scale)
+    n, k = w_q.shape
+    if a.dim() != 2 or a.stride(1) != 1:
+        raise ValueError("activations must be 2-D with unit column stride")
+    m = a.shape[0]
+    if a.shape[1] != (2 * k if swiglu else k):
+        raise ValueError(f"activations have {a.shape[1]} columns, weight expects {k}{' x 2' if swiglu else ''}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be bfloat16 [{m}, {n}] with unit column stride")
+    if m == 0:
+        return out
+    config = config or pick_config(n, k, m, a.device)
+    if workspace is None:
+        workspace = _workspace_for(a.device, m, n, config)
+    workspace.check(m, n, config)
+    if a_scale is None:
+        a_scale_arg, stride_asm, stride_asg = w_scale, 0, 0  # unused by the bf16/inline modes
+    else:
+        check_activation_scales(a_scale, m, k)
+        a_scale_arg, stride_asm, stride_asg = a_scale, a_scale.stride(0), a_scale.stride(1)
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
+    k_blocks = triton.cdiv(k, BLOCK_K)
+    _fp8_gemm_kernel[grid](
+        a,
+        a_scale_arg,
+        w_q,
+        w_scale,
+        out,
+        workspace.partials,
+        workspace.counters,
+        m,
+        n,
+        k,
+        k_blocks,
+        a.stride(0),
+        stride_asm,
+        stride_asg,
+        w_q.stride(0),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        out.stride(0),
+        ACT_MODE=mode,
+        SWIGLU=swiglu,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K_=BLOCK_K,
+        SPLIT_K=config.split_k,
+        STEPS_PER_SPLIT=triton.cdiv(k_blocks, config.split_k),
+        DOT_IN_FP32=_INTERPRETED,
+        FP8_MAX_=FP8_MAX,
+        MIN_SCALE_=MIN_SCALE,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def fp8_gemm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    workspace: SplitKWorkspace | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """W8A8 with pre-quantized activations (`kernels.quant`): [M, K] e4m3 x [N, K] e4m3 -> bf16 [M, N]."""
+    if x_q.dtype != torch.float8_e4m3fn:
+        raise ValueError("fp8_gemm takes e4m3 activations; use fp8_linear for bf16 input")
+    return _launch(ACT_FP8, x_q, x_scale, w_q, w_scale, False, out, workspace, config)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    quantize_input: bool,
+    swiglu_input: bool = False,
+    out: torch.Tensor | None = None,
+    workspace: SplitKWorkspace | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """bf16 x [M, K] (or gate|up [M, 2K] with `swiglu_input`) times FP8 W [N, K] -> bf16 [M, N].
+
+    `quantize_input=True` rounds activations to e4m3 per token per 128 columns inside the GEMM
+    (W8A8); False keeps them bf16 and dequantizes weights in registers (W8A16)."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"fp8_linear takes bf16 activations, got {x.dtype}")
+    mode = ACT_QUANT_INLINE if quantize_input else ACT_BF16
+    return _launch(mode, x, None, w_q, w_scale, swiglu_input, out, workspace, config)

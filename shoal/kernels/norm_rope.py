@@ -1,0 +1,191 @@
+"""Fused RMSNorm (+ residual add) and fused QK-norm + interleaved RoPE + paged KV-cache write.
+
+The arithmetic follows the reference model exactly (research/model.md section 2), so the fast
+path rounds where the reference rounds:
+- RMSNorm: normalize in fp32, cast back to the input dtype, then multiply by the weight (the
+  product rounded to the promoted dtype); a residual add is rounded to the input dtype first.
+- QK-norm: torch's per-head `nn.RMSNorm(head_dim)` before RoPE; torch's built-in multiplies by
+  the weight in fp32 and rounds once (checked against torch 2.13), unlike the model's RMSNorm.
+- RoPE: interleaved (GPT-J) pairs (x[2i], x[2i+1]) rotated in fp32 against the bf16 (cos, sin)
+  table `[max_pos, head_dim // 2, 2]` (`models.layers.rope_table`), then cast back.
+The KV write uses the paged layout of `kernels/attention.py`: `slot = page * page_size + offset`
+per token, a negative slot skipping the token (padding rows of a CUDA-graph batch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter, whose fp32 -> bf16 cast truncates (3.6)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """x.to(dtype) rounding to nearest even, as the GPU's cvt.rn does; EMULATE does the
+    rounding in integer arithmetic first, for the interpreter (NaN/overflow not handled)."""
+    if EMULATE and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rms_scale(
+    x0, x1, w_ptr, offs, eps, HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, EMULATE: tl.constexpr
+):
+    """Per-head `F.rms_norm` of the even/odd halves of a head: unlike the model's RMSNorm, torch's
+    built-in multiplies by the weight in fp32 and rounds once at the end."""
+    if HAS_WEIGHT:
+        f0 = x0.to(tl.float32)
+        f1 = x1.to(tl.float32)
+        mean_square = (tl.sum(f0 * f0, 0) + tl.sum(f1 * f1, 0)) / HEAD_DIM
+        inv = 1.0 / tl.sqrt(mean_square + eps)
+        w0 = tl.load(w_ptr + 2 * offs).to(tl.float32)
+        w1 = tl.load(w_ptr + 2 * offs + 1).to(tl.float32)
+        x0 = cast_rne(f0 * inv * w0, x0.dtype, EMULATE)
+        x1 = cast_rne(f1 * inv * w1, x1.dtype, EMULATE)
+    return x0, x1
+
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(
+    qkv_ptr, positions_ptr, table_ptr, q_norm_ptr, k_norm_ptr, slots_ptr,
+    q_out_ptr, k_pages_ptr, v_pages_ptr, eps,
+    stride_qkv, stride_table, stride_qo_t, stride_qo_h, stride_page, stride_pos, stride_head,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, Hq + Hkv): program (t, h) rotates q head h, or for h >= Hq normalizes/rotates
+    k head h-Hq and writes it and v head h-Hq into the page pools."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, half)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(table_ptr + position * stride_table + 2 * offs).to(tl.float32)
+    sin = tl.load(table_ptr + position * stride_table + 2 * offs + 1).to(tl.float32)
+    row = qkv_ptr + token * stride_qkv + head * HEAD_DIM
+    x0 = tl.load(row + 2 * offs)
+    x1 = tl.load(row + 2 * offs + 1)
+    if head < NUM_Q_HEADS:
+        x0, x1 = _rms_scale(x0, x1, q_norm_ptr, offs, eps, HEAD_DIM, HAS_Q_NORM, EMULATE)
+        f0 = x0.to(tl.float32)
+        f1 = x1.to(tl.float32)
+        dest = q_out_ptr + token * stride_qo_t + head * stride_qo_h
+        q_type = q_out_ptr.dtype.element_ty
+        tl.store(dest + 2 * offs, cast_rne(f0 * cos - f1 * sin, q_type, EMULATE))
+        tl.store(dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, q_type, EMULATE))
+    else:
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        if slot >= 0:
+            kv_head = head - NUM_Q_HEADS
+            x0, x1 = _rms_scale(x0, x1, k_norm_ptr, offs, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
+            f0 = x0.to(tl.float32)
+            f1 = x1.to(tl.float32)
+            place = (slot // PAGE) * stride_page + (slot % PAGE) * stride_pos + kv_head * stride_head
+            k_dest = k_pages_ptr + place
+            k_type = k_pages_ptr.dtype.element_ty
+            tl.store(k_dest + 2 * offs, cast_rne(f0 * cos - f1 * sin, k_type, EMULATE))
+            tl.store(k_dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, k_type, EMULATE))
+            full = tl.arange(0, HEAD_DIM)
+            v = tl.load(row + NUM_KV_HEADS * HEAD_DIM + full)
+            tl.store(v_pages_ptr + place + full, v.to(v_pages_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_kv_write(
+    qkv: Tensor,
+    positions: Tensor,
+    rope_table: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    slot_mapping: Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    q_out: Tensor | None = None,
+) -> Tensor:
+    """qkv [T, (Hq+2Hkv)*D] (rows contiguous) -> rotated q [T, Hq, D]; k (normed, rotated) and
+    v go into the page pools at `slot_mapping` [T]. Norm weights: S1/S2 only (None skips)."""
+    tokens, width = qkv.shape
+    head_dim = width // (n_q_heads + 2 * n_kv_heads)
+    if qkv.stride(1) != 1 or rope_table.stride(-1) != 1 or rope_table.stride(-2) != 2:
+        raise ValueError("qkv rows and the rope table's [D/2, 2] rows must be contiguous")
+    if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1:
+        raise ValueError("k_pages and v_pages must share one layout with head_dim innermost")
+    q_out = torch.empty(tokens, n_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
+    if tokens == 0:
+        return q_out
+    dummy = rope_table
+    _qk_norm_rope_kv_kernel[(tokens, n_q_heads + n_kv_heads)](
+        qkv, positions, rope_table,
+        q_norm_weight if q_norm_weight is not None else dummy,
+        k_norm_weight if k_norm_weight is not None else dummy,
+        slot_mapping, q_out, k_pages, v_pages, eps,
+        qkv.stride(0), rope_table.stride(0), q_out.stride(0), q_out.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        NUM_Q_HEADS=n_q_heads, NUM_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, PAGE=k_pages.shape[1],
+        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
+        EMULATE=interpreting(), num_warps=1,
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, eps, dim, stride_x, stride_r, stride_o,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """One row per program: optional residual add (stored back into `residual`), then RMSNorm."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < dim
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
+        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
+        tl.store(residual_ptr + row * stride_r + offs, x, mask=ok)
+    f = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(f * f, 0) / dim + eps)
+    w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + offs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=ok)
+
+
+def rms_norm(
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
+    out: Tensor | None = None,
+    num_warps: int = 8,
+) -> tuple[Tensor, Tensor | None]:
+    """RMSNorm over the last dim of x [M, dim]. With `residual`, computes h = x + residual,
+    stores h into `residual` in place (the next block's residual stream) and normalizes h.
+    Returns (normed, residual or None); normed has dtype promote(x.dtype, weight.dtype)."""
+    rows, dim = x.shape
+    if x.stride(1) != 1 or weight.stride(0) != 1:
+        raise ValueError("rows of x and the weight must be contiguous")
+    if out is None:
+        out = torch.empty(rows, dim, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError("residual must match x with contiguous rows")
+    if rows == 0:
+        return out, residual
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, eps, dim, x.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        BLOCK=triton.next_power_of_2(dim), HAS_RESIDUAL=residual is not None, EMULATE=interpreting(),
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out, residual

@@ -1,0 +1,177 @@
+"""Activation quantization for the FP8 GEMM: per token, per 128 columns, e4m3 with fp32 scales.
+
+One launch reads a bf16 activation row once and writes both the e4m3 values and the scales, in the
+layout the GEMM (and `torch._scaled_mm`) reads: scales of shape [M, K/128] stored
+outer-dimension-major (strides (1, M)), so one 128-column group of all tokens is contiguous.
+
+`swiglu_quantize` fuses the MLP's SwiGLU into the down-projection's activation quantization:
+it reads the gate+up projection output [M, 2*I] (gate columns first, then up), computes
+silu(gate) * up in fp32 registers and writes only the quantized product, so the bf16
+intermediate [M, I] never touches memory.
+
+Numerics (shared with `kernels/reference.py`, bit for bit): scale = max(amax / 448, 1e-12) in fp32,
+q = round_to_nearest_even(x / scale) saturated to +-448, division correctly rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+
+
+def new_activation_scales(m: int, k: int, device: torch.device | str) -> torch.Tensor:
+    """An fp32 [m, ceil(k/128)] scale buffer stored group-major (strides (1, m))."""
+    groups = triton.cdiv(k, GROUP)
+    return torch.empty(groups, m, dtype=torch.float32, device=device).t()
+
+
+def check_activation_scales(scales: torch.Tensor, m: int, k: int) -> None:
+    """Raise if `scales` is not the fp32 [m, ceil(k/128)] group-major buffer the kernels expect."""
+    groups = triton.cdiv(k, GROUP)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (m, groups):
+        raise ValueError(f"activation scales must be float32 [{m}, {groups}], got {scales.dtype} {scales.shape}")
+    if m > 1 and scales.stride() != (1, m):
+        raise ValueError(f"activation scales must be group-major (strides (1, {m})), got {scales.stride()}")
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """Round fp32 to the nearest e4m3 value, ties to even, in plain fp32/int arithmetic.
+
+    The cast that follows is then exact. Doing the rounding ourselves makes the kernel's numerics
+    independent of the backend's fp8 conversion (Triton's CPU interpreter mis-rounds values just
+    below a power of two); on the GPU it matches `cvt.rn.satfinite.e4m3x2.f32` and costs a few
+    integer ops per element in a memory-bound kernel."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    ulp_exponent = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; subnormals below 2**-6
+    ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0  # 1.5 * 2**23 ulps: adding it forces rounding to a multiple of ulp
+    return (x + magic) - magic
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> bf16, round to nearest even, done on the bits so that the result does not depend on
+    the backend's conversion (Triton's CPU interpreter truncates). NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+    exact = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+    return exact.to(tl.bfloat16)
+
+
+@triton.jit
+def _quantize_groups(x, fp8_max: tl.constexpr, min_scale: tl.constexpr):
+    """x: fp32 [G, 128] (masked-out lanes zero) -> (e4m3 [G, 128], fp32 scales [G])."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(amax / fp8_max, min_scale)
+    q = tl.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
+    return _round_to_e4m3_grid(q).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sg,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    MIN_SCALE_: tl.constexpr,
+):
+    row = tl.program_id(0)
+    group0 = tl.program_id(1) * GROUPS_PER_PROGRAM
+    groups = group0 + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    mask = cols < K
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    if SWIGLU:
+        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + cols, mask=mask, other=0.0).to(tl.float32)
+        x = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_groups(x, FP8_MAX_, MIN_SCALE_)
+    tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q, mask=mask)
+    group_count = tl.cdiv(K, GROUP_SIZE)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < group_count)
+
+
+def _launch(
+    x: torch.Tensor,
+    k: int,
+    swiglu: bool,
+    out: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    groups_per_program: int,
+    num_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("activations must be a 2-D tensor with unit column stride")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if scales is None:
+        scales = new_activation_scales(m, k, x.device)
+    if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (m, k) or out.stride(1) != 1:
+        raise ValueError(f"out must be float8_e4m3fn [{m}, {k}] with unit column stride")
+    check_activation_scales(scales, m, k)
+    if m == 0:
+        return out, scales
+    groups = triton.cdiv(k, GROUP)
+    grid = (m, triton.cdiv(groups, groups_per_program))
+    _quantize_kernel[grid](
+        x,
+        out,
+        scales,
+        k,
+        x.stride(0),
+        out.stride(0),
+        scales.stride(0),
+        scales.stride(1),
+        GROUPS_PER_PROGRAM=groups_per_program,
+        SWIGLU=swiglu,
+        GROUP_SIZE=GROUP,
+        FP8_MAX_=FP8_MAX,
+        MIN_SCALE_=MIN_SCALE,
+        num_warps=num_warps,
+    )
+    return out, scales
+
+
+def quantize_activations(
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    groups_per_program: int = 4,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16/fp32 [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)] group-major), one launch.
+
+    Pass `out` and `scales` (from `new_activation_scales`) to allocate nothing (CUDA graphs)."""
+    return _launch(x, x.shape[-1], False, out, scales, groups_per_program, num_warps)
+
+
+def swiglu_quantize(
+    gate_up: torch.Tensor,
+    out: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    groups_per_program: int = 4,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2*I] (gate | up) -> quantized silu(gate) * up: (e4m3 [M, I], scales [M, I/128])."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError("gate_up must have an even number of columns (gate | up)")
+    return _launch(gate_up, gate_up.shape[-1] // 2, True, out, scales, groups_per_program, num_warps)

@@ -1,0 +1,115 @@
+"""Plain-torch versions of every Triton kernel: the CPU path and the oracle the kernels are tested against.
+
+FP8 ops live here; attention, norm, RoPE, window shift and sampling references live in
+`kernels/reference_attention.py` and are re-exported at the bottom, so this module is the one
+place to look. Layouts:
+
+- weights: e4m3 [N, K] (nn.Linear layout) with fp32 scales [ceil(N/128), ceil(K/128)], one per
+  128x128 block, row-major contiguous: `scale[n // 128, k // 128]`;
+- activations: e4m3 [M, K] with fp32 scales [M, ceil(K/128)], one per token per 128 columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return F.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 [M, ceil(K/128)]): amax / 448 per token per 128 columns."""
+    m, k = x.shape
+    groups = _cdiv(k, BLOCK)
+    xg = _pad_to(x.float(), m, groups * BLOCK).view(m, groups, BLOCK)
+    scale = (xg.abs().amax(dim=2) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (xg / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, groups * BLOCK)[:, :k].contiguous(), scale
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (gate | up) -> silu(gate) * up in fp32, the formula the fused kernel uses."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def swiglu_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up, quantized like `quantize_activations` (no bf16 rounding in between)."""
+    return quantize_activations(swiglu(gate_up))
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_activations`, in fp32."""
+    m, k = q.shape
+    expanded = scale.repeat_interleave(BLOCK, dim=1)[:, :k]
+    return q.float() * expanded
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], fp32 [ceil(N/128), ceil(K/128)]): amax / 448 per 128x128 block."""
+    n, k = w.shape
+    bn, bk = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
+    blocks = _pad_to(w.float(), bn * BLOCK, bk * BLOCK).view(bn, BLOCK, bk, BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(bn * BLOCK, bk * BLOCK)[:n, :k].contiguous(), scale.contiguous()
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_weight`, in fp32: q[n, k] * scale[n // 128, k // 128]."""
+    n, k = q.shape
+    expanded = scale.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)[:, :k]
+    return q.float() * expanded
+
+
+def fp8_gemm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """W8A8: dequant(x) @ dequant(w).T in fp32, rounded once to `out_dtype`. [M, K] x [N, K] -> [M, N]."""
+    return (dequantize_activations(x_q, x_scale) @ dequantize_weight(w_q, w_scale).t()).to(out_dtype)
+
+
+def fp8_weight_gemm(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """W8A16: x (kept as given, bf16) @ dequant(w).T in fp32, rounded once to `out_dtype`."""
+    return (x.float() @ dequantize_weight(w_q, w_scale).t()).to(out_dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    quantize_input: bool,
+    swiglu_input: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """What `kernels.fp8_gemm.fp8_linear` computes, for any mode: optional SwiGLU on the input
+    (x is then gate | up), optional per-token activation quantization, then the block-scaled GEMM."""
+    a = swiglu(x) if swiglu_input else x.float()
+    if quantize_input:
+        return fp8_gemm(*quantize_activations(a), w_q, w_scale, out_dtype)
+    if swiglu_input:  # the kernel feeds the SwiGLU product to the tensor cores as bf16
+        a = a.to(torch.bfloat16)
+    return fp8_weight_gemm(a, w_q, w_scale, out_dtype)
+
+
+# Attention, norm, RoPE, window and sampling references, written beside this file.
+try:
+    from shoal.kernels.reference_attention import *  # noqa: E402,F401,F403
+except ImportError:  # not landed yet in this checkout
+    pass

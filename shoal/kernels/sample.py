@@ -1,0 +1,184 @@
+"""Fused sampling: top-p / top-k / temperature / exponential race (+ S2's RAS) in one launch.
+
+Rules (research/model.md 6.1, `models/sampling.py` is the definition): sort descending; drop
+ranks whose cumulative *untempered* probability exceeds top_p or whose rank is >= top_k, always
+keeping rank 0; divide by max(temperature, 1e-5); softmax; draw `argmax(probs / -log U)` with U
+from `models.sampling.counter_uniform` (reproduced here bit for bit: `counter_uniform`).
+Parameters arrive already rounded as the family rounds them (`SamplingBatch`); the RAS
+parameters (T=1.0, top_p=0.9) are rounded to bf16 here as the reference does.
+
+One program per row holds the whole row (V <= `MAX_COLUMNS`): S2's restricted logits (the
+semantic slice + `<|im_end|>`, with `token_ids` giving each column's vocabulary id so the draw
+equals the full constrained row's), or a codebook row (1024 / 4096). Sorting packs (value, id)
+into one 64-bit key, so ties break toward the lower vocabulary id as a stable sort does; with
+`max_top_k` only the top-k keys are extracted (`tl.topk`), otherwise the whole row is sorted.
+
+RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
+the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
+the high-temperature draw (slot `RAS_SLOT`) is taken.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_COLUMNS = 16384
+RAS_TEMPERATURE = 1.0  # exactly representable in bf16
+RAS_TOP_P = float(torch.tensor(0.9).to(torch.bfloat16).float())  # 0.8984375, the reference's bf16
+
+
+@triton.jit
+def _fmix32(h):
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _row_hash(seed, frame, slot):
+    """The per-(seed, frame, slot) state of `models.sampling.counter_uniform_columns`."""
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    h = _fmix32(seed_lo ^ 0x243F6A88)
+    h = _fmix32(h ^ seed_hi)
+    h = _fmix32(h ^ (frame & 0xFFFFFFFF).to(tl.uint32))
+    return _fmix32(h ^ slot.to(tl.uint32))
+
+
+@triton.jit
+def _uniform(h, column_ids):
+    """float32 U in (0, 1] for uint32 column ids."""
+    bits = _fmix32(h ^ (column_ids * 0x9E3779B9))
+    return ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _race(values, ids, ranks, top, total, temperature, top_p, top_k, h):
+    """The reference draw over a descending-sorted row prefix; returns the winner's id."""
+    cumulative = tl.cumsum(tl.exp(values - top) / total, 0)
+    keep = ((cumulative <= top_p) & (ranks < top_k)) | (ranks == 0)
+    scaled = values / tl.maximum(temperature, 1e-5)
+    weights = tl.where(keep, tl.exp(scaled - top / tl.maximum(temperature, 1e-5)), 0.0)
+    probs = weights / tl.sum(weights, 0)
+    u = _uniform(h, ids.to(tl.uint32))
+    score = tl.where((probs > 0) & (u < 1.0), probs / -tl.log(u), -1.0)
+    best = tl.max(score, 0)
+    return tl.min(tl.where(score == best, ids, 0x7FFFFFFF), 0)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr,
+    window_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
+    stride_logits, stride_wb, stride_ww, stride_out, window_width,
+    BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    ok = cols < columns
+    x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    if HAS_TOKEN_IDS:
+        ids = tl.load(token_ids_ptr + cols, mask=ok, other=0x7FFFFFFF)
+    else:
+        ids = cols
+    top = tl.max(x, 0)
+    total = tl.sum(tl.exp(x - top), 0)
+    # Order-preserving unsigned image of the float, then the id's complement: descending keys
+    # give descending values, ties by ascending id.
+    bits = x.to(tl.uint32, bitcast=True)
+    ordered = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    keys = (ordered.to(tl.uint64) << 32) | (0xFFFFFFFF - ids.to(tl.uint32)).to(tl.uint64)
+    if K == BLOCK_V:
+        keys = tl.sort(keys, descending=True)
+    else:
+        keys = tl.topk(keys, K)
+    ordered = (keys >> 32).to(tl.uint32)
+    sorted_bits = tl.where((ordered >> 31) != 0, ordered ^ 0x80000000, ordered ^ 0xFFFFFFFF)
+    values = sorted_bits.to(tl.float32, bitcast=True)
+    sorted_ids = (0xFFFFFFFF - (keys & 0xFFFFFFFF).to(tl.uint32)).to(tl.int32)
+    ranks = tl.arange(0, K)
+
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    frame = tl.load(frame_ptr + row).to(tl.int64)
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    top_k = tl.load(top_k_ptr + row).to(tl.int64)
+    token = _race(values, sorted_ids, ranks, top, total, temperature, top_p, top_k, _row_hash(seed, frame, slot))
+    if RAS:
+        high = _race(
+            values, sorted_ids, ranks, top, total, ras_temperature, ras_top_p, top_k,
+            _row_hash(seed, frame, slot + 1),
+        )  # fmt: skip
+        w = tl.arange(0, BLOCK_W)
+        previous = tl.load(window_ptr + row * stride_wb + w * stride_ww, mask=w < window_width, other=-1)
+        repeated = tl.sum((previous == token).to(tl.int32), 0) > 0
+        semantic = (token >= semantic_begin) & (token <= semantic_end)
+        token = tl.where(repeated & semantic & (frame >= 1), high, token)
+    tl.store(out_ptr + row * stride_out, token.to(out_ptr.dtype.element_ty))
+
+
+def sample_tokens(
+    logits: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    seed: Tensor,
+    frame: Tensor,
+    slot: int,
+    token_ids: Tensor | None = None,
+    window: Tensor | None = None,
+    semantic_range: tuple[int, int] | None = None,
+    max_top_k: int | None = None,
+    out: Tensor | None = None,
+    num_warps: int = 8,
+) -> Tensor:
+    """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
+    and stride, e.g. `frames[:, 0]`), default int64. `token_ids` int32 [V] maps columns to ids.
+    RAS when `window` int32 [B, W, N+1] and `semantic_range` (inclusive) are given (slot 0).
+    `max_top_k`: a bound on every row's top_k that lets the kernel extract only that many
+    candidates; rows with a larger top_k are then treated as top_k = that bound."""
+    rows, columns = logits.shape
+    if columns > MAX_COLUMNS or logits.stride(1) != 1:
+        raise ValueError(f"need contiguous rows of at most {MAX_COLUMNS} columns (got {columns})")
+    if (window is None) != (semantic_range is None) or (window is not None and slot != 0):
+        raise ValueError("RAS needs both window and semantic_range, and the main slot 0")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
+    if rows == 0:
+        return out
+    block_v = triton.next_power_of_2(columns)
+    k = block_v if max_top_k is None else min(block_v, triton.next_power_of_2(max(2, max_top_k)))
+    begin, end = semantic_range if semantic_range is not None else (0, -1)
+    _sample_kernel[(rows,)](
+        logits, token_ids if token_ids is not None else seed, temperature, top_p, top_k, seed, frame,
+        window if window is not None else seed, out, slot, columns, begin, end,
+        RAS_TEMPERATURE, RAS_TOP_P, logits.stride(0),
+        window.stride(0) if window is not None else 0, window.stride(1) if window is not None else 0,
+        out.stride(0), window.shape[1] if window is not None else 0,
+        BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
+        HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, frame_ptr, out_ptr, slot, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h = _row_hash(tl.load(seed_ptr + row).to(tl.int64), tl.load(frame_ptr + row).to(tl.int64), slot)
+    tl.store(out_ptr + row * n + cols, _uniform(h, cols.to(tl.uint32)), mask=cols < n)
+
+
+def counter_uniform(seed: Tensor, frame: Tensor, slot: int, n: int, block: int = 1024) -> Tensor:
+    """float32 [B, n]: the kernel's random stream, equal bit for bit to
+    `models.sampling.counter_uniform` (exposed for tests and for callers needing raw draws)."""
+    out = torch.empty(seed.shape[0], n, dtype=torch.float32, device=seed.device)
+    if seed.shape[0] and n:
+        _uniform_kernel[(seed.shape[0], triton.cdiv(n, block))](seed, frame, out, slot, n, BLOCK=block)
+    return out

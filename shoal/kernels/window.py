@@ -1,0 +1,58 @@
+"""The previous-frames window shift: one launch, in place, CUDA-graph safe.
+
+Contract (docs/contracts.md): window int32 `[bs, W, N+1]` (oldest frame first), next frames int32
+`[bs, N+1]`; after the call `window[:, :-1]` holds the old `window[:, 1:]` and `window[:, -1]` the
+new frames. No allocation, no host sync, no dtype promotion: the engine replays it inside the
+decode graph. Each program owns one batch row and reads its whole [W, N+1] tile into registers
+before writing, so the overlapping in-place move is safe.
+
+`frame_index` (optional, int [bs]) keeps the window of rows whose frame index is 0 unchanged, as
+`models.sampling.push_frames` does (the reference keeps the prefill frame out of its window).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _window_shift_kernel(
+    window_ptr, frames_ptr, frame_index_ptr, width, columns,
+    stride_wb, stride_ww, stride_fb,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, HAS_FRAME_INDEX: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    push = True
+    if HAS_FRAME_INDEX:
+        push = tl.load(frame_index_ptr + row) >= 1
+    if push:
+        w = tl.arange(0, BLOCK_W)
+        c = tl.arange(0, BLOCK_C)
+        base = window_ptr + row * stride_wb
+        # Row w of the new window is row w+1 of the old one; the last row is the new frame.
+        from_window = (w[:, None] + 1 < width) & (c[None, :] < columns)
+        shifted = tl.load(base + (w[:, None] + 1) * stride_ww + c[None, :], mask=from_window, other=0)
+        fresh = tl.load(frames_ptr + row * stride_fb + c, mask=c < columns, other=0)
+        tile = tl.where(w[:, None] == width - 1, fresh[None, :], shifted)
+        tl.debug_barrier()
+        keep = (w[:, None] < width) & (c[None, :] < columns)
+        tl.store(base + w[:, None] * stride_ww + c[None, :], tile, mask=keep)
+
+
+def window_shift(window: Tensor, frames: Tensor, frame_index: Tensor | None = None) -> None:
+    """Shift `frames` [bs, N+1] into `window` [bs, W, N+1] in place (see the module docstring)."""
+    bs, width, columns = window.shape
+    if frames.shape != (bs, columns) or frames.dtype != window.dtype:
+        raise ValueError(f"frames must be {window.dtype} [{bs}, {columns}], got {frames.dtype} {tuple(frames.shape)}")
+    if window.stride(2) != 1 or frames.stride(1) != 1:
+        raise ValueError("the frame dimension must be contiguous")
+    if bs == 0:
+        return
+    _window_shift_kernel[(bs,)](
+        window, frames, frame_index if frame_index is not None else frames, width, columns,
+        window.stride(0), window.stride(1), frames.stride(0),
+        BLOCK_W=triton.next_power_of_2(width), BLOCK_C=triton.next_power_of_2(columns),
+        HAS_FRAME_INDEX=frame_index is not None, num_warps=1,
+    )  # fmt: skip

@@ -1,0 +1,414 @@
+"""The S1-mini / S2 codec ("modded DAC"): encoder, downsampling RVQ, decoder, and its checkpoint.
+
+Public surface: `load_codec(path, device, dtype) -> Codec` with `encode`, `decode`,
+`frame_length`, `sample_rate`, `num_codebooks`, and streaming through `Codec.stream_pool(...)`
+(see `codec_stream.py` and docs/codec.md). `save_random_codec` writes a random-weight
+`codec.pth` in the official on-disk format.
+
+Module and parameter names follow the reference exactly, so `official_layout(codec)` (names and
+shapes as the official file stores them, weight norm unfolded) is what `codec.pth` must contain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shoal.models.codec_modules import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    CodecConfig,
+    ConvNeXtBlock,
+    ResidualUnit,
+    Snake1d,
+    TransformerConfig,
+    WindowLimitedTransformer,
+)
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim: int, stride: int, n_layers: int, general: TransformerConfig, window: int):
+        super().__init__()
+        blocks: list[nn.Module] = [ResidualUnit(dim // 2, d) for d in (1, 3, 9)]
+        blocks += [Snake1d(dim // 2), CausalConv1d(dim // 2, dim, 2 * stride, stride=stride)]
+        if n_layers:
+            cfg = TransformerConfig(**{**vars(general), "n_layer": n_layers, "n_head": dim // 64, "dim": dim})
+            cfg.intermediate_size = dim * 3
+            blocks.append(WindowLimitedTransformer(cfg, window))
+        self.block = nn.Sequential(*blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pending = None
+        for unit in self.block[:3]:
+            x, pending = unit(x, pending)
+        x = self.block[4](self.block[3](x, pending)[1])
+        return self.block[5](x) if len(self.block) > 5 else x
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        dim = cfg.encoder_dim
+        blocks: list[nn.Module] = [CausalConv1d(1, dim, 7)]
+        for stride, n_layers in zip(cfg.encoder_rates, cfg.encoder_transformer_layers, strict=True):
+            dim *= 2
+            blocks.append(EncoderBlock(dim, stride, n_layers, cfg.general, cfg.encoder_window_size))
+        blocks += [Snake1d(dim), CausalConv1d(dim, cfg.latent_dim, 3)]
+        self.block = nn.Sequential(*blocks)
+
+    def forward(self, audio: Tensor) -> Tensor:
+        x = self.block[0](audio)
+        for block in self.block[1:-2]:
+            x = block(x)
+        return self.block[-1](self.block[-2](x)[1])
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake1d(cin),
+            CausalConvTranspose1d(cin, cout, 2 * stride, stride),
+            *(ResidualUnit(cout, d) for d in (1, 3, 9)),
+        )
+
+
+class Decoder(nn.Module):
+    """conv k7, 4 x (Snake, transposed conv, 3 residual units), Snake, conv k7 -> 1, tanh."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        layers: list[nn.Module] = [CausalConv1d(cfg.latent_dim, cfg.decoder_dim, 7)]
+        for i, stride in enumerate(cfg.decoder_rates):
+            layers.append(DecoderBlock(cfg.decoder_dim // 2**i, cfg.decoder_dim // 2 ** (i + 1), stride))
+        out_dim = cfg.decoder_dim // 2 ** len(cfg.decoder_rates)
+        layers += [Snake1d(out_dim), CausalConv1d(out_dim, 1, 7), nn.Tanh()]
+        self.model = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x, pending = self.model[0](x), None
+        for block in self.model[1:-3]:
+            x = block.block[1](block.block[0](x, pending)[1])
+            pending = None
+            for unit in block.block[2:]:
+                x, pending = unit(x, pending)
+        return torch.tanh(self.model[-2](self.model[-3](x, pending)[1]))
+
+
+class VectorQuantize(nn.Module):
+    """One DAC codebook: project to codebook_dim, nearest entry by cosine, project back."""
+
+    def __init__(self, dim: int, codebook_size: int, codebook_dim: int):
+        super().__init__()
+        self.in_proj = nn.Conv1d(dim, codebook_dim, 1)
+        self.out_proj = nn.Conv1d(codebook_dim, dim, 1)
+        self.in_proj.weight_norm = self.out_proj.weight_norm = "legacy"
+        self.codebook = nn.Embedding(codebook_size, codebook_dim)
+
+    def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """z [B, D, T] -> (out_proj(quantized) [B, D, T], codes [B, T])."""
+        z_e = self.in_proj(z)
+        rows = F.normalize(z_e.transpose(1, 2).reshape(-1, z_e.shape[1]))
+        book = F.normalize(self.codebook.weight)
+        dist = rows.pow(2).sum(1, keepdim=True) - 2 * rows @ book.t() + book.pow(2).sum(1, keepdim=True).t()
+        codes = (-dist).max(1)[1].view(z.shape[0], -1)
+        z_q = self.embed(codes)
+        return self.out_proj(z_e + (z_q - z_e)), codes
+
+    def embed(self, codes: Tensor) -> Tensor:
+        return F.embedding(codes, self.codebook.weight).transpose(1, 2)
+
+
+class ResidualVectorQuantize(nn.Module):
+    def __init__(self, dim: int, n_codebooks: int, codebook_size: int, codebook_dim: int):
+        super().__init__()
+        self.codebook_size = codebook_size
+        self.quantizers = nn.ModuleList(
+            VectorQuantize(dim, codebook_size, codebook_dim) for _ in range(n_codebooks)
+        )
+
+    def encode(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns (sum of quantized parts, codes [B, N, T])."""
+        z_q, residual, codes = 0.0, z, []
+        for quantizer in self.quantizers:
+            part, code = quantizer.quantize(residual)
+            z_q, residual = z_q + part, residual - part
+            codes.append(code)
+        return z_q, torch.stack(codes, 1)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        z_q = 0.0
+        for i, quantizer in enumerate(self.quantizers):
+            z_q = z_q + quantizer.out_proj(quantizer.embed(codes[:, i]))
+        return z_q
+
+
+class DownsampleResidualVectorQuantize(nn.Module):
+    """Downsample x4, window transformer, 1 semantic + N residual codebooks; the reverse to decode."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        dim = cfg.latent_dim
+        self.semantic_quantizer = ResidualVectorQuantize(dim, 1, cfg.semantic_codebook_size, cfg.codebook_dim)
+        self.quantizer = ResidualVectorQuantize(dim, cfg.n_codebooks, cfg.codebook_size, cfg.codebook_dim)
+        self.downsample = nn.Sequential(
+            *(
+                nn.Sequential(CausalConv1d(dim, dim, f, stride=f, weight_norm=None), ConvNeXtBlock(dim))
+                for f in cfg.downsample_factor
+            )
+        )
+        self.upsample = nn.Sequential(
+            *(
+                nn.Sequential(CausalConvTranspose1d(dim, dim, f, f, weight_norm=None), ConvNeXtBlock(dim))
+                for f in reversed(cfg.downsample_factor)
+            )
+        )
+        self.pre_module = WindowLimitedTransformer(cfg.transformer, cfg.window_size)
+        self.post_module = WindowLimitedTransformer(cfg.transformer, cfg.window_size)
+
+    def encode(self, z: Tensor) -> Tensor:
+        z = self.pre_module(self.downsample(z))
+        semantic_z, semantic_codes = self.semantic_quantizer.encode(z)
+        _, codes = self.quantizer.encode(z - semantic_z)
+        return torch.cat([semantic_codes, codes], 1)
+
+    def embed(self, codes: Tensor) -> Tensor:
+        """codes [B, 1+N, T] -> latent [B, D, T] at the frame rate (codes clamped like the reference)."""
+        semantic = codes[:, :1].clamp(0, self.semantic_quantizer.codebook_size - 1)
+        residual = codes[:, 1:].clamp(0, self.quantizer.codebook_size - 1)
+        return self.semantic_quantizer.decode(semantic) + self.quantizer.decode(residual)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.upsample(self.post_module(self.embed(codes)))
+
+
+class Codec(nn.Module):
+    """The whole codec. `encode(audio) -> codes`, `decode(codes) -> audio`; 44.1 kHz mono."""
+
+    def __init__(self, config: CodecConfig | None = None):
+        super().__init__()
+        self.config = config or CodecConfig()
+        self.encoder = Encoder(self.config)
+        self.quantizer = DownsampleResidualVectorQuantize(self.config)
+        self.decoder = Decoder(self.config)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.sample_rate
+
+    @property
+    def frame_length(self) -> int:
+        return self.config.frame_length
+
+    @property
+    def num_codebooks(self) -> int:
+        return 1 + self.config.n_codebooks
+
+    @torch.inference_mode()
+    def encode(self, audio: Tensor) -> Tensor:
+        """audio [T], [B, T] or [B, 1, T] at `sample_rate` -> codes long [B, num_codebooks, frames].
+
+        Right-padded with zeros to whole frames: frames = ceil(T / frame_length)."""
+        audio = audio.reshape(-1, 1, audio.shape[-1]) if audio.dim() < 3 else audio
+        pad = math.ceil(audio.shape[-1] / self.frame_length) * self.frame_length - audio.shape[-1]
+        audio = F.pad(audio.to(self.dtype), (0, pad))
+        return self.quantizer.encode(self.encoder(audio))
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes [B, num_codebooks, frames] or [num_codebooks, frames] -> audio [B, 1, samples]."""
+        codes = codes[None] if codes.dim() == 2 else codes
+        return self.decoder(self.quantizer.decode(codes.long().to(self.device)))
+
+    def stream_pool(self, max_streams: int):
+        """A pool of streaming-decode states; see `codec_stream.CodecStreamPool`."""
+        from shoal.models.codec_stream import CodecStreamPool
+
+        return CodecStreamPool(self, max_streams)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.model[0].conv.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.model[0].conv.weight.device
+
+
+# ---------------------------------------------------------------- checkpoint layout and loading
+
+
+def weight_normed(model: nn.Module) -> dict[str, nn.Module]:
+    """Convolutions whose official file stores the weight as a weight-norm pair, by module name."""
+    return {name: m for name, m in model.named_modules() if getattr(m, "weight_norm", None)}
+
+
+def official_layout(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape the official `codec.pth` holds for this model."""
+    normed = weight_normed(model)
+    layout: dict[str, tuple[int, ...]] = {}
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if owner in normed and leaf == "weight":
+            g_shape = (param.shape[0],) + (1,) * (param.dim() - 1)
+            if normed[owner].weight_norm == "legacy":
+                layout[f"{owner}.weight_g"], layout[f"{owner}.weight_v"] = g_shape, tuple(param.shape)
+            else:
+                layout[f"{owner}.parametrizations.weight.original0"] = g_shape
+                layout[f"{owner}.parametrizations.weight.original1"] = tuple(param.shape)
+        else:
+            layout[name] = tuple(param.shape)
+    return layout
+
+
+def read_codec_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """Load codec.pth as shipped: plain or {"state_dict": ...}, with or without `generator.`."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if any(key.startswith("generator.") for key in state):
+        state = {key[len("generator.") :]: v for key, v in state.items() if key.startswith("generator.")}
+    return dict(state)
+
+
+def fold_state_dict(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map an official state dict onto `model`'s parameters, folding weight norm; strict.
+
+    Each weight-normed conv may be stored as parametrizations (original0/1), legacy weight_g/v,
+    or an already-folded `weight`. Raises ValueError naming every missing, unexpected or
+    mis-shaped tensor."""
+    remaining, folded, problems = dict(state), {}, []
+    expected = dict(model.named_parameters())
+    forms = (
+        ("parametrizations.weight.original0", "parametrizations.weight.original1"),
+        ("weight_g", "weight_v"),
+    )
+    for owner in weight_normed(model):
+        key = f"{owner}.weight"
+        for g_name, v_name in forms:
+            if f"{owner}.{g_name}" in remaining and f"{owner}.{v_name}" in remaining:
+                g, v = remaining.pop(f"{owner}.{g_name}"), remaining.pop(f"{owner}.{v_name}")
+                if v.shape != expected[key].shape or g.numel() != v.shape[0]:
+                    stored = f"{v_name} {tuple(v.shape)} / {g_name} {tuple(g.shape)}"
+                    problems.append(
+                        f"mis-shaped: {owner}.{stored}, expected weight {tuple(expected[key].shape)}"
+                    )
+                else:
+                    remaining[key] = torch._weight_norm(v.float(), g.float(), 0)
+                break
+    for key, param in expected.items():
+        if key not in remaining:
+            problems.append(f"missing: {key}")
+        elif remaining[key].shape != param.shape:
+            problems.append(f"mis-shaped: {key} {tuple(remaining[key].shape)}, expected {tuple(param.shape)}")
+            remaining.pop(key)
+        else:
+            folded[key] = remaining.pop(key)
+    problems += [f"unexpected: {key}" for key in sorted(remaining)]
+    if problems:
+        raise ValueError("codec checkpoint does not match the codec config:\n  " + "\n  ".join(problems))
+    return folded
+
+
+def find_codec_config(path: Path) -> CodecConfig:
+    """`codec_config.json` beside the file, or a `config.json` that is a codec config, else defaults."""
+    for name in ("codec_config.json", "config.json"):
+        candidate = path.parent / name
+        if candidate.is_file():
+            values = json.loads(candidate.read_text())
+            if "encoder_rates" in values:
+                return CodecConfig.from_dict(values)
+    return CodecConfig()
+
+
+def load_codec(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    config: CodecConfig | dict | None = None,
+) -> Codec:  # fmt: skip
+    """Build the codec from its config and load `codec.pth` (a file, or a directory holding one)."""
+    path = Path(path)
+    path = path / "codec.pth" if path.is_dir() else path
+    if isinstance(config, dict):
+        config = CodecConfig.from_dict(config)
+    config = config or find_codec_config(path)
+    with torch.device("meta"):
+        codec = Codec(config)
+    codec.load_state_dict(fold_state_dict(codec, read_codec_state_dict(path)), assign=True)
+    return codec.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+# Slightly contracting layers: random audio stays well inside tanh (std ~0.3), so the float32
+# rounding noise is not amplified and streaming-vs-full comparisons at 1e-5 are meaningful.
+RANDOM_WEIGHT_GAIN = 0.7
+
+
+def random_state_dict(config: CodecConfig, seed: int = 0, legacy: bool = False) -> dict[str, Tensor]:
+    """Random weights in the official layout, scaled so activations stay O(1) through the net."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        codec = Codec(config)
+    normed = weight_normed(codec)
+    state: dict[str, Tensor] = {}
+    for name, param in codec.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        module = codec.get_submodule(owner)
+        shape = tuple(param.shape)
+        if leaf == "alpha":
+            value = 0.5 + torch.rand(shape, generator=gen)
+        elif leaf == "gamma":
+            value = torch.full(shape, 0.1)
+        elif isinstance(module, nn.Embedding):
+            value = torch.randn(shape, generator=gen)
+        elif leaf == "bias":
+            value = 0.0 if isinstance(module, nn.LayerNorm) else 0.01 * torch.randn(shape, generator=gen)
+            value = torch.zeros(shape) + value
+        elif leaf == "weight" and param.dim() == 1:  # RMSNorm / LayerNorm
+            value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            # fan-in scaling keeps activations O(1); a transposed conv's fan-in is C_in * K / stride
+            fan_in = (
+                shape[0] * shape[2] / module.stride[0] if isinstance(module, nn.ConvTranspose1d) else None
+            )
+            value = (
+                RANDOM_WEIGHT_GAIN
+                * torch.randn(shape, generator=gen)
+                / math.sqrt(fan_in or math.prod(shape[1:]))
+            )
+        if owner in normed and leaf == "weight":
+            norm = value.flatten(1).norm(dim=1).view(-1, *([1] * (value.dim() - 1)))
+            v = value * (0.5 + torch.rand(norm.shape, generator=gen))  # the direction; g the length
+            if legacy or normed[owner].weight_norm == "legacy":
+                g_name, v_name = "weight_g", "weight_v"
+            else:
+                g_name, v_name = "parametrizations.weight.original0", "parametrizations.weight.original1"
+            state[f"{owner}.{g_name}"], state[f"{owner}.{v_name}"] = norm.clone(), v
+        else:
+            state[name] = value
+    return state
+
+
+def random_codec(config: CodecConfig | None = None, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Codec:  # fmt: skip
+    """A random-weight codec in memory, exactly as `save_random_codec` + `load_codec` would give."""
+    config = config or CodecConfig()
+    with torch.device("meta"):
+        codec = Codec(config)
+    codec.load_state_dict(fold_state_dict(codec, random_state_dict(config, seed)), assign=True)
+    return codec.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def save_random_codec(path: str | Path, config: CodecConfig | dict | None = None, seed: int = 0,
+                      legacy: bool = False) -> Path:  # fmt: skip
+    """Write a random-weight `codec.pth` (official format) plus `codec_config.json` beside it."""
+    config = CodecConfig.from_dict(config) if isinstance(config, dict) else (config or CodecConfig())
+    path = Path(path)
+    path = path / "codec.pth" if path.is_dir() else path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(random_state_dict(config, seed, legacy), path)
+    (path.parent / "codec_config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    return path

@@ -1,0 +1,353 @@
+"""Building blocks of the "modded DAC" codec (S1-mini / S2), plain PyTorch.
+
+Every module reproduces the reference arithmetic (fish_speech/models/dac/modded_dac.py, rvq.py)
+and keeps the reference's parameter names, so the official state dict maps onto it one to one.
+Weight norm is folded at load time, so convolutions hold a plain `weight`; `weight_norm` says
+how the official file stores it ("parametrizations" or "legacy" weight_g/weight_v, or None).
+
+Decode-path modules also have `step(x, ctx, valid)`: the streaming form. `ctx` (a `StepContext`)
+holds the batched carried state; `valid` [B] is how many leading time steps of `x` are real
+per row (rows are right-padded to a common length). Causality makes the padding harmless to the
+real steps; the carried state is taken at each row's own valid end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shoal.kernels.snake import snake
+
+
+@dataclass
+class TransformerConfig:
+    """`ModelArgs` of the reference: the fields that change the arithmetic."""
+
+    n_layer: int = 8
+    n_head: int = 16
+    dim: int = 1024
+    intermediate_size: int = 3072
+    head_dim: int = 64
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    n_local_heads: int = -1
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TransformerConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+@dataclass
+class CodecConfig:
+    """Constructor parameters of the official `modded_dac_vq` codec; defaults are the shipped ones."""
+
+    sample_rate: int = 44100
+    encoder_dim: int = 64
+    encoder_rates: list[int] = field(default_factory=lambda: [2, 4, 8, 8])
+    decoder_dim: int = 1536
+    decoder_rates: list[int] = field(default_factory=lambda: [8, 8, 4, 2])
+    encoder_transformer_layers: list[int] = field(default_factory=lambda: [0, 0, 0, 4])
+    # Present in the official yaml but unused: the reference builds and then drops these modules.
+    decoder_transformer_layers: list[int] = field(default_factory=lambda: [4, 0, 0, 0])
+    latent_dim: int = 1024
+    general: TransformerConfig = field(default_factory=TransformerConfig)
+    n_codebooks: int = 9
+    codebook_size: int = 1024
+    codebook_dim: int = 8
+    downsample_factor: list[int] = field(default_factory=lambda: [2, 2])
+    semantic_codebook_size: int = 4096
+    window_size: int = 128
+    encoder_window_size: int = 512  # hard-coded in the reference EncoderBlock
+    transformer: TransformerConfig = field(default_factory=TransformerConfig)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> CodecConfig:
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in known}
+        for name in ("general", "transformer"):
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = TransformerConfig.from_dict(kwargs[name])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("general", "transformer"):
+            out[name] = dict(vars(out[name]))
+        return out
+
+    @property
+    def hop_length(self) -> int:
+        return math.prod(self.encoder_rates)
+
+    @property
+    def frame_length(self) -> int:
+        return self.hop_length * math.prod(self.downsample_factor)
+
+
+class StepContext:
+    """Carried state for one batched streaming step: `states[key]` in, `new_states[key]` out."""
+
+    def __init__(self, states: dict[str, Tensor], positions: Tensor):
+        self.states = states
+        self.new_states: dict[str, Tensor] = {}
+        self.positions = positions  # [B] absolute frame index of each row's first new frame
+
+    def extend(self, key: str, x: Tensor, valid: Tensor, dim: int = -1) -> Tensor:
+        """Prepend the carried last samples of this row's stream along `dim`; save the new ones."""
+        carried = self.states[key]
+        joined = torch.cat([carried, x], dim=dim)
+        self.new_states[key] = take_window(joined, valid, carried.shape[dim], dim)
+        return joined
+
+
+def take_window(x: Tensor, start: Tensor, length: int, dim: int = -1) -> Tensor:
+    """x[b, ..., start[b] : start[b] + length, ...] along `dim`, per row, without host sync."""
+    moved = x.movedim(dim, -1)
+    index = start.view(-1, *([1] * (moved.dim() - 1))) + torch.arange(length, device=x.device)
+    return torch.gather(moved, -1, index.expand(*moved.shape[:-1], length)).movedim(-1, dim)
+
+
+class Snake1d(nn.Module):
+    """x + sin^2(alpha x) / alpha, per channel; optionally adds a pending residual first."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Returns (x + residual, snake(x + residual)); the sum is the next skip connection."""
+        return snake(x, self.alpha, residual)
+
+
+class CausalConv1d(nn.Module):
+    """Conv1d padded on the left only (`CausalConvNet`); weight-norm folded at load."""
+
+    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int = 1, dilation: int = 1,
+                 groups: int = 1, weight_norm: str | None = "parametrizations"):  # fmt: skip
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, kernel_size, stride=stride, dilation=dilation, groups=groups)
+        self.conv.weight_norm = weight_norm
+        self.stride = stride
+        self.receptive = (kernel_size - 1) * dilation + 1
+        self.context = self.receptive - stride  # left padding == carried samples when streaming
+
+    def forward(self, x: Tensor) -> Tensor:
+        length = x.shape[-1]
+        frames = math.ceil((length - self.receptive + self.context) / self.stride + 1)
+        extra = (frames - 1) * self.stride + self.receptive - self.context - length
+        return self.conv(F.pad(x, (self.context, extra)))
+
+    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
+        assert self.stride == 1, "streaming is only defined for the stride-1 decode-path convs"
+        if self.context > 0:
+            x = ctx.extend(key, x, valid)
+        return self.conv(x)
+
+
+class CausalConvTranspose1d(nn.Module):
+    """ConvTranspose1d with the last kernel-stride outputs trimmed (`CausalTransConvNet`)."""
+
+    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int,
+                 weight_norm: str | None = "parametrizations"):  # fmt: skip
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel_size, stride=stride)
+        self.conv.weight_norm = weight_norm
+        self.stride = stride
+        self.trim = kernel_size - stride
+        self.context = math.ceil(kernel_size / stride) - 1  # earlier inputs reaching a new output
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv(x)
+        return y[..., : y.shape[-1] - self.trim]
+
+    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
+        new = x.shape[-1]
+        if self.context > 0:
+            x = ctx.extend(key, x, valid)
+        y = self.conv(x)
+        start = self.context * self.stride
+        return y[..., start : start + new * self.stride]
+
+
+class ResidualUnit(nn.Module):
+    """Snake, dilated causal conv k7, Snake, conv k1, plus the skip (added lazily by the caller)."""
+
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake1d(dim),
+            CausalConv1d(dim, dim, 7, dilation=dilation),
+            Snake1d(dim),
+            CausalConv1d(dim, dim, 1),
+        )
+
+    def forward(self, x: Tensor, pending: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(x, pending) stand for x + pending; returns the same pair after this unit."""
+        x, h = self.block[0](x, pending)
+        h = self.block[2](self.block[1](h))[1]
+        return x, self.block[3](h)
+
+    def step(self, x: Tensor, pending: Tensor | None, ctx: StepContext, key: str, valid: Tensor):
+        x, h = self.block[0](x, pending)
+        h = self.block[2](self.block[1].step(h, ctx, f"{key}.block.1", valid))[1]
+        return x, self.block[3](h)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv k7, LayerNorm, Linear x4, GELU, Linear, layer scale, residual."""
+
+    def __init__(self, dim: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim, weight_norm=None)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, int(mlp_ratio * dim))
+        self.pwconv2 = nn.Linear(int(mlp_ratio * dim), dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def _pointwise(self, x: Tensor, h: Tensor) -> Tensor:
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h.transpose(1, 2)))))
+        return x + (self.gamma * h).transpose(1, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._pointwise(x, self.dwconv(x))
+
+    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
+        return self._pointwise(x, self.dwconv.step(x, ctx, f"{key}.dwconv", valid))
+
+
+# ---------------------------------------------------------------- window-limited transformer
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """cos/sin for integer positions [...], rounded to bf16 like the reference table, as fp32."""
+    inv = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, device=positions.device)[: head_dim // 2].float() / head_dim)
+    )
+    angles = positions.float().unsqueeze(-1) * inv
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    return rotation.real.bfloat16().float(), rotation.imag.bfloat16().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D] with interleaved pairs; cos/sin [B or 1, T, D/2]; math in fp32."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        if cfg.n_local_heads not in (-1, cfg.n_head):
+            raise ValueError("the codec transformer is multi-head (n_local_heads == n_head) only")
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.n_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns q, k, v as [B, H, T, D], RoPE applied to q and k."""
+        q, k, v = self.wqkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).unbind(2)
+        return (
+            apply_rope(q, cos, sin).transpose(1, 2),
+            apply_rope(k, cos, sin).transpose(1, 2),
+            v.transpose(1, 2),
+        )
+
+    def out(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).flatten(2))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_layer_scale = LayerScale(cfg.dim)
+        self.ffn_layer_scale = LayerScale(cfg.dim)
+
+    def finish(self, x: Tensor, attended: Tensor) -> Tensor:
+        h = x + self.attention_layer_scale(attended)
+        return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
+
+
+class WindowLimitedTransformer(nn.Module):
+    """Causal transformer where position i attends to positions i-window+1 .. i; channels first."""
+
+    def __init__(self, cfg: TransformerConfig, window_size: int):
+        super().__init__()
+        self.cfg, self.window = cfg, window_size
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.transpose(1, 2)
+        length = x.shape[1]
+        pos = torch.arange(length, device=x.device)
+        cos, sin = rope_cos_sin(pos[None], self.cfg.head_dim, self.cfg.rope_base)
+        distance = pos[:, None] - pos[None, :]
+        mask = (distance >= 0) & (distance < self.window)
+        for layer in self.layers:
+            q, k, v = layer.attention.qkv(layer.attention_norm(x), cos, sin)
+            x = layer.finish(x, layer.attention.out(q, k, v, mask))
+        return self.norm(x).transpose(1, 2)
+
+    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
+        """New frames x [B, C, t]; carries each layer's last window-1 keys/values (post-RoPE)."""
+        x = x.transpose(1, 2)
+        new, cached = x.shape[1], self.window - 1
+        qpos = ctx.positions[:, None] + torch.arange(new, device=x.device)  # [B, t]
+        kpos = torch.cat([ctx.positions[:, None] - cached + torch.arange(cached, device=x.device), qpos], 1)
+        distance = qpos[:, :, None] - kpos[:, None, :]
+        mask = ((distance >= 0) & (distance < self.window) & (kpos[:, None, :] >= 0))[:, None]
+        cos, sin = rope_cos_sin(qpos, self.cfg.head_dim, self.cfg.rope_base)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention.qkv(layer.attention_norm(x), cos, sin)
+            k = ctx.extend(f"{key}.layers.{i}.k", k, valid, dim=2)
+            v = ctx.extend(f"{key}.layers.{i}.v", v, valid, dim=2)
+            x = layer.finish(x, layer.attention.out(q, k, v, mask))
+        return self.norm(x).transpose(1, 2)
+
+    def state_shapes(self, key: str) -> dict[str, tuple[int, ...]]:
+        kv = (self.cfg.n_head, self.window - 1, self.cfg.head_dim)
+        return {f"{key}.layers.{i}.{name}": kv for i in range(len(self.layers)) for name in "kv"}

@@ -1,0 +1,160 @@
+"""Transformer building blocks shared by the slow and the fast DualAR transformers.
+
+Every layer works on flattened tokens `[T, dim]`: which sequence a token belongs to and where its
+keys live is the business of the `AttentionBackend`, so the same modules serve a single prompt,
+a varlen batch over paged memory, and the fast transformer's dense per-frame cache.
+
+The arithmetic follows the reference exactly (model.md sections 2 and 12): RMSNorm normalizes in
+fp32, casts back, then multiplies by the weight; QK-norm is torch's built-in RMSNorm applied per
+head before RoPE; RoPE rotates interleaved pairs in fp32 against bf16-rounded cos/sin tables.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class AttentionBackend(Protocol):
+    """Where keys/values live; the seam the engine's paged KV cache plugs into."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's new tokens (QK-norm and RoPE
+        already applied). Stores k/v in layer `layer`'s cache at the tokens' positions and
+        returns causal attention of each token over its own sequence's cached + new keys,
+        [T, Hq, D]. Scale 1/sqrt(D); GQA: kv head j serves q heads j*g .. j*g+g-1."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """The reference's RMSNorm: normalize in fp32, cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_table(length: int, head_dim: int, base: float, device: torch.device | str | None = None) -> Tensor:
+    """cos/sin for positions 0..length-1 as `[length, head_dim // 2, 2]` (cos, sin), computed in
+    fp32 and rounded to bf16 as the reference does (an fp32 table drifts from it)."""
+    exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
+    inverse_frequencies = 1.0 / (base**exponents)
+    positions = torch.arange(length, device=device)
+    angles = torch.outer(positions, inverse_frequencies)
+    # torch.polar, not cos/sin, so the fp32 values (and hence their bf16 rounding) follow the
+    # reference's kernel on every device.
+    unit = torch.polar(torch.ones_like(angles), angles)
+    table = torch.stack([unit.real, unit.imag], dim=-1)
+    return table.to(torch.bfloat16)
+
+
+def apply_rope(x: Tensor, table: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) (GPT-J style, not neox halves).
+
+    x [T, H, D]; table [T, D/2, 2] holding the (cos, sin) of each token's position."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos = table[:, None, :, 0]
+    sin = table[:, None, :, 1]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Fused-QKV grouped-query attention; the cache and masking live in the backend."""
+
+    def __init__(
+        self,
+        layer_index: int,
+        dim: int,
+        n_head: int,
+        n_local_heads: int,
+        head_dim: int,
+        norm_eps: float,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_head = n_head
+        self.n_local_heads = n_local_heads
+        self.head_dim = head_dim
+        self.wqkv = nn.Linear(dim, (n_head + 2 * n_local_heads) * head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, backend: AttentionBackend) -> Tensor:
+        tokens = x.shape[0]
+        q_size = self.n_head * self.head_dim
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, self.n_head, self.head_dim)
+        k = k.view(tokens, self.n_local_heads, self.head_dim)
+        v = v.view(tokens, self.n_local_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
+        out = backend.attend(self.layer_index, q, k, v)
+        return self.wo(out.reshape(tokens, q_size))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), no biases."""
+
+    def __init__(self, dim: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, intermediate_size, bias=False)
+        self.w3 = nn.Linear(dim, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(
+        self,
+        layer_index: int,
+        dim: int,
+        n_head: int,
+        n_local_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        norm_eps: float,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.attention = Attention(
+            layer_index, dim, n_head, n_local_heads, head_dim, norm_eps, qkv_bias, o_bias, qk_norm
+        )
+        self.feed_forward = FeedForward(dim, intermediate_size)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.attention_norm = RMSNorm(dim, norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, backend: AttentionBackend) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, backend)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def repeat_kv_heads(x: Tensor, groups: int, head_dim_axis: int) -> Tensor:
+    """GQA expansion: kv head j serves q heads j*groups .. j*groups+groups-1."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=head_dim_axis)

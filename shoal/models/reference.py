@@ -1,0 +1,182 @@
+"""The oracle: single-request generation in plain PyTorch, following the family's reference loop.
+
+The batched engine must produce exactly these frames for the same prompt, parameters and seed.
+`decode_frame` is written batched so the engine can share it; `generate` runs it with B=1 over a
+contiguous KV cache. Randomness comes from `sampling.counter_uniform(seed, frame, slot)`, so
+the frames depend only on (model, prompt, parameters, seed).
+
+Frame accounting, compared with the reference's `generate`:
+- Frame f (f = 0, 1, ...) is `[main id, code 0 .. code N-1]`; frame 0 comes from the prefill.
+- Generation stops after the frame whose main token is `<|im_end|>`; that frame IS included
+  in the output (as in the reference's `y[:, prompt_len:]`). Unlike the reference, frame 0 is
+  checked too (the reference would decode past an `<|im_end|>` from the prefill).
+- `max_frames` is clipped to `max_seq_len - prompt_len`, as the reference clips it.
+- The codes handed to the codec are `prompt.codes_for_codec(frames)`: rows 1..N without the
+  last frame, dropped even when generation stopped at max_frames (the reference's quirk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from shoal.models.prompt import Reference, Turn, build_prompt, codes_for_codec, split_text
+from shoal.models.sampling import Sampler, SamplingBatch, new_window, push_frames
+
+if TYPE_CHECKING:
+    from shoal.models.dual_ar import DualARTransformer
+
+__all__ = ["codes_for_codec", "decode_frame", "generate", "generate_long", "LongTextBatch"]
+
+
+@torch.no_grad()
+def decode_frame(
+    model: DualARTransformer,
+    sampler: Sampler,
+    logits: Tensor,
+    fast_input: Tensor,
+    params: SamplingBatch,
+    window: Tensor,
+    frame_index: Tensor,
+) -> Tensor:
+    """One frame for each of B rows: main token from the slow `logits` [B, vocab], then the
+    codebooks from the fast model started at `fast_input` [B, dim]. Returns int64 [B, N+1].
+
+    Fast position 0 is the projected slow hidden state (its logits are unused), codebook 0 is
+    the main token's semantic index, position k>0 is the embedding of code k-1 and predicts k."""
+    config = model.config
+    main = sampler.main_token(logits, params, window, frame_index)
+    cache = model.new_fast_cache(main.shape[0])
+    model.forward_fast(model.fast_project_in(fast_input)[:, None], 0, cache)
+    code = sampler.first_code(main, config.codebook_size)
+    columns = [main, code]
+    for k in range(1, config.num_codebooks):
+        fast_logits = model.forward_fast(model.fast_embed(code)[:, None], k, cache)[:, 0]
+        code = sampler.codebook(fast_logits, k, params, window, frame_index)
+        columns.append(code)
+    return torch.stack(columns, dim=1)
+
+
+@torch.no_grad()
+def generate(
+    model: DualARTransformer,
+    prompt: Tensor,
+    *,
+    max_frames: int,
+    temperature: float,
+    top_p: float,
+    top_k: int = 30,
+    seed: int = 0,
+    repetition_penalty: float = 1.1,
+) -> Tensor:
+    """Frames int32 [N+1, F] continuing `prompt` Long [N+1, T], F <= max_frames.
+
+    `top_k` applies to S2 only, `repetition_penalty` to S1 and 1.5 only (the S2 reference
+    ignores it). With S2 and top_k=1 this is the reference's greedy decode."""
+    config = model.config
+    device = model.embeddings.weight.device
+    prompt_len = prompt.shape[1]
+    if prompt.shape[0] != config.num_codebooks + 1:
+        raise ValueError(f"prompt has {prompt.shape[0]} rows, expected {config.num_codebooks + 1}")
+    if prompt_len >= config.max_seq_len:
+        raise ValueError(f"prompt length {prompt_len} exceeds max_seq_len {config.max_seq_len}")
+    max_frames = min(max_frames, config.max_seq_len - prompt_len)
+    if max_frames <= 0:
+        return torch.zeros(config.num_codebooks + 1, 0, dtype=torch.int32)
+
+    sampler = Sampler.for_config(config)
+    params = SamplingBatch.build(
+        sampler.rules,
+        temperature=[temperature],
+        top_p=[top_p],
+        top_k=[top_k],
+        repetition_penalty=[repetition_penalty],
+        seed=[seed],
+        device=device,
+    )
+    window = new_window(1, sampler.rules.window, config.num_codebooks, device)
+    cache = model.new_slow_cache(prompt_len + max_frames)
+
+    positions = cache.plan([0], [prompt_len])
+    hidden = model.forward_slow(prompt.t().to(device=device, dtype=torch.long), positions, cache)
+    logits, fast_input = model.slow_head(hidden[-1:])
+
+    frames: list[Tensor] = []
+    for f in range(max_frames):
+        frame_index = torch.tensor([f], dtype=torch.long, device=device)
+        frame = decode_frame(model, sampler, logits, fast_input, params, window, frame_index)
+        frames.append(frame[0])
+        push_frames(window, frame, frame_index)
+        if int(frame[0, 0]) == config.im_end_id or f + 1 == max_frames:
+            break
+        positions = cache.plan([0], [1])
+        hidden = model.forward_slow(frame, positions, cache)
+        logits, fast_input = model.slow_head(hidden)
+    return torch.stack(frames, dim=1).to(torch.int32).cpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# Long text (S2 iterative prompting; S1 generates the whole text in one go)
+
+
+@dataclass(frozen=True)
+class LongTextBatch:
+    text: str
+    prompt: Tensor  # Long [N+1, T]
+    frames: Tensor  # int32 [N+1, F], as `generate` returns them
+    codes: Tensor  # [N, F-1], what the reference hands to the codec
+
+
+def batch_seed(seed: int, batch_index: int) -> int:
+    """Seed of batch b of a long text: batch 0 keeps the request's seed, later batches get
+    decorrelated streams (their frame counters restart at 0). Signed 64-bit."""
+    mixed = (seed + batch_index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
+
+
+@torch.no_grad()
+def generate_long(
+    model: DualARTransformer,
+    text: str,
+    references: Sequence[Reference] = (),
+    *,
+    chunk_length: int = 300,
+    max_frames: int,
+    temperature: float,
+    top_p: float,
+    top_k: int = 30,
+    seed: int = 0,
+    repetition_penalty: float = 1.1,
+    tokenizer=None,
+) -> list[LongTextBatch]:
+    """The reference's `generate_long`: split the text into batches (`prompt.split_text`),
+    prompt each batch with the voice plus every earlier batch's text and generated codes as
+    an assistant turn (no truncation of the history, a fresh prefill per batch), generate.
+
+    S2 splits by speaker turns and `chunk_length` bytes; S1 generates the text as one batch.
+    Fish Speech 1.5's sliding-history variant is not reproduced."""
+    config = model.config
+    if config.family == "1.5":
+        raise ValueError("generate_long follows S2/S1; for 1.5 use prompt.split_text + generate per segment")
+    tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+    history: list[Turn] = []
+    results: list[LongTextBatch] = []
+    for index, batch_text in enumerate(split_text(text, chunk_length, config.family)):
+        prompt = build_prompt(config, tokenizer, batch_text, references, history)
+        frames = generate(
+            model,
+            prompt,
+            max_frames=max_frames,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=batch_seed(seed, index),
+            repetition_penalty=repetition_penalty,
+        )
+        results.append(LongTextBatch(batch_text, prompt, frames, codes_for_codec(frames)))
+        history.append(Turn(batch_text, frames))
+    return results

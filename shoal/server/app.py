@@ -1,0 +1,170 @@
+"""The ASGI app: settings, shared state, routers, the engine's lifespan, and the small routes
+(health, metrics, wallet) that need no module of their own.
+
+`create_app(engine, store, settings)` is all a test or the CLI needs: the engine is started and
+stopped with the app; routes reach the shared objects through `app.state`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shoal.engine.api import Engine
+from shoal.server import live, tts, voices
+from shoal.server.auth import Principal, StreamLimiter, require_principal
+from shoal.server.errors import error_response, install_error_handlers
+from shoal.server.metrics import RequestCounterMiddleware, ServerMetrics
+from shoal.server.schemas import Credits, Health, Package
+from shoal.server.store import Store
+
+log = logging.getLogger("shoal.server")
+
+
+@dataclass
+class ServerSettings:
+    """Limits and switches of the API server (the engine's own settings live in shoal.config)."""
+
+    auth: bool = True
+    max_text_length: int = 10_000  # characters per request or live session
+    max_body_bytes: int = 64 * 1024 * 1024  # whole request / WebSocket message
+    max_upload_bytes: int = 20 * 1024 * 1024  # one audio file
+    max_upload_seconds: float = 120.0  # one audio file's duration
+    max_voice_samples: int = 20  # audio files per voice
+    max_streams_per_key: int = 16  # concurrent /v1/tts + live streams per API key (429 beyond)
+    max_new_frames: int = 2048  # cap on max_new_tokens per text chunk
+
+
+class BodySizeLimit:
+    """413 for any HTTP body over the limit, by Content-Length or while it streams in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        declared = headers.get(b"content-length", b"")
+        message = f"request body larger than {self.limit} bytes"
+        if declared.isdigit() and int(declared) > self.limit:
+            await error_response(413, message)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            event = await receive()
+            received += len(event.get("body", b""))
+            if received > self.limit:
+                raise BodyTooLarge(message)
+            return event
+
+        response_started = False
+
+        async def tracking_send(event: Message) -> None:
+            nonlocal response_started
+            response_started = response_started or event["type"] == "http.response.start"
+            await send(event)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not response_started:
+                await error_response(413, message)(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def create_app(engine: Engine, store: Store, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not settings.auth:
+            log.warning("authentication is OFF (--no-auth): anyone who can reach this port may use it")
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+            store.close()
+
+    app = FastAPI(title="Shoal", summary="Fish Audio compatible TTS server", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.store = store
+    app.state.limiter = StreamLimiter(settings.max_streams_per_key)
+    app.state.voices = voices.VoiceResolver(engine, store, settings)
+    app.state.metrics = ServerMetrics(engine, lambda: app.state.limiter.total)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestCounterMiddleware)
+    app.include_router(tts.router)
+    app.include_router(live.router)
+    app.include_router(voices.router)
+    app.include_router(system_router())
+    return app
+
+
+def system_router():
+    from fastapi import APIRouter
+
+    router = APIRouter(tags=["system"])
+
+    @router.api_route("/v1/health", methods=["GET", "POST"], response_model=Health)
+    async def health(request: Request) -> Health:
+        """Liveness plus the engine's load; `pages_used` returns to 0 when no request runs."""
+        engine: Engine = request.app.state.engine
+        stats = engine.stats()
+        return Health(
+            model=engine.model_name,
+            sample_rate=engine.sample_rate,
+            running=stats.running,
+            waiting=stats.waiting,
+            pages_used=stats.pages_used,
+            pages_free=stats.pages_free,
+            frames_per_second=stats.frames_per_second,
+            active_streams=request.app.state.limiter.total,
+        )
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @router.get("/wallet/{user_id}/api-credit")
+    async def api_credit(
+        user_id: str, principal: Annotated[Principal, Depends(require_principal)]
+    ) -> JSONResponse:
+        """A self-hosted server has no billing: report a large, never-decreasing balance."""
+        now = dt.datetime.now(dt.UTC).isoformat()
+        credits = Credits(
+            _id=f"credit-{principal.tenant}", user_id=principal.tenant, credit="1000000000", created_at=now,
+            updated_at=now,
+        )  # fmt: skip
+        return JSONResponse(credits.model_dump(by_alias=True))
+
+    @router.get("/wallet/{user_id}/package")
+    async def package(
+        user_id: str, principal: Annotated[Principal, Depends(require_principal)]
+    ) -> JSONResponse:
+        now = dt.datetime.now(dt.UTC).isoformat()
+        unlimited = Package(
+            _id=f"package-{principal.tenant}", user_id=principal.tenant, type="self-hosted", total=10**9,
+            balance=10**9, created_at=now, updated_at=now, finished_at="",
+        )  # fmt: skip
+        return JSONResponse(unlimited.model_dump(by_alias=True))
+
+    return router

@@ -1,0 +1,104 @@
+"""API keys, tenants and per-key stream limits.
+
+A key is `shoal_<random>`; only its SHA-256 is stored. Every request carries
+`Authorization: Bearer <key>`; the key names a tenant (voices belong to tenants) and a default
+priority. With `--no-auth` every caller is the `local` tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections import defaultdict
+from dataclasses import dataclass
+
+import anyio.to_thread
+from fastapi import Request
+from starlette.requests import HTTPConnection
+
+from shoal.engine.api import Priority
+from shoal.server.errors import ApiError
+from shoal.server.store import Store
+
+KEY_PREFIX = "shoal_"
+LOCAL_TENANT = "local"
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the tenant that owns voices, the key (for stream limits) and its priority."""
+
+    tenant: str
+    key_id: str
+    priority: Priority = Priority.STANDARD
+    max_streams: int | None = None  # None: the server-wide default
+
+
+class StreamLimiter:
+    """Counts open synthesis streams per key; over the limit a new stream gets 429."""
+
+    def __init__(self, default_limit: int) -> None:
+        self.default_limit = default_limit
+        self.active: dict[str, int] = defaultdict(int)
+
+    def acquire(self, principal: Principal) -> None:
+        limit = principal.max_streams or self.default_limit
+        if self.active[principal.key_id] >= limit:
+            raise ApiError(429, f"too many concurrent streams for this key (limit {limit})")
+        self.active[principal.key_id] += 1
+
+    def release(self, principal: Principal) -> None:
+        self.active[principal.key_id] = max(0, self.active[principal.key_id] - 1)
+        if self.active[principal.key_id] == 0:
+            del self.active[principal.key_id]
+
+    @property
+    def total(self) -> int:
+        return sum(self.active.values())
+
+
+def bearer_token(connection: HTTPConnection) -> str | None:
+    header = connection.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def authenticate(connection: HTTPConnection) -> Principal:
+    """Resolve the caller of an HTTP request or WebSocket handshake, or raise 401."""
+    state = connection.app.state
+    if not state.settings.auth:
+        return Principal(tenant=LOCAL_TENANT, key_id=LOCAL_TENANT)
+    token = bearer_token(connection)
+    if token is None:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'")
+    store: Store = state.store
+    row = await anyio.to_thread.run_sync(store.find_key, hash_api_key(token))
+    if row is None:
+        raise ApiError(401, "Invalid Token")
+    priority = Priority.BATCH if row.priority == "batch" else Priority.STANDARD
+    return Principal(tenant=row.tenant, key_id=row.id, priority=priority, max_streams=row.max_streams)
+
+
+async def require_principal(request: Request) -> Principal:
+    """FastAPI dependency: every route except health and metrics takes it."""
+    principal = await authenticate(request)
+    request.state.principal = principal
+    return principal
+
+
+def request_priority(principal: Principal, header_value: str | None) -> Priority:
+    """`/v1/tts` priority: standard, or batch when the key says so or the caller asks
+    (`x-shoal-priority: batch`). A caller can lower its priority, never raise it."""
+    if principal.priority == Priority.BATCH or (header_value or "").strip().lower() in ("batch", "bulk"):
+        return Priority.BATCH
+    return Priority.STANDARD

@@ -1,0 +1,123 @@
+"""`shoal serve`: load a checkpoint, start the engine and serve the Fish Audio API on one port
+(REST and WebSocket). Every option can also be set by an environment variable SHOAL_<OPTION>."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from shoal.server.keys_cli import add_storage_arguments
+
+log = logging.getLogger("shoal.server")
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SHOAL_{name}", default)
+
+
+def env_flag(name: str) -> bool:
+    return (env(name) or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint",
+        default=env("CHECKPOINT"),
+        required=env("CHECKPOINT") is None,
+        help="checkpoint directory or Hugging Face repo id (env SHOAL_CHECKPOINT)",
+    )
+    parser.add_argument(
+        "--codec", default=env("CODEC"), help="codec weights, if not in the checkpoint (SHOAL_CODEC)"
+    )
+    parser.add_argument("--host", default=env("HOST", "127.0.0.1"), help="bind address (SHOAL_HOST)")
+    parser.add_argument(
+        "--port", type=int, default=int(env("PORT", "8080") or 8080), help="port (SHOAL_PORT)"
+    )
+    add_storage_arguments(parser)
+    parser.add_argument(
+        "--no-auth", action="store_true", default=env_flag("NO_AUTH"), help="accept requests without a key"
+    )
+    parser.add_argument("--device", default=env("DEVICE"), help="cuda or cpu (default: cuda when available)")
+    parser.add_argument(
+        "--dtype", default=env("DTYPE"), help="model dtype (default: bfloat16 on GPU, float32 on CPU)"
+    )
+    parser.add_argument(
+        "--max-new-frames",
+        type=int,
+        default=int(env("MAX_NEW_FRAMES", "2048") or 2048),
+        help="cap on frames generated per text chunk (SHOAL_MAX_NEW_FRAMES)",
+    )
+    parser.add_argument(
+        "--max-streams-per-key",
+        type=int,
+        default=int(env("MAX_STREAMS_PER_KEY", "16") or 16),
+        help="concurrent streams per API key before 429 (SHOAL_MAX_STREAMS_PER_KEY)",
+    )
+    parser.add_argument(
+        "--max-text-length",
+        type=int,
+        default=int(env("MAX_TEXT_LENGTH", "10000") or 10000),
+        help="characters per request (SHOAL_MAX_TEXT_LENGTH)",
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=float(env("MAX_BODY_MB", "64") or 64),
+        help="largest request body or WebSocket message, MiB (SHOAL_MAX_BODY_MB)",
+    )
+    parser.add_argument(
+        "--max-upload-mb",
+        type=float,
+        default=float(env("MAX_UPLOAD_MB", "20") or 20),
+        help="largest audio upload (voice sample or inline reference), MiB (SHOAL_MAX_UPLOAD_MB)",
+    )
+    parser.add_argument(
+        "--max-upload-seconds",
+        type=float,
+        default=float(env("MAX_UPLOAD_SECONDS", "120") or 120),
+        help="longest audio upload, seconds (SHOAL_MAX_UPLOAD_SECONDS)",
+    )
+    parser.add_argument(
+        "--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning (SHOAL_LOG_LEVEL)"
+    )
+
+
+def build_engine(args: argparse.Namespace):
+    """The real engine for the checkpoint (imported here so `--help` stays fast)."""
+    from shoal.engine.serving import load_engine
+
+    return load_engine(args.checkpoint, codec=args.codec, device=args.device, dtype=args.dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from shoal.server.app import ServerSettings, create_app
+    from shoal.server.store import Store
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = ServerSettings(
+        auth=not args.no_auth,
+        max_text_length=args.max_text_length,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
+        max_upload_seconds=args.max_upload_seconds,
+        max_streams_per_key=args.max_streams_per_key,
+        max_new_frames=args.max_new_frames,
+    )
+    store = Store.in_directory(args.data_dir, args.database_url)
+    log.info("data directory: %s", args.data_dir)
+    engine = build_engine(args)
+    app = create_app(engine, store, settings)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        ws_max_size=settings.max_body_bytes,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    return 0

@@ -1,0 +1,235 @@
+"""`/v1/tts/live`: the Fish live-TTS WebSocket.
+
+Client -> server (binary msgpack maps): `start` {request}, then `text` {text}, `flush`, `stop`.
+Server -> client: `audio` {audio: bin} events, then one `finish` {reason: stop | error}.
+
+The voice is resolved and prefilled at `start` (realtime priority), text is buffered and cut at
+sentence ends once `chunk_length` bytes are waiting, and each cut is synthesized in order by one
+worker task while the reader keeps receiving, so the event loop never waits on inference and the
+client's keepalive pings are answered throughout. One encoder spans the whole session, so the
+concatenated `audio` payloads form one valid file.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+import ormsgpack
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from shoal.engine.api import Engine, Priority, SynthesisRequest, VoiceReference
+from shoal.server.auth import Principal, StreamLimiter, authenticate
+from shoal.server.errors import ApiError, error_response, exception_to_error
+from shoal.server.schemas import TTSRequestBody
+from shoal.server.tts import EncodedAudio, build_synthesis_request, make_encoder
+
+if TYPE_CHECKING:
+    from shoal.server.app import ServerSettings
+
+log = logging.getLogger("shoal.server.live")
+SENTENCE_END = re.compile(r"[.!?;。！？；\n]\s*")
+router = APIRouter(tags=["live"])
+
+
+def split_ready_text(buffer: str, chunk_length: int) -> tuple[str, str]:
+    """(segment to synthesize now, rest to keep): cut at the last sentence end once the buffer
+    holds `chunk_length` bytes; without a sentence end, wait for twice that before cutting."""
+    if len(buffer.encode("utf-8")) < chunk_length:
+        return "", buffer
+    ends = [match.end() for match in SENTENCE_END.finditer(buffer)]
+    if ends:
+        return buffer[: ends[-1]], buffer[ends[-1] :]
+    if len(buffer.encode("utf-8")) >= 2 * chunk_length:
+        cut = buffer.rfind(" ")
+        cut = cut if cut > 0 else len(buffer)
+        return buffer[:cut], buffer[cut:]
+    return "", buffer
+
+
+class ProtocolError(Exception):
+    """The client broke the live protocol; the session ends with `finish/error`."""
+
+
+def pack(event: dict) -> bytes:
+    return ormsgpack.packb(event)
+
+
+class LiveSession:
+    """One WebSocket connection from `start` to `finish`."""
+
+    def __init__(self, websocket: WebSocket, principal: Principal) -> None:
+        state = websocket.app.state
+        self.websocket = websocket
+        self.principal = principal
+        self.engine: Engine = state.engine
+        self.settings: ServerSettings = state.settings
+        self.voices = state.voices
+        self.metrics = state.metrics
+        self.first_text_at: float | None = None
+        self.audio_sent = False
+        self.audio_seconds = 0.0
+
+    async def receive_event(self) -> dict:
+        message = await self.websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        try:
+            if message.get("bytes") is not None:
+                event = ormsgpack.unpackb(message["bytes"])
+            else:
+                import json
+
+                event = json.loads(message.get("text") or "")
+        except (ValueError, ormsgpack.MsgpackDecodeError) as error:
+            raise ProtocolError(f"malformed message: {error}") from error
+        if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+            raise ProtocolError("every message must be a map with an 'event' key")
+        return event
+
+    async def send_audio(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self.audio_sent and self.first_text_at is not None:
+            self.metrics.observe_first_audio("live", time.perf_counter() - self.first_text_at)
+        self.audio_sent = True
+        await self.websocket.send_bytes(pack({"event": "audio", "audio": data}))
+
+    async def start(self) -> tuple[TTSRequestBody, tuple[VoiceReference, ...], str | None]:
+        event = await self.receive_event()
+        if event["event"] != "start":
+            raise ProtocolError(f"the first event must be 'start', got {event['event']!r}")
+        try:
+            body = TTSRequestBody.model_validate(event.get("request") or {})
+        except ValidationError as error:
+            raise exception_to_error(error) from error
+        references, voice_key = await self.voices.resolve(self.principal, body)
+        if references and voice_key is not None:
+            await self.engine.prefill_voice(references, voice_key)
+        return body, references, voice_key
+
+    async def read_text(self, body: TTSRequestBody, segments: MemoryObjectSendStream[str]) -> None:
+        """Buffer `text` events into segments until `stop` (which flushes the rest)."""
+        buffer = body.text or ""
+        total = len(buffer)
+        async with segments:
+            while True:
+                event = await self.receive_event()
+                kind = event["event"]
+                if kind == "text":
+                    text = event.get("text")
+                    if not isinstance(text, str):
+                        raise ProtocolError("'text' event needs a string 'text'")
+                    total += len(text)
+                    if total > self.settings.max_text_length:
+                        raise ApiError(
+                            413, f"session text exceeds {self.settings.max_text_length} characters"
+                        )
+                    if self.first_text_at is None and text.strip():
+                        self.first_text_at = time.perf_counter()
+                    buffer += text
+                    ready, buffer = split_ready_text(buffer, body.chunk_length)
+                    if ready.strip():
+                        await segments.send(ready)
+                elif kind in ("flush", "stop"):
+                    if buffer.strip():
+                        await segments.send(buffer)
+                    buffer = ""
+                    if kind == "stop":
+                        return
+                # Unknown events are ignored, as the protocol asks of both sides.
+
+    async def synthesize(
+        self,
+        body: TTSRequestBody,
+        references: tuple[VoiceReference, ...],
+        voice_key: str | None,
+        segments: MemoryObjectReceiveStream[str],
+    ) -> None:
+        """Synthesize segments in order into the one session encoder."""
+        encoder = make_encoder(body, self.engine.sample_rate)
+        async with segments:
+            async for text in segments:
+                request: SynthesisRequest = build_synthesis_request(
+                    body, references, voice_key, Priority.REALTIME, self.settings, text=text
+                )
+                stream = EncodedAudio(self.engine.submit(request), encoder, finish_encoder=False)
+                try:
+                    async for data in stream:
+                        await self.send_audio(data)
+                finally:
+                    self.audio_seconds += stream.audio_seconds
+                    await stream.aclose()
+        if self.audio_sent:
+            await self.send_audio(await anyio.to_thread.run_sync(encoder.finish))
+
+    async def run(self) -> str:
+        """Serve the session; returns the finish reason sent ("stop" or "error")."""
+        try:
+            body, references, voice_key = await self.start()
+            send_segments, receive_segments = anyio.create_memory_object_stream[str](math.inf)
+            async with anyio.create_task_group() as group:
+                group.start_soon(self.synthesize, body, references, voice_key, receive_segments)
+                await self.read_text(body, send_segments)
+            await self.websocket.send_bytes(pack({"event": "finish", "reason": "stop"}))
+            return "stop"
+        except Exception as raised:
+            if _is_disconnect(raised):
+                raise
+            error = _unwrap(raised)
+            if isinstance(error, ProtocolError):
+                error = ApiError(400, str(error))
+            error = exception_to_error(error)
+            if error.status >= 500:
+                log.error("live session failed", exc_info=raised)
+            finish = {"event": "finish", "reason": "error", "message": error.message}
+            await self.websocket.send_bytes(pack(finish))
+            return "error"
+
+
+def _is_disconnect(error: BaseException) -> bool:
+    if isinstance(error, WebSocketDisconnect):
+        return True
+    if isinstance(error, BaseExceptionGroup):
+        return any(_is_disconnect(inner) for inner in error.exceptions)
+    return False
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The first real error inside (possibly nested) task-group exception groups."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+@router.websocket("/v1/tts/live")
+async def live_tts(websocket: WebSocket) -> None:
+    state = websocket.app.state
+    limiter: StreamLimiter = state.limiter
+    try:
+        principal = await authenticate(websocket)
+        limiter.acquire(principal)
+    except ApiError as error:
+        state.metrics.count("/v1/tts/live", error.status)
+        await websocket.send_denial_response(error_response(error.status, error.message))
+        return
+    await websocket.accept()
+    session = LiveSession(websocket, principal)
+    reason = "disconnect"
+    try:
+        reason = await session.run()
+        await websocket.close(1000)
+    except BaseException as error:
+        if not _is_disconnect(error):
+            raise
+    finally:
+        limiter.release(principal)
+        state.metrics.observe_audio(session.audio_seconds)
+        state.metrics.count("/v1/tts/live", {"stop": 101, "error": 500}.get(reason, 499))

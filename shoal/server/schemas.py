@@ -1,0 +1,189 @@
+"""Request and response bodies of the Fish Audio API, as the official clients send and validate them.
+
+Requests are lenient where the clients differ (nulls for optional fields, unknown keys, both
+opus bitrate scales); responses carry every field the new client validates strictly.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+AudioFormat = Literal["wav", "pcm", "mp3", "opus"]
+Visibility = Literal["public", "unlist", "private"]
+
+
+class LenientModel(BaseModel):
+    """Ignore unknown keys, and treat an explicit null like an omitted field (the legacy client
+    sends `model_dump()` with nulls for every optional field)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class ReferenceAudio(LenientModel):
+    """Inline voice sample: audio bytes (msgpack bin, or base64 in JSON) and its transcript."""
+
+    audio: bytes
+    text: str = ""
+
+    @field_validator("audio", mode="before")
+    @classmethod
+    def _decode_base64(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError("audio must be bytes (msgpack bin) or a base64 string") from exc
+        return value
+
+
+class Prosody(LenientModel):
+    speed: float = Field(1.0, ge=0.5, le=2.0)
+    volume: float = Field(0.0, ge=-20.0, le=20.0)  # dB
+    normalize_loudness: bool = True
+
+
+class TTSRequestBody(LenientModel):
+    """`POST /v1/tts` and the WebSocket `start` event's `request` (cloud `TTSRequest` schema)."""
+
+    text: str = ""
+    temperature: float = Field(0.7, ge=0.0, le=1.0)
+    top_p: float = Field(0.7, ge=0.0, le=1.0)
+    references: list[ReferenceAudio] | list[list[ReferenceAudio]] = []
+    reference_id: str | list[str] | None = None
+    prosody: Prosody | None = None
+    chunk_length: int = Field(200, ge=100, le=1000)
+    normalize: bool = True
+    format: AudioFormat = "mp3"
+    sample_rate: int | None = Field(None, ge=8000, le=48000)
+    mp3_bitrate: Literal[64, 128, 192] = 128
+    opus_bitrate: int = -1000  # kbps (SDK) or bps (cloud schema); audio.create_encoder checks it
+    latency: Literal["low", "normal", "balanced"] = "normal"
+    max_new_tokens: int = Field(1024, ge=1, le=8192)
+    repetition_penalty: float = Field(1.2, ge=0.5, le=2.0)
+    min_chunk_length: int = Field(50, ge=0, le=1000)
+    condition_on_previous_chunks: bool = True
+    early_stop_threshold: float = Field(1.0, ge=0.0, le=1.0)
+    seed: int | None = None
+
+    def flat_references(self) -> list[ReferenceAudio]:
+        """Inline references in speaker order (a 2-D list is one list per speaker)."""
+        flat: list[ReferenceAudio] = []
+        for item in self.references:
+            flat.extend(item if isinstance(item, list) else [item])
+        return flat
+
+    def reference_ids(self) -> list[str]:
+        if self.reference_id is None or self.reference_id == "":
+            return []
+        return [self.reference_id] if isinstance(self.reference_id, str) else list(self.reference_id)
+
+
+class OpenAISpeechBody(LenientModel):
+    """`POST /v1/audio/speech` (OpenAI-compatible): `voice` is a stored voice id."""
+
+    input: str
+    model: str = "s2-pro"
+    voice: str | None = None
+    response_format: Literal["mp3", "opus", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=0.5, le=2.0)
+    instructions: str | None = None
+
+
+# ---- voices ---------------------------------------------------------------------------------
+
+
+class Author(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    id: str = Field(alias="_id")
+    nickname: str
+    avatar: str = ""
+
+
+class Sample(BaseModel):
+    title: str
+    text: str
+    task_id: str
+    audio: str
+
+
+class VoiceEntity(BaseModel):
+    """The cloud `ModelEntity`; serialize with `by_alias=True` so `id` goes out as `_id`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    id: str = Field(alias="_id")
+    type: Literal["svc", "tts"] = "tts"
+    title: str
+    description: str = ""
+    cover_image: str = ""
+    train_mode: Literal["fast"] = "fast"
+    state: Literal["created", "training", "trained", "failed"] = "trained"
+    tags: list[str] = []
+    samples: list[Sample] = []
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    languages: list[str] = []
+    visibility: Visibility = "private"
+    lock_visibility: bool = False
+    like_count: int = 0
+    mark_count: int = 0
+    shared_count: int = 0
+    task_count: int = 0
+    liked: bool = False
+    marked: bool = False
+    author: Author
+
+
+class VoicePage(BaseModel):
+    total: int
+    items: list[VoiceEntity]
+    has_more: bool = False
+
+
+# ---- account --------------------------------------------------------------------------------
+
+
+class Credits(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    id: str = Field(alias="_id")
+    user_id: str
+    credit: str
+    created_at: str
+    updated_at: str
+    has_phone_sha256: bool = False
+    has_free_credit: bool = True
+
+
+class Package(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    id: str = Field(alias="_id")
+    user_id: str
+    type: str
+    total: int
+    balance: int
+    created_at: str
+    updated_at: str
+    finished_at: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    sample_rate: int
+    running: int
+    waiting: dict[str, int]
+    pages_used: int
+    pages_free: int
+    frames_per_second: float
+    active_streams: int

@@ -1,0 +1,271 @@
+"""`POST /v1/tts` (JSON or msgpack) and the OpenAI-compatible `POST /v1/audio/speech`.
+
+Audio streams out with chunked encoding while the engine produces it. The response starts only
+once the first audio bytes exist, so every failure before that (bad voice, overload, engine
+error) still gets a proper status and Fish error body; a failure after it ends the body early.
+A client that goes away aborts its engine request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Annotated
+
+import anyio
+import anyio.to_thread
+import ormsgpack
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from shoal.engine.api import (
+    Engine,
+    FinishReason,
+    Priority,
+    RequestHandle,
+    SamplingOptions,
+    SynthesisRequest,
+    VoiceReference,
+)
+from shoal.server import audio
+from shoal.server.auth import Principal, StreamLimiter, request_priority, require_principal
+from shoal.server.errors import ApiError, exception_to_error
+from shoal.server.schemas import OpenAISpeechBody, TTSRequestBody
+
+if TYPE_CHECKING:
+    from shoal.server.app import ServerSettings
+
+OPENAI_BUILTIN_VOICES = frozenset(
+    {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
+)
+
+
+class SynthesisFailed(Exception):
+    """The engine ended a request with an error after audio had started flowing."""
+
+
+def build_synthesis_request(
+    body: TTSRequestBody,
+    references: tuple[VoiceReference, ...],
+    voice_key: str | None,
+    priority: Priority,
+    settings: ServerSettings,
+    text: str | None = None,
+) -> SynthesisRequest:
+    """Map the Fish request fields onto the engine's request (limits applied here)."""
+    text = body.text if text is None else text
+    if len(text) > settings.max_text_length:
+        raise ApiError(413, f"text is longer than {settings.max_text_length} characters")
+    sampling = SamplingOptions(
+        # The reference implementation needs temperature and top_p in [0.1, 1]; the cloud allows 0.
+        temperature=min(max(body.temperature, 0.1), 1.0),
+        top_p=min(max(body.top_p, 0.1), 1.0),
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+    )
+    return SynthesisRequest(
+        text=text,
+        references=references,
+        voice_key=voice_key,
+        sampling=sampling,
+        priority=priority,
+        max_new_frames=min(body.max_new_tokens, settings.max_new_frames),
+        chunk_length=body.chunk_length,
+    )
+
+
+def make_encoder(body: TTSRequestBody, input_sample_rate: int) -> audio.AudioEncoder:
+    prosody = body.prosody
+    try:
+        return audio.create_encoder(
+            body.format,
+            input_sample_rate=input_sample_rate,
+            sample_rate=body.sample_rate,
+            mp3_bitrate=body.mp3_bitrate,
+            opus_bitrate=body.opus_bitrate,
+            speed=prosody.speed if prosody else 1.0,
+            volume_db=prosody.volume if prosody else 0.0,
+        )
+    except audio.AudioFormatError as error:
+        raise ApiError(400, str(error)) from error
+
+
+class EncodedAudio:
+    """One engine request piped through a format encoder, as an async iterator of file bytes."""
+
+    def __init__(
+        self, handle: RequestHandle, encoder: audio.AudioEncoder, finish_encoder: bool = True
+    ) -> None:
+        self.handle = handle
+        self.encoder = encoder
+        self.finish_encoder = finish_encoder  # False: the encoder continues past this request (live)
+        self.audio_seconds = 0.0
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.handle:
+            self.audio_seconds += len(chunk.samples) / chunk.sample_rate
+            data = await anyio.to_thread.run_sync(self.encoder.write, chunk.samples)
+            if data:
+                yield data
+        if self.handle.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
+            raise SynthesisFailed(f"synthesis ended with {self.handle.finish_reason}")
+        if self.finish_encoder:
+            tail = await anyio.to_thread.run_sync(self.encoder.finish)
+            if tail:
+                yield tail
+
+    async def aclose(self) -> None:
+        """Abort the engine request if it still runs; safe to call twice, even while cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.handle.aclose()
+
+
+async def start_stream(
+    engine: Engine, synthesis: SynthesisRequest, encoder: audio.AudioEncoder
+) -> tuple[EncodedAudio, bytes, AsyncIterator[bytes]]:
+    """Submit and wait for the first bytes, so errors before any audio become HTTP statuses."""
+    stream = EncodedAudio(engine.submit(synthesis), encoder)
+    iterator = stream.__aiter__()
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        first = b""
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream, first, iterator
+
+
+class AudioStreamResponse(StreamingResponse):
+    """A chunked audio response that always runs `on_close` (abort + bookkeeping), including
+    when the client disconnects and Starlette cancels the body task."""
+
+    def __init__(self, first: bytes, rest: AsyncIterator[bytes], media_type: str, on_close: Callable) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            if first:
+                yield first
+            async for data in rest:
+                yield data
+
+        super().__init__(body(), media_type=media_type)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+async def synthesize_response(
+    request: Request, principal: Principal, body: TTSRequestBody, priority: Priority, route: str
+) -> AudioStreamResponse:
+    """Shared by `/v1/tts` and `/v1/audio/speech`: resolve voice, check limits, stream audio."""
+    state = request.app.state
+    settings: ServerSettings = state.settings
+    engine: Engine = state.engine
+    limiter: StreamLimiter = state.limiter
+    started = time.perf_counter()
+    if not body.text.strip():
+        raise ApiError(400, "text is empty")
+    encoder = make_encoder(body, engine.sample_rate)
+    references, voice_key = await state.voices.resolve(principal, body)
+    synthesis = build_synthesis_request(body, references, voice_key, priority, settings)
+    limiter.acquire(principal)
+    try:
+        stream, first, rest = await start_stream(engine, synthesis, encoder)
+    except BaseException:
+        limiter.release(principal)
+        raise
+    state.metrics.observe_first_audio(route, time.perf_counter() - started)
+
+    async def on_close() -> None:
+        await stream.aclose()
+        limiter.release(principal)
+        state.metrics.observe_audio(stream.audio_seconds)
+
+    return AudioStreamResponse(first, rest, encoder.content_type, on_close)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing more than `limit` bytes (413) even without a Content-Length."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_body(raw: bytes, content_type: str) -> object:
+    """msgpack when the Content-Type says so (what the SDKs send), JSON otherwise."""
+    if not raw:
+        raise ApiError(400, "request body is empty")
+    try:
+        if "msgpack" in content_type:
+            return ormsgpack.unpackb(raw)
+        return json.loads(raw)
+    except (ValueError, ormsgpack.MsgpackDecodeError) as error:
+        kind = "msgpack" if "msgpack" in content_type else "JSON"
+        raise ApiError(400, f"malformed {kind} body: {error}") from error
+
+
+async def parse_model(request: Request, model: type[TTSRequestBody] | type[OpenAISpeechBody]):
+    raw = await read_body(request, request.app.state.settings.max_body_bytes)
+    data = decode_body(raw, request.headers.get("content-type", ""))
+    if not isinstance(data, dict):
+        raise ApiError(422, "request body must be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise exception_to_error(error) from error
+
+
+router = APIRouter(tags=["tts"])
+
+
+@router.post("/v1/tts", response_class=StreamingResponse)
+async def text_to_speech(
+    request: Request,
+    principal: Annotated[Principal, Depends(require_principal)],
+    x_shoal_priority: Annotated[str | None, Header()] = None,
+) -> AudioStreamResponse:
+    """Fish `TTSRequest` in (msgpack or JSON), audio file bytes out. The `model` header is
+    accepted with any value: this server serves the one model it loaded."""
+    body = await parse_model(request, TTSRequestBody)
+    priority = request_priority(principal, x_shoal_priority)
+    return await synthesize_response(request, principal, body, priority, "tts")
+
+
+@router.post("/v1/audio/speech", response_class=StreamingResponse)
+async def openai_speech(
+    request: Request, principal: Annotated[Principal, Depends(require_principal)]
+) -> AudioStreamResponse:
+    """OpenAI's speech endpoint: `voice` is a stored voice id (OpenAI's built-in names mean the
+    model's default voice)."""
+    speech = await parse_model(request, OpenAISpeechBody)
+    voice = speech.voice if speech.voice and speech.voice not in OPENAI_BUILTIN_VOICES else None
+    body = TTSRequestBody(
+        text=speech.input,
+        reference_id=voice,
+        format=speech.response_format,
+        prosody={"speed": speech.speed} if speech.speed != 1.0 else None,  # type: ignore[arg-type]
+    )
+    return await synthesize_response(request, principal, body, request_priority(principal, None), "openai")
+
+
+@router.post("/v1/asr")
+async def speech_to_text(principal: Annotated[Principal, Depends(require_principal)]) -> None:
+    raise ApiError(501, "speech recognition (/v1/asr) is not part of Shoal; use a dedicated ASR server")

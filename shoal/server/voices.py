@@ -1,0 +1,380 @@
+"""Voices: the `/model` library the official clients manage, fish-speech's `/v1/references/*`
+routes, and resolving a request's voice (stored id or inline samples) into encoded references.
+
+A voice's audio is codec-encoded once, at upload; requests reuse the stored codes. Inline
+references are encoded once per distinct clip and kept in a small in-memory cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import anyio.to_thread
+import numpy as np
+import ormsgpack
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi.responses import JSONResponse, Response
+
+from shoal.engine.api import Engine, VoiceReference
+from shoal.server import audio
+from shoal.server.auth import Principal, require_principal
+from shoal.server.errors import ApiError
+from shoal.server.schemas import Author, ReferenceAudio, Sample, TTSRequestBody, VoiceEntity, VoicePage
+from shoal.server.store import NewSample, Store, VoiceRow
+
+if TYPE_CHECKING:
+    from shoal.server.app import ServerSettings
+
+VOICE_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+INLINE_CACHE_SIZE = 256
+STORED_CACHE_SIZE = 512
+
+
+def can_use(principal: Principal, row: VoiceRow) -> bool:
+    """Own voices, public and unlisted ones are usable; other tenants' private ones are not."""
+    return row.tenant == principal.tenant or row.visibility in ("public", "unlist")
+
+
+def voice_entity(row: VoiceRow) -> VoiceEntity:
+    samples = [
+        Sample(title=f"sample {s.position + 1}", text=s.text, task_id=s.id, audio="") for s in row.samples
+    ]
+    return VoiceEntity(
+        _id=row.id,
+        title=row.title,
+        description=row.description or "",
+        cover_image=row.cover_image or "",
+        tags=list(row.tags or []),
+        samples=samples,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        languages=list(row.languages or []),
+        visibility=row.visibility,  # type: ignore[arg-type]
+        task_count=row.task_count or 0,
+        author=Author(_id=row.tenant, nickname=row.tenant),
+    )
+
+
+def entity_json(row: VoiceRow, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(voice_entity(row).model_dump(mode="json", by_alias=True), status_code=status_code)
+
+
+class VoiceResolver:
+    """Turns uploads into codes (once) and a request's voice fields into engine references."""
+
+    def __init__(self, engine: Engine, store: Store, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.store = store
+        self.settings = settings
+        self._inline: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._stored: OrderedDict[str, tuple[VoiceReference, ...]] = OrderedDict()
+
+    async def encode_upload(self, data: bytes) -> np.ndarray:
+        """Decode an uploaded clip (in a thread) and codec-encode it with the engine."""
+        if len(data) > self.settings.max_upload_bytes:
+            raise ApiError(413, f"audio upload larger than {self.settings.max_upload_bytes} bytes")
+        try:
+            samples = await anyio.to_thread.run_sync(
+                lambda: audio.decode_audio(data, max_seconds=self.settings.max_upload_seconds)
+            )
+        except audio.AudioDecodeError as error:
+            raise ApiError(error.status, error.message) from error
+        return await self.engine.encode_reference(samples, audio.SAMPLE_RATE)
+
+    async def inline_references(
+        self, references: list[ReferenceAudio]
+    ) -> tuple[tuple[VoiceReference, ...], str]:
+        """Encode inline samples (cached by content hash); the voice key hashes all of them."""
+        encoded = []
+        voice_hash = hashlib.sha256()
+        for reference in references:
+            digest = hashlib.sha256(reference.audio).hexdigest()
+            voice_hash.update(digest.encode() + reference.text.encode("utf-8") + b"\0")
+            codes = self._inline.get(digest)
+            if codes is None:
+                codes = await self.encode_upload(reference.audio)
+                self._inline[digest] = codes
+                while len(self._inline) > INLINE_CACHE_SIZE:
+                    self._inline.popitem(last=False)
+            else:
+                self._inline.move_to_end(digest)
+            encoded.append(VoiceReference(text=reference.text, codes=codes))
+        return tuple(encoded), "inline:" + voice_hash.hexdigest()
+
+    async def visible_voice(self, principal: Principal, voice_id: str) -> VoiceRow:
+        row = await anyio.to_thread.run_sync(self.store.get_voice, voice_id)
+        if row is None or not can_use(principal, row):
+            raise ApiError(404, f"voice not found: {voice_id}")
+        return row
+
+    async def stored_references(self, principal: Principal, voice_id: str) -> tuple[VoiceReference, ...]:
+        row = await self.visible_voice(principal, voice_id)
+        cached = self._stored.get(voice_id)
+        if cached is None:
+            pairs = await anyio.to_thread.run_sync(self.store.voice_codes, row)
+            cached = tuple(VoiceReference(text=text, codes=codes) for text, codes in pairs)
+            self._stored[voice_id] = cached
+            while len(self._stored) > STORED_CACHE_SIZE:
+                self._stored.popitem(last=False)
+        await anyio.to_thread.run_sync(self.store.count_use, voice_id)
+        return cached
+
+    async def resolve(
+        self, principal: Principal, body: TTSRequestBody
+    ) -> tuple[tuple[VoiceReference, ...], str | None]:
+        """The request's references and voice key: stored ids win over inline samples."""
+        voice_ids = body.reference_ids()
+        if voice_ids:
+            references: list[VoiceReference] = []
+            for voice_id in voice_ids:
+                references.extend(await self.stored_references(principal, voice_id))
+            return tuple(references), "voice:" + ",".join(voice_ids)
+        inline = body.flat_references()
+        if inline:
+            return await self.inline_references(inline)
+        return (), None
+
+    def forget(self, voice_id: str) -> None:
+        self._stored.pop(voice_id, None)
+
+
+def resolver_of(request: Request) -> VoiceResolver:
+    return request.app.state.voices
+
+
+async def owned_voice(resolver: VoiceResolver, principal: Principal, voice_id: str) -> VoiceRow:
+    """A voice the caller may modify: 404 if invisible to it, 403 if visible but not its own."""
+    row = await resolver.visible_voice(principal, voice_id)
+    if row.tenant != principal.tenant:
+        raise ApiError(403, "this voice belongs to another account")
+    return row
+
+
+async def create_voice_row(
+    resolver: VoiceResolver,
+    principal: Principal,
+    uploads: list[UploadFile],
+    texts: list[str],
+    **fields: object,
+) -> VoiceRow:
+    settings = resolver.settings
+    if not uploads:
+        raise ApiError(400, "at least one voice sample ('voices' file) is required")
+    if len(uploads) > settings.max_voice_samples:
+        raise ApiError(400, f"at most {settings.max_voice_samples} voice samples per voice")
+    samples = []
+    for index, upload in enumerate(uploads):
+        if upload.size is not None and upload.size > settings.max_upload_bytes:
+            raise ApiError(413, f"audio upload larger than {settings.max_upload_bytes} bytes")
+        data = await upload.read()
+        codes = await resolver.encode_upload(data)
+        samples.append(NewSample(text=texts[index] if index < len(texts) else "", audio=data, codes=codes))
+    return await anyio.to_thread.run_sync(
+        lambda: resolver.store.create_voice(principal.tenant, samples=samples, **fields)  # type: ignore[arg-type]
+    )
+
+
+router = APIRouter(tags=["voices"])
+Principal_ = Annotated[Principal, Depends(require_principal)]
+Resolver_ = Annotated[VoiceResolver, Depends(resolver_of)]
+
+
+@router.post("/model", status_code=201)
+async def create_model(
+    principal: Principal_,
+    resolver: Resolver_,
+    title: Annotated[str, Form(min_length=1, max_length=500)],
+    voices: Annotated[list[UploadFile], File()],
+    description: Annotated[str, Form()] = "",
+    visibility: Annotated[Literal["public", "unlist", "private"], Form()] = "private",
+    type: Annotated[Literal["tts"], Form()] = "tts",
+    train_mode: Annotated[Literal["fast", "full"], Form()] = "fast",
+    texts: Annotated[list[str], Form()] = [],  # noqa: B006 (FastAPI copies defaults)
+    tags: Annotated[list[str], Form()] = [],  # noqa: B006
+    cover_image: Annotated[UploadFile | None, File()] = None,
+) -> JSONResponse:
+    """Clone a voice from samples ("fast" mode: ready at once, state `trained`)."""
+    cover = await cover_image.read() if cover_image is not None else None
+    row = await create_voice_row(
+        resolver,
+        principal,
+        voices,
+        texts,
+        title=title,
+        description=description,
+        visibility=visibility,
+        tags=tags,
+        cover_image=cover,
+    )
+    return entity_json(row, status_code=201)
+
+
+@router.get("/model", response_model=VoicePage)
+async def list_models(
+    principal: Principal_,
+    resolver: Resolver_,
+    page_size: Annotated[int, Query(ge=1, le=100)] = 10,
+    page_number: Annotated[int, Query(ge=1)] = 1,
+    title: str | None = None,
+    tag: Annotated[list[str] | None, Query()] = None,
+    self_only: Annotated[bool, Query(alias="self")] = False,
+    author_id: str | None = None,
+    language: Annotated[list[str] | None, Query()] = None,
+    sort_by: Literal["score", "task_count", "created_at"] = "task_count",
+) -> JSONResponse:
+    """The caller's voices and everyone's public ones (unlisted voices are not listed to others)."""
+    total, rows = await anyio.to_thread.run_sync(
+        lambda: resolver.store.list_voices(
+            visible_to=principal.tenant,
+            own_only=self_only,
+            title=title,
+            tags=tag,
+            languages=language,
+            author_id=author_id,
+            sort_by=sort_by,
+            offset=(page_number - 1) * page_size,
+            limit=page_size,
+        )
+    )
+    page = VoicePage(
+        total=total, items=[voice_entity(row) for row in rows], has_more=page_number * page_size < total
+    )
+    return JSONResponse(page.model_dump(mode="json", by_alias=True))
+
+
+@router.get("/model/{voice_id}")
+async def get_model(voice_id: str, principal: Principal_, resolver: Resolver_) -> JSONResponse:
+    return entity_json(await resolver.visible_voice(principal, voice_id))
+
+
+@router.patch("/model/{voice_id}")
+async def update_model(
+    voice_id: str,
+    principal: Principal_,
+    resolver: Resolver_,
+    title: Annotated[str | None, Form(min_length=1, max_length=500)] = None,
+    description: Annotated[str | None, Form()] = None,
+    visibility: Annotated[Literal["public", "unlist", "private"] | None, Form()] = None,
+    tags: Annotated[list[str] | None, Form()] = None,
+    cover_image: Annotated[UploadFile | None, File()] = None,
+) -> JSONResponse:
+    await owned_voice(resolver, principal, voice_id)
+    cover = await cover_image.read() if cover_image is not None else None
+    row = await anyio.to_thread.run_sync(
+        lambda: resolver.store.update_voice(
+            voice_id,
+            cover_image=cover,
+            title=title,
+            description=description,
+            visibility=visibility,
+            tags=tags,
+        )
+    )
+    if row is None:
+        raise ApiError(404, f"voice not found: {voice_id}")
+    return entity_json(row)
+
+
+@router.delete("/model/{voice_id}")
+async def delete_model(voice_id: str, principal: Principal_, resolver: Resolver_) -> JSONResponse:
+    await owned_voice(resolver, principal, voice_id)
+    await anyio.to_thread.run_sync(resolver.store.delete_voice, voice_id)
+    resolver.forget(voice_id)
+    return JSONResponse({"_id": voice_id, "deleted": True})
+
+
+# ---- fish-speech's self-hosted reference routes ------------------------------------------------
+
+
+def reference_reply(request: Request, payload: dict, status_code: int = 200) -> Response:
+    """fish-speech answers msgpack unless the caller asks for JSON (`?format=json` or Accept)."""
+    wants_json = request.query_params.get("format") == "json" or "json" in request.headers.get("accept", "")
+    if wants_json:
+        return JSONResponse(payload, status_code=status_code)
+    return Response(ormsgpack.packb(payload), status_code=status_code, media_type="application/msgpack")
+
+
+async def read_fields(request: Request) -> dict:
+    """A small JSON, msgpack or form body as a dict (fish-speech accepts all three)."""
+    content_type = request.headers.get("content-type", "")
+    try:
+        if "form" in content_type:
+            return dict(await request.form())
+        body = await request.body()
+        if not body:
+            return dict(request.query_params)
+        if "msgpack" in content_type:
+            data = ormsgpack.unpackb(body)
+        else:
+            import json
+
+            data = json.loads(body)
+    except (ValueError, ormsgpack.MsgpackDecodeError) as error:
+        raise ApiError(400, f"malformed request body: {error}") from error
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be an object")
+    return data
+
+
+def checked_reference_id(value: object) -> str:
+    if not isinstance(value, str) or not VOICE_ID_PATTERN.match(value):
+        raise ApiError(400, "reference id must be 1-64 letters, digits, '-' or '_'")
+    return value
+
+
+@router.post("/v1/references/add")
+async def add_reference(
+    request: Request,
+    principal: Principal_,
+    resolver: Resolver_,
+    id: Annotated[str, Form()],
+    audio: Annotated[UploadFile, File()],
+    text: Annotated[str, Form()] = "",
+) -> Response:
+    reference_id = checked_reference_id(id)
+    if await anyio.to_thread.run_sync(resolver.store.get_voice, reference_id) is not None:
+        raise ApiError(409, f"reference already exists: {reference_id}")
+    await create_voice_row(resolver, principal, [audio], [text], title=reference_id, voice_id=reference_id)
+    payload = {"success": True, "message": "reference added", "reference_id": reference_id}
+    return reference_reply(request, payload)
+
+
+@router.get("/v1/references/list")
+async def list_references(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
+    _, rows = await anyio.to_thread.run_sync(
+        lambda: resolver.store.list_voices(visible_to=principal.tenant, own_only=True, limit=1_000_000)
+    )
+    ids = sorted(row.id for row in rows)
+    return reference_reply(request, {"success": True, "reference_ids": ids, "message": "ok"})
+
+
+@router.delete("/v1/references/delete")
+async def delete_reference(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
+    reference_id = checked_reference_id((await read_fields(request)).get("reference_id"))
+    await owned_voice(resolver, principal, reference_id)
+    await anyio.to_thread.run_sync(resolver.store.delete_voice, reference_id)
+    resolver.forget(reference_id)
+    return reference_reply(
+        request, {"success": True, "message": "reference deleted", "reference_id": reference_id}
+    )
+
+
+@router.post("/v1/references/update")
+async def rename_reference(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
+    fields = await read_fields(request)
+    old_id = checked_reference_id(fields.get("old_reference_id"))
+    new_id = checked_reference_id(fields.get("new_reference_id"))
+    await owned_voice(resolver, principal, old_id)
+    if not await anyio.to_thread.run_sync(resolver.store.rename_voice, old_id, new_id):
+        raise ApiError(409, f"reference already exists: {new_id}")
+    resolver.forget(old_id)
+    payload = {
+        "success": True,
+        "message": "reference renamed",
+        "old_reference_id": old_id,
+        "new_reference_id": new_id,
+    }
+    return reference_reply(request, payload)

@@ -1,0 +1,180 @@
+"""Paged attention kernels against the torch reference (TRITON_INTERPRET=1 on the CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _allow_scalar_loop_bounds_in_interpreter() -> None:
+    """Triton 3.6's interpreter turns scalars into 1-element arrays and `int()`s them for
+    `range(lo, hi)`; NumPy >= 2.4 refuses that. Index through the single element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    if getattr(original, "__name__", "") != "patched":
+        interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _allow_scalar_loop_bounds_in_interpreter()
+
+import pytest  # noqa: E402
+
+from shoal.kernels.attention import (  # noqa: E402
+    AttentionConfig,
+    paged_decode_attention,
+    paged_prefill_attention,
+    shared_prefix_decode_attention,
+)
+from shoal.kernels.reference_attention import paged_attention_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = AttentionConfig(block_n=16, block_m=4, prefix_block_rows=16, prefix_splits=2)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN (or an unwritten, poisoned element) in the output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_paged_cache(
+    seq_lens: list[int], hkv: int, d: int, page_size: int, generator: torch.Generator, shared_pages: int = 0
+):
+    """Random k/v pools with each sequence's pages scattered at random; the first
+    `shared_pages` pages of every row point at the same physical pages."""
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    own = [p - shared_pages for p in pages_per_seq]
+    num_pages = shared_pages + sum(own) + 3
+    perm = torch.randperm(num_pages, generator=generator)
+    shared, cursor = perm[:shared_pages], shared_pages
+    max_pages = max(pages_per_seq)
+    tables = torch.full((len(seq_lens), max_pages), -1, dtype=torch.int32)  # -1: never read
+    for b, count in enumerate(own):
+        tables[b, :shared_pages] = shared
+        tables[b, shared_pages : shared_pages + count] = perm[cursor : cursor + count]
+        cursor += count
+    shape = (num_pages, page_size, hkv, d)
+    k = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    v = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    tables = tables.clamp(min=0)  # keep indices valid; entries past the length are never read
+    return k.to(DEVICE), v.to(DEVICE), tables.to(DEVICE)
+
+
+def poisoned(shape, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(hq: int, hkv: int, num_splits: int) -> None:
+    gen = torch.Generator().manual_seed(hq * 10 + num_splits)
+    seq_lens = [1, 15, 16, 17, 40]
+    d, page = 32, 16
+    k, v, tables = make_paged_cache(seq_lens, hkv, d, page, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape)
+    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=SMALL, out=out)
+    ref = paged_attention_reference(q, k, v, tables, lens)
+    assert relative_error(out, ref) < 1e-2
+
+
+def test_decode_default_splits_with_page_size_8() -> None:
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [9, 33, 70]
+    k, v, tables = make_paged_cache(seq_lens, 2, 16, 8, gen)
+    q = torch.randn(3, 4, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    config = AttentionConfig(block_n=16, min_split_tokens=16)
+    out = paged_decode_attention(q, k, v, tables, lens, config=config)
+    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1), (8, 2)])
+def test_chunked_prefill_matches_reference(hq: int, hkv: int) -> None:
+    """Sequences with cached context plus a chunk of new queries, chunks crossing pages."""
+    gen = torch.Generator().manual_seed(hq + hkv)
+    seq_lens = [5, 23, 18]
+    q_lens = [5, 7, 1]  # first: a fresh prompt; others: chunks after cached context
+    d, page = 16, 8
+    k, v, tables = make_paged_cache(seq_lens, hkv, d, page, gen)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 5, 12, 13], dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape)
+    paged_prefill_attention(q, k, v, tables, lens, starts, max(q_lens), config=SMALL, out=out)
+    ref = paged_attention_reference(q, k, v, tables, lens, starts)
+    assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)])
+def test_shared_prefix_matches_reference(hq: int, hkv: int) -> None:
+    """Two groups sharing 2 and 1 pages, plus an unshared row; suffixes cross page bounds."""
+    gen = torch.Generator().manual_seed(11 * hq)
+    d, page = 16, 8
+    group_a = [20, 16 + 1, 30]  # share 2 pages = 16 tokens
+    group_b = [9, 12]  # share 1 page = 8 tokens
+    loner = [13]
+    k_a, v_a, t_a = make_paged_cache(group_a, hkv, d, page, gen, shared_pages=2)
+    k_b, v_b, t_b = make_paged_cache(group_b, hkv, d, page, gen, shared_pages=1)
+    k_c, v_c, t_c = make_paged_cache(loner, hkv, d, page, gen)
+    # One pool: offset each group's page ids.
+    k = torch.cat([k_a, k_b, k_c])
+    v = torch.cat([v_a, v_b, v_c])
+    width = max(t.shape[1] for t in (t_a, t_b, t_c))
+    pad = lambda t, base: torch.nn.functional.pad(t + base, (0, width - t.shape[1]))  # noqa: E731
+    tables = torch.cat([pad(t_a, 0), pad(t_b, k_a.shape[0]), pad(t_c, k_a.shape[0] + k_b.shape[0])])
+    tables = tables.to(torch.int32)
+    seq_lens = group_a + group_b + loner
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor([16, 16, 16, 8, 8, 0], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 3, 5, 6], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = poisoned(q.shape)
+    shared_prefix_decode_attention(
+        q, k, v, tables, lens, prefix, starts, max_group_size=3, num_splits=2, config=SMALL, out=out
+    )
+    ref = paged_attention_reference(q, k, v, tables, lens)
+    assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context", [(1, 8192), (16, 4096), (64, 1024)])
+def test_decode_full_s2_shapes(batch: int, context: int) -> None:
+    gen = torch.Generator().manual_seed(batch)
+    seq_lens = [context - 37 * i for i in range(batch)]
+    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
+    q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k, v, tables, lens)
+    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_prefill_and_shared_prefix_full_s2_shapes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [1024 + 5 * i for i in range(64)]
+    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen, shared_pages=64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(64, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    prefix = torch.full((64,), 1024, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 64], dtype=torch.int32, device=DEVICE)
+    out = shared_prefix_decode_attention(q, k, v, tables, lens, prefix, starts, max_group_size=64)
+    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
+    q_lens = [300, 1, 77]
+    pre_lens = torch.tensor(seq_lens[:3], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 300, 301, 378], dtype=torch.int32, device=DEVICE)
+    qp = torch.randn(sum(q_lens), 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = paged_prefill_attention(qp, k, v, tables[:3], pre_lens, starts, max(q_lens))
+    ref = paged_attention_reference(qp, k, v, tables[:3], pre_lens, starts)
+    assert relative_error(out, ref) < 1e-2

@@ -1,0 +1,224 @@
+"""The batching engine on a tiny S2 model (float64): every request's frames equal the
+single-request oracle `reference.generate`, whatever the batch and whenever it arrived."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shoal.config import EngineConfig
+from shoal.engine.api import EngineOverloaded, FinishReason, Priority
+from shoal.engine.engine import EngineCore, LocalEngine
+from shoal.engine.request import SamplingParams
+from shoal.models import load_model
+from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
+from shoal.models.reference import generate
+
+TEXTS = ["hi", "a longer sentence to say", "short", "numbers 1 2 3", "ok then", "the end"]
+
+
+@pytest.fixture(scope="module")
+def model(golden_dir):
+    model = load_model(golden_dir / "s2_tiny", dtype=torch.float64)
+    model.config = model.config.replace(max_seq_len=384)  # room for several references
+    model.build_rope_tables("cpu")
+    return model
+
+
+def voice(seed: int, frames: int) -> list[Reference]:
+    if frames == 0:
+        return []
+    g = torch.Generator().manual_seed(seed)
+    return [Reference(f"voice {seed}", torch.randint(0, 64, (4, frames), generator=g))]
+
+
+def make_core(model, **overrides) -> EngineCore:
+    settings = dict(device="cpu", dtype="float64", num_pages=256, page_size=4, max_prefill_tokens=48)
+    settings.update(overrides)
+    return EngineCore(model, EngineConfig(**settings))
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.frames: dict[str, list[torch.Tensor]] = {}
+        self.reasons: dict[str, FinishReason] = {}
+
+    def __call__(self, request, frames, reason) -> None:
+        if frames is not None:
+            self.frames.setdefault(request.request_id, []).append(frames)
+        if reason is not None:
+            self.reasons[request.request_id] = reason
+
+    def output(self, request_id: str) -> torch.Tensor:
+        return torch.cat(self.frames[request_id]).t()
+
+
+def submit(core, model, sink, name, text, refs, params, max_frames, priority=Priority.STANDARD):
+    prompt = build_prompt(model.config, model.tokenizer, text, refs)
+    prefix = voice_prefix_length(model.config, model.tokenizer, refs)
+    request = core.new_request(
+        prompt, params, max_new_frames=max_frames, priority=priority, prefix_len=prefix, request_id=name, sink=sink
+    )
+    core.add(request)
+    return request, prompt
+
+
+def expected(model, prompt, params: SamplingParams, max_frames: int) -> torch.Tensor:
+    return generate(
+        model,
+        prompt,
+        max_frames=max_frames,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+    )
+
+
+def test_sixteen_staggered_requests_equal_reference(model):
+    core = make_core(model)
+    sink = Collector()
+    jobs = []
+    for i in range(16):
+        refs = voice(i % 3, (0, 6, 14)[i % 3])  # three voices, one without reference
+        params = SamplingParams(temperature=0.6 + 0.05 * i, top_p=0.7 + 0.015 * i, top_k=5 + i, seed=1000 + i)
+        jobs.append((f"r{i}", TEXTS[i % len(TEXTS)] * (1 + i % 3), refs, params, 4 + 2 * i))
+    pending = list(jobs)
+    prompts = {}
+    while pending or core.has_work:
+        for _ in range(2):  # two arrivals per step
+            if pending:
+                name, text, refs, params, max_frames = pending.pop(0)
+                prompts[name] = submit(core, model, sink, name, text, refs, params, max_frames)[1]
+        core.step()
+    assert max(len(r.block_table) for r in core.scheduler.running) if core.scheduler.running else True
+    for name, _, _, params, max_frames in jobs:
+        assert torch.equal(sink.output(name), expected(model, prompts[name], params, max_frames)), name
+    assert core.kv.pool.num_used == core.kv.prefix_cache_pages  # only idle cached voices remain
+    assert core.kv.prefix_cache_pages > 0
+
+
+def test_request_submitted_during_decoding_joins_next_step(model):
+    core = make_core(model)
+    sink = Collector()
+    first, _ = submit(core, model, sink, "first", "hello", [], SamplingParams(seed=1), 40)
+    core.step()
+    core.step()
+    assert first.is_decoding
+    late, _ = submit(core, model, sink, "late", "hi", [], SamplingParams(seed=2), 40)
+    served = core.step()
+    assert late in served and first in served
+
+
+def test_abort_frees_pages_at_once_and_all_pages_return(model):
+    core = make_core(model, ignore_eos=True)
+    sink = Collector()
+    requests = [submit(core, model, sink, f"a{i}", TEXTS[i], [], SamplingParams(seed=i), 30)[0] for i in range(4)]
+    for _ in range(3):
+        core.step()
+    used = core.kv.pool.num_used
+    own = len(requests[1].block_table) - requests[1].num_shared_pages  # the system prompt is shared
+    assert own > 0
+    core.abort("a1")
+    assert core.kv.pool.num_used == used - own and sink.reasons["a1"] is FinishReason.ABORTED
+    core.run_until_idle()
+    assert core.kv.pool.num_used == core.kv.prefix_cache_pages  # idle cached prefix only
+    core.kv.evict_prefixes(core.kv.pool.num_pages)
+    assert core.kv.pool.num_used == 0
+    assert all(sink.reasons[f"a{i}"] is FinishReason.LENGTH for i in (0, 2, 3))
+
+
+def test_same_voice_shares_pages_and_outputs_are_unchanged(model):
+    core = make_core(model, max_prefill_tokens=512)
+    sink = Collector()
+    refs = voice(7, 12)
+    prefix = voice_prefix_length(model.config, model.tokenizer, refs)
+    params_a, params_b = SamplingParams(seed=11), SamplingParams(seed=12, temperature=0.7)
+    a, prompt_a = submit(core, model, sink, "a", "first text", refs, params_a, 20)
+    core.step()  # prefix computed (one chunk covers it) and cached
+    b, prompt_b = submit(core, model, sink, "b", "second one", refs, params_b, 20)
+    core.step()
+    whole = prefix // core.config.page_size
+    assert core.kv.prefix_cache_pages == whole
+    assert b.num_shared_pages == whole and b.block_table[:whole] == a.block_table[:whole]
+    assert all(core.kv.pool.ref_count(p) == 3 for p in a.block_table[:whole])  # a, b, cache
+    core.run_until_idle()
+    assert torch.equal(sink.output("a"), expected(model, prompt_a, params_a, 20))
+    assert torch.equal(sink.output("b"), expected(model, prompt_b, params_b, 20))
+
+
+def test_prefilled_voice_is_reused(model):
+    core = make_core(model)
+    sink = Collector()
+    refs = voice(3, 10)
+    prefix_prompt = build_prompt(model.config, model.tokenizer, "", refs)
+    prefix = voice_prefix_length(model.config, model.tokenizer, refs)
+    assert core.prefill_voice(prefix_prompt[:, :prefix])
+    cached = core.kv.prefix_cache_pages
+    params = SamplingParams(seed=5)
+    request, prompt = submit(core, model, sink, "v", "some words", refs, params, 15)
+    core.step()
+    assert cached > 0 and request.num_shared_pages == cached
+    core.run_until_idle()
+    assert torch.equal(sink.output("v"), expected(model, prompt, params, 15))
+
+
+def test_realtime_preempts_batch_and_preempted_output_is_unchanged(model):
+    # ignore_eos keeps all three running; the oracle's frames (up to its <|im_end|>) are a prefix.
+    core = make_core(model, max_running_requests=3, ignore_eos=True)
+    sink = Collector()
+    batch = []
+    for i in range(3):
+        params = SamplingParams(seed=40 + i, temperature=0.9)
+        batch.append((submit(core, model, sink, f"b{i}", TEXTS[i], [], params, 25, Priority.BATCH), params))
+    for _ in range(4):
+        core.step()
+    assert len(core.scheduler.running) == 3
+    rt_params = SamplingParams(seed=99)
+    realtime, rt_prompt = submit(core, model, sink, "rt", "urgent", [], rt_params, 10, Priority.REALTIME)
+    served = core.step()
+    assert realtime in served or realtime.num_computed > 0
+    preempted = [r for (r, _), _ in batch if r.num_preemptions]
+    assert len(preempted) == 1
+    core.run_until_idle()
+    for (request, prompt), params in batch:
+        oracle = expected(model, prompt, params, 25)
+        assert torch.equal(sink.output(request.request_id)[:, : oracle.shape[1]], oracle)
+    oracle = expected(model, rt_prompt, rt_params, 10)
+    assert torch.equal(sink.output("rt")[:, : oracle.shape[1]], oracle)
+    assert core.kv.pool.num_used == core.kv.prefix_cache_pages
+
+
+def test_overload_then_keeps_serving(model):
+    async def scenario():
+        config = EngineConfig(device="cpu", dtype="float64", num_pages=128, page_size=4, max_running_requests=1)
+        config.queue_limits = {"realtime": 1, "standard": 1, "batch": 1}
+        engine = LocalEngine(model, config)
+        prompt = build_prompt(model.config, model.tokenizer, "hello", [])
+        # Not started yet: the first request waits in the queue, the second overflows it.
+        first = engine.submit_frames(prompt, SamplingParams(seed=3), max_new_frames=8)
+        with pytest.raises(EngineOverloaded):
+            engine.submit_frames(prompt, SamplingParams(seed=4), max_new_frames=8)
+        engine.start_thread()
+        try:
+            got = await asyncio.wait_for(first.collect(), 60)
+            again = engine.submit_frames(prompt, SamplingParams(seed=4), max_new_frames=8)
+            got_again = await asyncio.wait_for(again.collect(), 60)
+            # A consumer that goes away aborts its request and frees its pages.
+            gone = engine.submit_frames(prompt, SamplingParams(seed=5), max_new_frames=50)
+            iterator = gone.__aiter__()
+            await asyncio.wait_for(iterator.__anext__(), 60)
+            await iterator.aclose()
+            await asyncio.sleep(0.05)
+            stats = engine.stats()
+        finally:
+            engine.stop_thread()
+        return got, got_again, stats
+
+    got, got_again, stats = asyncio.run(scenario())
+    prompt = build_prompt(model.config, model.tokenizer, "hello", [])
+    assert torch.equal(got, expected(model, prompt, SamplingParams(seed=3), 8))
+    assert torch.equal(got_again, expected(model, prompt, SamplingParams(seed=4), 8))
+    assert stats.running == 0 and stats.pages_used == 0

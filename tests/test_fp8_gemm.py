@@ -1,0 +1,158 @@
+"""Block-scaled FP8 GEMM (`kernels/fp8_gemm.py`) against the torch reference, every activation mode.
+
+On a machine without CUDA the Triton interpreter runs the kernels (set before triton is imported)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from shoal.kernels import fp8_gemm as gemm  # noqa: E402
+from shoal.kernels import quant  # noqa: E402
+from shoal.kernels import reference as ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Real S2-Pro projection shapes (N, K); the fast transformer's layers have the same ones.
+S2_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+
+
+def _weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights with per-channel magnitude spread, so the 128x128 block scales differ."""
+    w = torch.randn(n, k, device=DEVICE) * torch.exp(0.5 * torch.randn(n, 1, device=DEVICE))
+    w = w * torch.exp(0.5 * torch.randn(1, k, device=DEVICE))
+    return ref.quantize_weight(w * 0.02)
+
+
+def _poisoned_out(m: int, n: int) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+
+
+def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "output has unwritten (NaN) elements"
+    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+CONFIGS = [
+    gemm.GemmConfig(block_m=16, block_n=32, split_k=1, num_warps=2, num_stages=1),
+    gemm.GemmConfig(block_m=16, block_n=64, split_k=3, num_warps=2, num_stages=1),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["nosplit", "split3"])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 384), (5, 160, 256), (17, 64, 200)])
+def test_w8a8_prequantized_matches_reference(config: gemm.GemmConfig, m: int, n: int, k: int) -> None:
+    w_q, w_s = _weight(n, k)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    x_q, x_s = quant.quantize_activations(x)
+    out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=config)
+    assert _rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
+
+
+@pytest.mark.parametrize("quantize_input", [False, True], ids=["w8a16", "w8a8-inline"])
+@pytest.mark.parametrize("swiglu_input", [False, True], ids=["plain", "swiglu"])
+def test_fp8_linear_modes_match_reference(quantize_input: bool, swiglu_input: bool) -> None:
+    m, n, k = 3, 192, 256
+    w_q, w_s = _weight(n, k)
+    x = torch.randn(m, 2 * k if swiglu_input else k, device=DEVICE).to(torch.bfloat16)
+    expected = ref.fp8_linear(x, w_q, w_s, quantize_input=quantize_input, swiglu_input=swiglu_input)
+    out = gemm.fp8_linear(
+        x, w_q, w_s, quantize_input, swiglu_input, out=_poisoned_out(m, n), config=CONFIGS[1]
+    )
+    assert _rel_err(out, expected) < 4e-3
+    # and the FP8 product is close to the unquantized bf16 one (the error FP8 costs the model)
+    a = ref.swiglu(x) if swiglu_input else x.float()
+    exact = a @ ref.dequantize_weight(w_q, w_s).t()
+    assert _rel_err(out, exact) < (0.06 if quantize_input else 4e-3)
+
+
+def test_inline_quantization_equals_separate_quant_launch() -> None:
+    """The fused-in-GEMM activation quantization computes what `quant.swiglu_quantize` + GEMM does."""
+    m, n, k = 2, 128, 384
+    w_q, w_s = _weight(n, k)
+    gate_up = torch.randn(m, 2 * k, device=DEVICE).to(torch.bfloat16)
+    fused = gemm.fp8_linear(gate_up, w_q, w_s, True, True, config=CONFIGS[0])
+    separate = gemm.fp8_gemm(*quant.swiglu_quantize(gate_up), w_q, w_s, config=CONFIGS[0])
+    assert _rel_err(fused, separate) < 1e-2
+
+
+def test_split_k_workspace_is_reusable_and_deterministic() -> None:
+    m, n, k = 4, 64, 512
+    w_q, w_s = _weight(n, k)
+    config = gemm.GemmConfig(block_m=16, block_n=32, split_k=4, num_warps=2, num_stages=1)
+    partials, tiles = gemm.SplitKWorkspace.required(m, n, config)
+    workspace = gemm.SplitKWorkspace(partials, tiles, DEVICE)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    first = gemm.fp8_linear(x, w_q, w_s, False, workspace=workspace, config=config)
+    assert (workspace.counters == 0).all(), "counters must be reset for the next launch / graph replay"
+    second = gemm.fp8_linear(x, w_q, w_s, False, out=_poisoned_out(m, n), workspace=workspace, config=config)
+    assert torch.equal(first, second)
+    small = gemm.SplitKWorkspace(partials - 1, tiles, DEVICE)
+    with pytest.raises(ValueError, match="workspace too small"):
+        gemm.fp8_linear(x, w_q, w_s, False, workspace=small, config=config)
+
+
+def test_rejects_transposed_or_restrided_scales() -> None:
+    w_q, w_s = _weight(256, 384)  # scale grid 2 x 3
+    x = torch.randn(1, 384, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemm.fp8_linear(x, w_q, w_s.t().contiguous(), False)
+    square_q, square_s = _weight(256, 256)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemm.fp8_linear(x[:, :256], square_q, square_s.t(), False)
+
+
+def test_default_config_fills_the_gpu() -> None:
+    for n, k in S2_SHAPES.values():
+        for m in (1, 4, 16, 64, 128):
+            config = gemm.default_config(n, k, m)
+            programs = -(-m // config.block_m) * -(-n // config.block_n) * config.split_k
+            assert programs >= gemm.H200_SMS, (n, k, m, config)
+            assert config.split_k <= -(-k // 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 128])
+@pytest.mark.parametrize("shape", list(S2_SHAPES), ids=list(S2_SHAPES))
+@pytest.mark.parametrize("mode", ["w8a8", "w8a8-inline", "w8a16"])
+def test_full_s2_shapes_gpu(m: int, shape: str, mode: str) -> None:
+    n, k = S2_SHAPES[shape]
+    w_q, w_s = _weight(n, k)
+    swiglu = shape == "down" and mode != "w8a8"
+    x = torch.randn(m, 2 * k if swiglu else k, device=DEVICE).to(torch.bfloat16)
+    out = _poisoned_out(m, n)
+    if mode == "w8a8":
+        x_q, x_s = quant.quantize_activations(x)
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=out)
+        expected = ref.fp8_gemm(x_q, x_s, w_q, w_s)
+    else:
+        gemm.fp8_linear(x, w_q, w_s, mode == "w8a8-inline", swiglu, out=out)
+        expected = ref.fp8_linear(x, w_q, w_s, mode == "w8a8-inline", swiglu)
+    torch.cuda.synchronize()
+    assert _rel_err(out, expected) < 4e-3
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gpu() -> None:
+    n, k = S2_SHAPES["down"]
+    w_q, w_s = _weight(n, k)
+    x = torch.randn(4, k, device=DEVICE).to(torch.bfloat16)
+    config = gemm.pick_config(n, k, 4, x.device)
+    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(4, n, config), DEVICE)
+    out = _poisoned_out(4, n)
+    gemm.fp8_linear(x, w_q, w_s, True, out=out, workspace=workspace)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm.fp8_linear(x, w_q, w_s, True, out=out, workspace=workspace)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, ref.fp8_linear(x, w_q, w_s, True)) < 4e-3

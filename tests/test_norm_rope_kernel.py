@@ -1,0 +1,93 @@
+"""Fused QK-norm + RoPE + KV write and fused RMSNorm against the torch references."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm  # noqa: E402
+from shoal.kernels.reference_attention import qk_norm_rope_reference, rms_norm_reference  # noqa: E402
+from shoal.models.layers import rope_table  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal up to one bf16 rounding step here and there (fp32 sums in another order)."""
+    assert not torch.isnan(out).any(), "NaN: an element was not written"
+    diff = (out.float() - ref.float()).abs()
+    assert (diff <= 1e-2 * ref.float().abs() + 1e-3).all(), diff.max()
+    assert (diff == 0).float().mean() > 0.97
+
+
+def random_bf16(*shape: int, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16).to(DEVICE)
+
+
+@pytest.mark.parametrize("hq,hkv,with_norm", [(2, 2, True), (4, 2, False), (8, 2, True)])
+def test_qk_norm_rope_kv_write(hq: int, hkv: int, with_norm: bool) -> None:
+    gen = torch.Generator().manual_seed(hq * 3 + with_norm)
+    tokens, d, page, num_pages = 7, 32, 4, 6
+    qkv = random_bf16(tokens, (hq + 2 * hkv) * d, generator=gen, scale=3.0)
+    positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEVICE)
+    table = rope_table(512, d, 1e6).to(DEVICE)
+    q_w = random_bf16(d, generator=gen) if with_norm else None
+    k_w = random_bf16(d, generator=gen) if with_norm else None
+    slots = torch.randperm(num_pages * page, generator=gen)[:tokens].to(DEVICE)
+    slots[3] = -1  # a padding token: nothing written
+    k_pages = torch.full((num_pages, page, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    v_pages = k_pages.clone()
+    k_ref, v_ref = k_pages.clone(), v_pages.clone()
+    q = qk_norm_rope_kv_write(qkv, positions, table, k_pages, v_pages, slots, hq, hkv, q_w, k_w, eps=1e-6)
+    q_ref = qk_norm_rope_reference(qkv, positions, table, k_ref, v_ref, slots, hq, hkv, q_w, k_w, 1e-6)
+    assert_bf16_close(q, q_ref)
+    written = slots[slots >= 0]
+    pages, offsets = written // page, written % page
+    assert_bf16_close(k_pages[pages, offsets], k_ref[pages, offsets])
+    assert torch.equal(v_pages[pages, offsets], v_ref[pages, offsets])
+    untouched = torch.ones(num_pages * page, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.isnan(k_pages.view(-1, hkv, d)[untouched]).all()
+
+
+@pytest.mark.parametrize("dim,weight_dtype", [(48, torch.bfloat16), (64, torch.float32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dim: int, weight_dtype: torch.dtype, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(dim + with_residual)
+    x = random_bf16(5, dim, generator=gen, scale=4.0)
+    weight = (torch.rand(dim, generator=gen) + 0.5).to(weight_dtype).to(DEVICE)
+    residual = random_bf16(5, dim, generator=gen) if with_residual else None
+    ref, ref_sum = rms_norm_reference(x, weight, 1e-5, residual)
+    out, new_residual = rms_norm(x, weight, 1e-5, residual.clone() if with_residual else None)
+    assert out.dtype == ref.dtype
+    assert_bf16_close(out, ref)
+    if with_residual:
+        assert torch.equal(new_residual, ref_sum)
+
+
+@pytest.mark.gpu
+def test_full_s2_shapes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tokens, hq, hkv, d, page = 300, 32, 8, 128, 16
+    qkv = random_bf16(tokens, (hq + 2 * hkv) * d, generator=gen, scale=3.0)
+    positions = torch.arange(tokens, device=DEVICE) + 1000
+    table = rope_table(4096, d, 1e6).to(DEVICE)
+    q_w, k_w = random_bf16(d, generator=gen), random_bf16(d, generator=gen)
+    slots = torch.arange(tokens, device=DEVICE) + 5 * page
+    k_pages = torch.full((40, page, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    v_pages = k_pages.clone()
+    k_ref, v_ref = k_pages.clone(), v_pages.clone()
+    q = qk_norm_rope_kv_write(qkv, positions, table, k_pages, v_pages, slots, hq, hkv, q_w, k_w)
+    q_ref = qk_norm_rope_reference(qkv, positions, table, k_ref, v_ref, slots, hq, hkv, q_w, k_w)
+    assert_bf16_close(q, q_ref)
+    assert_bf16_close(k_pages.view(-1, hkv, d)[slots], k_ref.view(-1, hkv, d)[slots])
+    x, residual = random_bf16(64, 2560, generator=gen), random_bf16(64, 2560, generator=gen)
+    weight = random_bf16(2560, generator=gen)
+    out, _ = rms_norm(x, weight, 1e-6, residual.clone())
+    assert_bf16_close(out, rms_norm_reference(x, weight, 1e-6, residual)[0])

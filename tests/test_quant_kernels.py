@@ -1,0 +1,92 @@
+"""Activation quantization kernels (`kernels/quant.py`) against the torch reference.
+
+On a machine without CUDA the Triton interpreter runs the kernels (set before triton is imported)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from shoal.kernels import quant  # noqa: E402
+from shoal.kernels import reference as ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _poisoned(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full((m, k), float("nan"), device=DEVICE).to(torch.float8_e4m3fn)
+    scales = quant.new_activation_scales(m, k, DEVICE)
+    scales.fill_(float("nan"))
+    return out, scales
+
+
+def _activations(m: int, k: int) -> torch.Tensor:
+    """bf16 with per-group magnitude spread (outlier channels), like real hidden states."""
+    x = torch.randn(m, k, device=DEVICE) * torch.exp(torch.randn(1, k, device=DEVICE))
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,k", [(1, 128), (3, 384), (5, 200)])
+def test_quantize_activations_matches_reference_bit_for_bit(m: int, k: int) -> None:
+    x = _activations(m, k)
+    out, scales = _poisoned(m, k)
+    q, s = quant.quantize_activations(x, out=out, scales=scales, groups_per_program=2)
+    assert q.data_ptr() == out.data_ptr() and s.data_ptr() == scales.data_ptr()
+    q_ref, s_ref = ref.quantize_activations(x)
+    assert torch.equal(s, s_ref.to(DEVICE))
+    assert torch.equal(q.view(torch.uint8), q_ref.to(DEVICE).view(torch.uint8))
+    err = (ref.dequantize_activations(q, s) - x.float()).norm() / x.float().norm()
+    assert err < 0.05
+
+
+def test_scales_are_group_major_and_zero_rows_are_finite() -> None:
+    x = _activations(4, 256)
+    x[2] = 0
+    q, s = quant.quantize_activations(x)
+    assert s.shape == (4, 2) and s.stride() == (1, 4)
+    assert torch.isfinite(s).all() and (q[2].float() == 0).all()
+    assert (s[2] == quant.MIN_SCALE).all()
+
+
+@pytest.mark.parametrize("m,i", [(2, 256), (3, 160)])
+def test_swiglu_quantize_matches_reference(m: int, i: int) -> None:
+    gate_up = (torch.randn(m, 2 * i, device=DEVICE) * 3).to(torch.bfloat16)
+    out, scales = _poisoned(m, i)
+    q, s = quant.swiglu_quantize(gate_up, out=out, scales=scales)
+    q_ref, s_ref = ref.swiglu_quantize(gate_up)
+    torch.testing.assert_close(s, s_ref.to(DEVICE), rtol=1e-6, atol=0)
+    # exp may differ by an ulp between libraries: allow rare one-step rounding differences
+    mismatch = (q.float() != q_ref.to(DEVICE).float()).float().mean().item()
+    assert mismatch < 0.01
+    exact = ref.swiglu(gate_up)
+    err = (ref.dequantize_activations(q, s) - exact).norm() / exact.norm()
+    assert err < 0.05
+
+
+def test_rejects_wrong_scale_layout() -> None:
+    x = _activations(3, 256)
+    row_major = torch.empty(3, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="group-major"):
+        quant.quantize_activations(x, scales=row_major)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 128])
+@pytest.mark.parametrize("k", [2560, 4096, 9728])
+def test_quantize_full_shapes_gpu(m: int, k: int) -> None:
+    x = _activations(m, k)
+    out, scales = _poisoned(m, k)
+    q, s = quant.quantize_activations(x, out=out, scales=scales)
+    q_ref, s_ref = ref.quantize_activations(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean().item() < 1e-3
+    gate_up = _activations(m, 2 * k)
+    q, s = quant.swiglu_quantize(gate_up)
+    exact = ref.swiglu(gate_up)
+    assert ((ref.dequantize_activations(q, s) - exact).norm() / exact.norm()).item() < 0.05

@@ -1,0 +1,285 @@
+"""The official `fish-audio-sdk` 1.3.0 clients (new `fishaudio` and legacy `fish_audio_sdk`),
+unchanged, against a real `shoal serve` process on 127.0.0.1 serving the demo checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+import wave
+
+import fish_audio_sdk as legacy
+import httpx
+import numpy as np
+import ormsgpack
+import pytest
+from fishaudio import AsyncFishAudio, FishAudio
+from fishaudio.exceptions import (
+    APIError,
+    AuthenticationError,
+    NotFoundError,
+    PermissionError,
+    RateLimitError,
+    ServerError,
+    WebSocketError,
+)
+from fishaudio.types import FlushEvent, Prosody, ReferenceAudio, TextEvent, TTSConfig
+from httpx_ws import WebSocketUpgradeError
+from server_process import ShoalServer
+
+from shoal.server import audio
+
+pytestmark = pytest.mark.slow
+SHORT = TTSConfig(chunk_length=100, max_new_tokens=24)
+
+
+def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return audio.encode_audio(
+        (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), "wav", input_sample_rate=rate
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> ShoalServer:
+    with ShoalServer.start(tmp_path_factory.mktemp("shoal-client")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> FishAudio:
+    return FishAudio(api_key=server.key_a, base_url=server.url)
+
+
+def pages_in_use(server: ShoalServer) -> int:
+    return httpx.get(f"{server.url}/v1/health").json()["pages_used"]
+
+
+def wait_for_idle(server: ShoalServer, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{server.url}/v1/health").json()
+        if health["pages_used"] == 0 and health["running"] == 0 and health["active_streams"] == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"server did not go idle: {health}")
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "mp3", "opus"])
+def test_convert_every_format(client, fmt):
+    config = SHORT.model_copy(update={"format": fmt})
+    data = client.tts.convert(text="Hello there.", config=config)
+    assert data
+    if fmt == "wav":
+        with wave.open(io.BytesIO(data)) as reader:
+            assert (
+                reader.getframerate() == 44100 and reader.getsampwidth() == 2 and reader.getnchannels() == 1
+            )
+    elif fmt == "pcm":
+        assert len(data) % 2 == 0
+    else:
+        assert len(audio.decode_audio(data, silence_peak_dbfs=-200)) > 0
+
+
+def test_convert_options_models_and_stream(client):
+    config = SHORT.model_copy(
+        update={
+            "format": "wav",
+            "sample_rate": 16000,
+            "prosody": Prosody(volume=3),
+            "top_p": 0.5,
+            "temperature": 0.5,
+        }
+    )
+    for model in ("s2-pro", "s1", "speech-1.5", "unknown-model"):
+        with pytest.warns(DeprecationWarning) if model == "speech-1.5" else _nothing():
+            data = client.tts.convert(text="Hi.", config=config, speed=1.5, latency="normal", model=model)
+        with wave.open(io.BytesIO(data)) as reader:
+            assert reader.getframerate() == 16000
+    streamed = client.tts.stream(text="Streaming.", config=SHORT).collect()
+    assert streamed[:3] == b"ID3" or streamed[0] == 0xFF
+
+
+def test_async_client_convert_and_stream(server):
+    async def main() -> tuple[bytes, bytes]:
+        client = AsyncFishAudio(api_key=server.key_a, base_url=server.url)
+        converted = await client.tts.convert(text="Async.", config=SHORT.model_copy(update={"format": "pcm"}))
+        stream = await client.tts.stream(text="Async stream.", config=SHORT)
+        return converted, await stream.collect()
+
+    converted, streamed = asyncio.run(main())
+    assert converted and streamed
+
+
+def test_inline_references_and_voice_lifecycle(client, server):
+    clip = wav_clip()
+    inline = client.tts.convert(
+        text="Cloned.", references=[ReferenceAudio(audio=clip, text="a reference")], config=SHORT
+    )
+    assert inline
+    voice = client.voices.create(title="Narrator", voices=[clip], texts=["a reference"], tags=["calm", "en"])
+    assert voice.train_mode == "fast" and voice.state == "trained" and voice.author.id
+    assert client.tts.convert(text="Stored voice.", reference_id=voice.id, config=SHORT)
+    assert client.voices.get(voice.id).title == "Narrator"
+    page = client.voices.list(page_size=5, page_number=1, tags=["calm"], self_only=True)
+    assert page.total == 1 and page.items[0].id == voice.id
+    assert client.voices.list(page_size=5, page_number=2, self_only=True).items == []
+    client.voices.update(voice.id, title="Renamed", tags=["q", "r"])
+    client.voices.update(voice.id, cover_image=b"\x89PNG fake cover")
+    updated = client.voices.get(voice.id)
+    assert updated.title == "Renamed" and updated.tags == ["q", "r"] and updated.cover_image
+
+    other = FishAudio(api_key=server.key_b, base_url=server.url)
+    with pytest.raises(NotFoundError):
+        other.voices.get(voice.id)
+    client.voices.update(voice.id, visibility="public")
+    assert other.voices.get(voice.id).visibility == "public"
+    with pytest.raises(PermissionError):
+        other.voices.delete(voice.id)
+    client.voices.delete(voice.id)
+    with pytest.raises(NotFoundError):
+        client.voices.get(voice.id)
+
+
+def test_legacy_session_streams_incrementally(server):
+    session = legacy.Session(server.key_a, base_url=server.url)
+    request = legacy.TTSRequest(
+        text="A longer sentence for the legacy client.", format="pcm", chunk_length=100
+    )
+    arrivals, chunks = [], []
+    started = time.monotonic()
+    for chunk in session.tts(request, backend="s1"):
+        arrivals.append(time.monotonic() - started)
+        chunks.append(chunk)
+    assert len([c for c in chunks if c]) >= 2, "audio should arrive in several chunks"
+    assert arrivals[0] < arrivals[-1]
+
+    async def awaitable() -> bytes:
+        return b"".join([c async for c in session.tts.awaitable(legacy.TTSRequest(text="Legacy async."))])
+
+    assert asyncio.run(awaitable())
+
+
+def test_legacy_voices_and_account(server):
+    session = legacy.Session(server.key_a, base_url=server.url)
+    created = session.create_model(title="Legacy", voices=[wav_clip()], texts=["hello"])
+    assert session.get_model(created.id).title == "Legacy"
+    assert session.list_models(self_only=True).total >= 1
+    session.update_model(created.id, title="Legacy 2")
+    session.delete_model(created.id)
+    with pytest.raises(legacy.HttpCodeErr) as raised:
+        session.get_model(created.id)
+    assert raised.value.status == 404
+    assert session.get_api_credit().credit > 0
+    assert isinstance(session.get_package().finished_at, str)
+
+
+def test_credit_endpoints(client):
+    assert client.account.get_credits(check_free_credit=True).credit > 0
+    assert client.account.get_package().balance > 0
+
+
+def test_websocket_live_new_client(client, server):
+    chunks = list(client.tts.stream_websocket(iter(["Hello ", "world."]), config=SHORT))
+    assert chunks
+    events = iter([TextEvent(text="One. "), FlushEvent(), "Two."])
+    wav = b"".join(client.tts.stream_websocket(events, config=SHORT.model_copy(update={"format": "wav"})))
+    assert wav[:4] == b"RIFF"
+    assert list(client.tts.stream_websocket(iter([]), config=SHORT)) == []
+
+    async def run_async() -> list[bytes]:
+        async def texts():
+            yield "Async live."
+
+        aclient = AsyncFishAudio(api_key=server.key_a, base_url=server.url)
+        return [chunk async for chunk in aclient.tts.stream_websocket(texts(), config=SHORT)]
+
+    assert asyncio.run(run_async())
+    wait_for_idle(server)
+
+
+def test_websocket_live_legacy_client(server):
+    request = legacy.TTSRequest(text="", format="pcm", chunk_length=100)
+    with legacy.WebSocketSession(server.key_a, base_url=server.url) as session:
+        assert b"".join(session.tts(request, iter(["Legacy live."]), backend="s1"))
+        assert list(session.tts(request, iter([]))) == []
+
+    async def run_async() -> bytes:
+        async def texts():
+            yield "Legacy async live."
+
+        async with legacy.AsyncWebSocketSession(server.key_a, base_url=server.url) as session:
+            return b"".join([chunk async for chunk in session.tts(request, texts())])
+
+    assert asyncio.run(run_async())
+
+
+def test_error_classes(client, server):
+    with pytest.raises(AuthenticationError):
+        FishAudio(api_key="wrong", base_url=server.url).tts.convert(text="x")
+    with pytest.raises(legacy.HttpCodeErr) as raised:
+        legacy.Session("wrong", base_url=server.url).get_model("x")
+    assert raised.value.status == 401
+    with pytest.raises(WebSocketUpgradeError):
+        list(FishAudio(api_key="wrong", base_url=server.url).tts.stream_websocket(iter(["x"])))
+    with pytest.raises(NotFoundError):
+        client.tts.convert(text="x", reference_id="no-such-voice")
+    with pytest.raises(APIError) as invalid:  # the new client's own check would stop chunk_length=5
+        client.tts.convert(text="x", config=SHORT.model_copy(update={"sample_rate": 12345}))
+    assert invalid.value.status == 400 and "sample_rate" in invalid.value.message
+    with pytest.raises(ServerError):  # /v1/asr is not served: 501, which the client maps to ServerError
+        client.asr.transcribe(audio=wav_clip())
+    with pytest.raises(WebSocketError):  # a synthesis error inside a live session: finish/error
+        list(client.tts.stream_websocket(iter(["x"]), config=SHORT.model_copy(update={"sample_rate": 12345})))
+
+
+def test_rate_limit_429(server):
+    limited = FishAudio(api_key=server.key_limited, base_url=server.url)
+    body = ormsgpack.packb({"text": "A long enough sentence to keep the stream open.", "format": "pcm"})
+    headers = {"Authorization": f"Bearer {server.key_limited}", "Content-Type": "application/msgpack"}
+    with httpx.stream("POST", f"{server.url}/v1/tts", content=body, headers=headers) as open_stream:
+        assert open_stream.status_code == 200
+        with pytest.raises(RateLimitError):
+            limited.tts.convert(text="second stream", config=SHORT)
+    wait_for_idle(server)
+
+
+def test_malformed_and_oversized_bodies_keep_serving(client, server):
+    headers = {"Authorization": f"Bearer {server.key_a}"}
+    cases = [
+        (b"\xc1\xc1", "application/msgpack", 400),
+        (b"{", "application/json", 400),
+        (ormsgpack.packb({"text": ["not", "a", "string"]}), "application/msgpack", 422),
+        (b"x" * (server.max_body_bytes + 1), "application/msgpack", 413),
+    ]
+    for content, content_type, status in cases:
+        response = httpx.post(
+            f"{server.url}/v1/tts", content=content, headers={**headers, "Content-Type": content_type}
+        )
+        assert response.status_code == status
+        assert set(response.json()) == {"status", "message"}
+    big = [("voices", ("upload", b"\0" * (server.max_upload_bytes + 1), "application/octet-stream"))]
+    response = httpx.post(f"{server.url}/model", data={"title": "big"}, files=big, headers=headers)
+    assert response.status_code == 413 and set(response.json()) == {"status", "message"}
+    assert client.tts.convert(text="Still serving.", config=SHORT)
+
+
+def test_disconnect_mid_stream_frees_pages(client, server):
+    body = ormsgpack.packb({"text": "Some text that takes a while to speak. " * 3, "format": "pcm"})
+    headers = {"Authorization": f"Bearer {server.key_a}", "Content-Type": "application/msgpack"}
+    with httpx.stream("POST", f"{server.url}/v1/tts", content=body, headers=headers) as response:
+        assert response.status_code == 200
+        next(response.iter_raw())
+    wait_for_idle(server)
+    assert pages_in_use(server) == 0
+    assert client.tts.convert(text="After the disconnect.", config=SHORT)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "shoal_time_to_first_audio_seconds_count" in metrics and "shoal_kv_pages_used 0.0" in metrics
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

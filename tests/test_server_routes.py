@@ -1,0 +1,287 @@
+"""Route logic of the API server, in-process (FastAPI TestClient) over the ToneEngine test double:
+request parsing, errors, auth and tenants, voices, live protocol, limits, metrics."""
+
+from __future__ import annotations
+
+import io
+import json
+import wave
+
+import numpy as np
+import ormsgpack
+import pytest
+from fastapi.testclient import TestClient
+from server_fakes import ToneEngine
+
+from shoal.server import audio
+from shoal.server.app import ServerSettings, create_app
+from shoal.server.auth import hash_api_key
+from shoal.server.live import split_ready_text
+from shoal.server.store import Store
+
+KEY_A = "shoal_test_key_tenant_a"
+KEY_B = "shoal_test_key_tenant_b"
+
+
+def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return audio.encode_audio(
+        (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), "wav", input_sample_rate=rate
+    )
+
+
+@pytest.fixture()
+def engine() -> ToneEngine:
+    return ToneEngine()
+
+
+@pytest.fixture()
+def client(tmp_path, engine):
+    store = Store.in_directory(tmp_path)
+    store.add_key(hash_api_key(KEY_A), tenant="a")
+    store.add_key(hash_api_key(KEY_B), tenant="b", max_streams=1)
+    settings = ServerSettings(max_body_bytes=2_000_000, max_upload_bytes=1_000_000, max_text_length=500)
+    with TestClient(create_app(engine, store, settings)) as test_client:
+        test_client.headers["Authorization"] = f"Bearer {KEY_A}"
+        yield test_client
+
+
+def msgpack_post(client: TestClient, body: dict, **kwargs):
+    headers = {"Content-Type": "application/msgpack", **kwargs.pop("headers", {})}
+    return client.post("/v1/tts", content=ormsgpack.packb(body), headers=headers, **kwargs)
+
+
+def assert_fish_error(response, status: int) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"status", "message"} and body["status"] == status
+    return body["message"]
+
+
+def test_tts_wav_msgpack_with_legacy_nulls(client, engine):
+    legacy = {"text": "Hello", "sample_rate": None, "reference_id": None, "prosody": None, "format": "wav"}
+    response = msgpack_post(client, legacy)
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/wav"
+    with wave.open(io.BytesIO(response.content)) as reader:
+        assert reader.getframerate() == 44100 and reader.getsampwidth() == 2
+    assert engine.pages_used == 0
+
+
+def test_tts_json_pcm_sample_rate_and_options(client, engine):
+    body = {"text": "Hi there", "format": "pcm", "sample_rate": 16000, "temperature": 0.0, "top_p": 0.5}
+    response = client.post("/v1/tts", json=body, headers={"model": "no-such-model"})
+    assert response.status_code == 200
+    expected = len("Hi there") * 1600 * 2  # 0.1 s chunks at 16 kHz, s16
+    assert abs(len(response.content) - expected) <= 64
+    request = engine.submitted[-1]
+    assert request.sampling.temperature == pytest.approx(0.1) and request.sampling.top_p == 0.5
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus"])
+def test_tts_compressed_formats_decode(client, fmt):
+    response = msgpack_post(client, {"text": "abc", "format": fmt, "opus_bitrate": 32, "mp3_bitrate": 64})
+    assert response.status_code == 200
+    decoded = audio.decode_audio(response.content)
+    assert 0.25 < len(decoded) / audio.SAMPLE_RATE < 0.4
+
+
+def test_prosody_speed_shortens_audio(client):
+    plain = msgpack_post(client, {"text": "abcdefgh", "format": "pcm"}).content
+    fast = msgpack_post(client, {"text": "abcdefgh", "format": "pcm", "prosody": {"speed": 2.0}}).content
+    assert abs(len(fast) / len(plain) - 0.5) < 0.05
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status"),
+    [
+        (b"\xc1\xc1garbage", "application/msgpack", 400),
+        (b"{not json", "application/json", 400),
+        (ormsgpack.packb([1, 2]), "application/msgpack", 422),
+        (ormsgpack.packb({"text": 5}), "application/msgpack", 422),
+        (ormsgpack.packb({"text": "x", "chunk_length": 5}), "application/msgpack", 422),
+        (ormsgpack.packb({"text": "x", "format": "flac"}), "application/msgpack", 422),
+        (ormsgpack.packb({"text": "   "}), "application/msgpack", 400),
+        (ormsgpack.packb({"text": "x" * 501}), "application/msgpack", 413),
+        (ormsgpack.packb({"text": "x", "format": "mp3", "sample_rate": 12345}), "application/msgpack", 400),
+        (b"x" * 2_000_001, "application/msgpack", 413),
+    ],
+)
+def test_bad_requests_get_fish_errors(client, engine, content, content_type, status):
+    response = client.post("/v1/tts", content=content, headers={"Content-Type": content_type})
+    assert_fish_error(response, status)
+    assert engine.pages_used == 0
+    assert msgpack_post(client, {"text": "still serving", "format": "pcm"}).status_code == 200
+
+
+def test_engine_errors_map_to_statuses(client, engine):
+    assert_fish_error(msgpack_post(client, {"text": "INVALID"}), 400)
+    engine.max_waiting = 0
+    assert_fish_error(msgpack_post(client, {"text": "hello"}), 503)
+
+
+def test_auth_required_and_invalid(client):
+    assert_fish_error(client.post("/v1/tts", json={"text": "x"}, headers={"Authorization": ""}), 401)
+    message = assert_fish_error(client.get("/model", headers={"Authorization": "Bearer nope"}), 401)
+    assert message == "Invalid Token"
+    assert client.get("/v1/health", headers={"Authorization": ""}).status_code == 200
+
+
+def test_unknown_route_and_asr_are_fish_errors(client):
+    assert_fish_error(client.get("/v2/nothing"), 404)
+    assert_fish_error(client.post("/v1/asr", content=ormsgpack.packb({"audio": b"x"})), 501)
+
+
+def test_voice_crud_and_tenant_isolation(client, engine):
+    files = [("voices", ("upload", wav_clip(), "application/octet-stream"))]
+    data = {"title": "Mine", "texts": ["hello there"], "tags": ["a", "b"], "visibility": "private"}
+    created = client.post("/model", data=data, files=files)
+    assert created.status_code == 201, created.text
+    voice = created.json()
+    voice_id = voice["_id"]
+    assert voice["train_mode"] == "fast" and voice["state"] == "trained" and voice["tags"] == ["a", "b"]
+    assert engine.encoded == 1
+
+    other = {"Authorization": f"Bearer {KEY_B}"}
+    assert_fish_error(client.get(f"/model/{voice_id}", headers=other), 404)
+    assert_fish_error(msgpack_post(client, {"text": "x", "reference_id": voice_id}, headers=other), 404)
+    assert client.get("/model", headers=other).json()["total"] == 0
+
+    patched = client.patch(f"/model/{voice_id}", data={"visibility": "public", "title": "Shared"})
+    assert patched.status_code == 200 and patched.json()["title"] == "Shared"
+    assert client.get(f"/model/{voice_id}", headers=other).status_code == 200
+    assert_fish_error(client.delete(f"/model/{voice_id}", headers=other), 403)
+
+    response = msgpack_post(
+        client, {"text": "use it", "reference_id": voice_id, "format": "pcm"}, headers=other
+    )
+    assert response.status_code == 200
+    assert engine.submitted[-1].references[0].text == "hello there"
+    assert engine.submitted[-1].voice_key == f"voice:{voice_id}"
+
+    page = client.get(
+        "/model", params={"page_size": 5, "page_number": 1, "tag": ["a"], "self": "true"}
+    ).json()
+    assert page["total"] == 1 and page["items"][0]["_id"] == voice_id
+    assert client.delete(f"/model/{voice_id}").status_code == 200
+    assert_fish_error(client.get(f"/model/{voice_id}"), 404)
+
+
+def test_voice_upload_limits(client):
+    too_big = [("voices", ("upload", b"\0" * 1_000_001, "application/octet-stream"))]
+    assert_fish_error(client.post("/model", data={"title": "big"}, files=too_big), 413)
+    garbage = [("voices", ("upload", b"not audio at all", "application/octet-stream"))]
+    assert_fish_error(client.post("/model", data={"title": "bad"}, files=garbage), 400)
+    assert_fish_error(client.post("/model", data={"title": "none"}), 422)
+
+
+def test_inline_references_are_encoded_once(client, engine):
+    reference = {"audio": wav_clip(), "text": "ref"}
+    for _ in range(2):
+        body = {"text": "hello", "format": "pcm", "references": [reference]}
+        assert msgpack_post(client, body).status_code == 200
+    assert engine.encoded == 1
+    assert engine.submitted[0].voice_key == engine.submitted[1].voice_key
+
+
+def test_fish_speech_reference_routes(client):
+    files = {"audio": ("a.wav", wav_clip(), "audio/wav")}
+    added = client.post("/v1/references/add?format=json", data={"id": "narrator", "text": "hi"}, files=files)
+    assert added.status_code == 200 and added.json()["success"]
+    listed = ormsgpack.unpackb(client.get("/v1/references/list").content)
+    assert listed["reference_ids"] == ["narrator"]
+    renamed = client.post(
+        "/v1/references/update", json={"old_reference_id": "narrator", "new_reference_id": "n2"}
+    )
+    assert renamed.status_code == 200
+    assert msgpack_post(client, {"text": "x", "reference_id": "n2", "format": "pcm"}).status_code == 200
+    deleted = client.request(
+        "DELETE",
+        "/v1/references/delete",
+        content=json.dumps({"reference_id": "n2"}),
+        headers={"Accept": "application/json"},
+    )
+    assert deleted.status_code == 200
+    assert client.get("/v1/references/list?format=json").json()["reference_ids"] == []
+
+
+def test_stream_limit_per_key_gives_429(client):
+    other = {"Authorization": f"Bearer {KEY_B}"}
+    with client.stream("POST", "/v1/tts", json={"text": "x" * 40, "format": "pcm"}, headers=other) as first:
+        assert first.status_code == 200
+        assert_fish_error(client.post("/v1/tts", json={"text": "y"}, headers=other), 429)
+    assert client.post("/v1/tts", json={"text": "y", "format": "pcm"}, headers=other).status_code == 200
+
+
+def test_wallet_health_metrics(client):
+    credit = client.get("/wallet/self/api-credit", params={"check_free_credit": "true"}).json()
+    assert credit["_id"] and float(credit["credit"]) > 0
+    package = client.get("/wallet/self/package").json()
+    assert isinstance(package["finished_at"], str) and package["_id"]
+    msgpack_post(client, {"text": "abc", "format": "pcm"})
+    health = client.get("/v1/health").json()
+    assert health["status"] == "ok" and health["pages_used"] == 0
+    text = client.get("/metrics").text
+    assert 'shoal_requests_total{route="/v1/tts",status="200"}' in text
+    assert "shoal_time_to_first_audio_seconds_bucket" in text and "shoal_kv_pages_used 0.0" in text
+
+
+def live_session(client: TestClient, events: list[dict], headers: dict | None = None) -> list[dict]:
+    received = []
+    headers = headers or {"Authorization": f"Bearer {KEY_A}"}
+    with client.websocket_connect("/v1/tts/live", headers=headers) as socket:
+        for event in events:
+            socket.send_bytes(ormsgpack.packb(event))
+        while True:
+            message = ormsgpack.unpackb(socket.receive_bytes())
+            received.append(message)
+            if message["event"] == "finish":
+                break
+    return received
+
+
+def test_live_session_streams_one_file(client, engine):
+    start = {
+        "event": "start",
+        "request": {"text": "", "format": "wav", "reference_id": None, "prosody": None},
+    }
+    events = [
+        start,
+        {"event": "text", "text": "Hello "},
+        {"event": "flush"},
+        {"event": "text", "text": "world."},
+    ]
+    received = live_session(client, [*events, {"event": "stop"}])
+    assert received[-1] == {"event": "finish", "reason": "stop"}
+    data = b"".join(m["audio"] for m in received if m["event"] == "audio")
+    assert data[:4] == b"RIFF" and data.count(b"RIFF") == 1
+    assert [r.text for r in engine.submitted] == ["Hello ", "world."]
+    assert all(r.priority.name == "REALTIME" for r in engine.submitted)
+    assert engine.pages_used == 0
+
+
+def test_live_empty_session_and_errors(client):
+    empty = live_session(client, [{"event": "start", "request": {"text": ""}}, {"event": "stop"}])
+    assert empty == [{"event": "finish", "reason": "stop"}]
+    bad_start = live_session(client, [{"event": "text", "text": "no start"}])
+    assert bad_start[-1]["reason"] == "error"
+    failing = live_session(
+        client, [{"event": "start", "request": {}}, {"event": "text", "text": "FAIL"}, {"event": "stop"}]
+    )
+    assert failing[-1]["reason"] == "error"
+    with pytest.raises(Exception):  # noqa: B017 (the denial surfaces as a transport-level error)
+        live_session(client, [], headers={"Authorization": "Bearer wrong"})
+
+
+def test_live_prefills_voice_at_start(client, engine):
+    reference = {"audio": wav_clip(), "text": "ref"}
+    live_session(client, [{"event": "start", "request": {"references": [reference]}}, {"event": "stop"}])
+    assert engine.prefilled and engine.prefilled[0].startswith("inline:")
+
+
+def test_split_ready_text():
+    assert split_ready_text("short", 100) == ("", "short")
+    text = "a" * 60 + ". " + "b" * 50
+    assert split_ready_text(text, 100) == ("a" * 60 + ". ", "b" * 50)
+    assert split_ready_text("c" * 150, 100) == ("", "c" * 150)
+    head, rest = split_ready_text("word " * 50, 100)
+    assert head and (head + rest) == "word " * 50
