@@ -12,15 +12,18 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from shoal.models.checkpoint import CheckpointError
 from shoal.server.audio import (
     FORMATS,
     MP3_BITRATES_KBPS,
     OPUS_AUTO_BITRATE,
+    SAMPLE_RATE,
     AudioDecodeError,
     AudioFormatError,
     create_encoder,
@@ -33,9 +36,13 @@ DEFAULT_CODEC_FILE = "codec.pth"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("text", help="the text to speak (S2: <|speaker:N|> tags start speaker turns)")
     parser.add_argument("--checkpoint", required=True, help="model directory or Hugging Face repo id")
-    parser.add_argument("--codec", type=Path, help="codec.pth (default: codec.pth in the checkpoint directory)")
+    parser.add_argument(
+        "--codec", type=Path, help="codec.pth (default: codec.pth in the checkpoint directory)"
+    )
     parser.add_argument("-o", "--output", type=Path, required=True, help="output file")
-    parser.add_argument("--format", choices=FORMATS, help="output format (default: from the -o suffix, else wav)")
+    parser.add_argument(
+        "--format", choices=FORMATS, help="output format (default: from the -o suffix, else wav)"
+    )
     parser.add_argument("--sample-rate", type=int, help="output rate (default 44100; 48000 for opus)")
     parser.add_argument("--mp3-bitrate", type=int, choices=MP3_BITRATES_KBPS, default=128, help="kbps")
     parser.add_argument(
@@ -54,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=30, help="S2 only")
     parser.add_argument("--repetition-penalty", type=float, default=1.1, help="S1 only")
-    parser.add_argument("--max-frames", type=int, default=1024, help="frames per text batch (21.5 per second)")
+    parser.add_argument(
+        "--max-frames", type=int, default=1024, help="frames per text batch (21.5 per second)"
+    )
     parser.add_argument("--chunk-length", type=int, default=200, help="S2: UTF-8 bytes per text batch")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -68,72 +77,98 @@ def output_format(requested: str | None, output: Path) -> str:
     return {"ogg": "opus", "raw": "pcm", "s16": "pcm"}.get(suffix, suffix if suffix in FORMATS else "wav")
 
 
-def load_references(codec, clips: list[Path], texts: list[str]) -> list:
-    """Each clip decoded (any upload format), resampled to the codec rate and encoded once."""
-    from shoal.models.prompt import Reference
-
+def read_reference_clips(clips: list[Path], texts: list[str]) -> list[tuple[np.ndarray, str]]:
+    """Each clip decoded (any upload format) to mono at the codec rate, with its transcript;
+    done before any model loads, so a bad clip fails at once."""
     if len(clips) != len(texts):
         raise ValueError(f"got {len(clips)} --reference clips but {len(texts)} --reference-text values")
-    references = []
-    for clip, text in zip(clips, texts, strict=True):
-        samples = decode_audio(clip.read_bytes(), sample_rate=codec.sample_rate)
-        audio = torch.from_numpy(samples).to(device=codec.device)
-        references.append(Reference(text, codec.encode(audio)[0].long().cpu()))
-    return references
+    return [
+        (decode_audio(clip.read_bytes(), sample_rate=SAMPLE_RATE), text)
+        for clip, text in zip(clips, texts, strict=True)
+    ]
 
 
-def synthesize(args: argparse.Namespace, encoder, write_bytes) -> tuple[int, int]:
-    """Generate `args.text` batch by batch, handing each batch's encoded audio to `write_bytes`.
-    Returns (frames generated, samples written at the codec rate)."""
-    from tqdm import tqdm
+class Synthesizer:
+    """A loaded model + codec that turns text into audio with the single-request reference
+    generator; yields each text batch's audio as soon as the codec has decoded it."""
 
-    from shoal.models import load_model
-    from shoal.models.codec import load_codec
-    from shoal.models.prompt import Turn, build_prompt, codes_for_codec, split_text
-    from shoal.models.reference import batch_seed, generate
+    def __init__(self, checkpoint: str | Path, codec_path: str | Path | None = None, device: str = "cpu"):
+        from shoal.models import load_model
+        from shoal.models.checkpoint import resolve_checkpoint_dir
+        from shoal.models.codec import load_codec
 
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    model = load_model(args.checkpoint, device=args.device, dtype=dtype)
-    config = model.config
-    if config.family == "1.5":
-        raise ValueError("shoal synth supports S2 and S1-mini checkpoints (the 1.5 codec is not implemented)")
-    codec_path = args.codec or Path(args.checkpoint) / DEFAULT_CODEC_FILE
-    codec = load_codec(codec_path, device=args.device, dtype=torch.float32)
-    if codec.num_codebooks != config.num_codebooks:
-        raise ValueError(
-            f"the codec has {codec.num_codebooks} codebooks but the model expects {config.num_codebooks}"
-        )
-    if codec.sample_rate != encoder.input_sample_rate:
-        raise ValueError(f"codec rate {codec.sample_rate} != encoder input rate {encoder.input_sample_rate}")
-    references = load_references(codec, args.reference, args.reference_text)
+        directory = resolve_checkpoint_dir(checkpoint)  # a Hugging Face repo id is downloaded
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        self.model = load_model(directory, device=device, dtype=dtype)
+        self.config = self.model.config
+        if self.config.family == "1.5":
+            raise ValueError(
+                "shoal synth supports S2 and S1-mini checkpoints (the 1.5 codec is not implemented)"
+            )
+        self.codec = load_codec(codec_path or directory / DEFAULT_CODEC_FILE, device=device)
+        if self.codec.num_codebooks != self.config.num_codebooks:
+            raise ValueError(
+                f"the codec has {self.codec.num_codebooks} codebooks but the model expects "
+                f"{self.config.num_codebooks}"
+            )
+        if self.codec.sample_rate != SAMPLE_RATE:
+            raise ValueError(f"codec sample rate {self.codec.sample_rate} is not {SAMPLE_RATE}")
 
-    batches = split_text(args.text, args.chunk_length, config.family)
-    history: list[Turn] = []
-    total_frames = total_samples = 0
-    progress = tqdm(batches, desc="synthesizing", unit="batch", disable=args.quiet, file=sys.stderr)
-    for index, batch_text in enumerate(progress):
-        prompt = build_prompt(config, model.tokenizer, batch_text, references, history)
-        frames = generate(
-            model,
-            prompt,
-            max_frames=args.max_frames,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=batch_seed(args.seed, index),
-            repetition_penalty=args.repetition_penalty,
-        )
-        history.append(Turn(batch_text, frames))
-        codes = codes_for_codec(frames)
-        total_frames += frames.shape[1]
-        progress.set_postfix(frames=total_frames)
-        if codes.shape[1] == 0:
-            continue
-        audio = codec.decode(codes.to(codec.device))[0, 0].float().cpu().numpy()
-        total_samples += audio.size
-        write_bytes(encoder.write(np.clip(audio, -1.0, 1.0)))
-    write_bytes(encoder.finish())
-    return total_frames, total_samples
+    @property
+    def sample_rate(self) -> int:
+        return self.codec.sample_rate
+
+    def reference(self, samples: np.ndarray, text: str):
+        """A `prompt.Reference` from mono float32 audio at the codec rate (encoded once)."""
+        from shoal.models.prompt import Reference
+
+        audio = torch.from_numpy(samples).to(device=self.codec.device)
+        return Reference(text, self.codec.encode(audio)[0].long().cpu())
+
+    def generate(
+        self,
+        text: str,
+        references: Sequence = (),
+        *,
+        seed: int,
+        temperature: float = 0.8,
+        top_p: float = 0.8,
+        top_k: int = 30,
+        repetition_penalty: float = 1.1,
+        max_frames: int = 1024,
+        chunk_length: int = 200,
+        progress: bool = False,
+    ) -> Iterator[np.ndarray]:
+        """Mono float32 audio in [-1, 1] at `sample_rate`, one array per text batch. Batches
+        follow the reference's `generate_long` (same split, history and per-batch seeds)."""
+        from tqdm import tqdm
+
+        from shoal.models.prompt import Turn, build_prompt, codes_for_codec, split_text
+        from shoal.models.reference import batch_seed, generate
+
+        batches = split_text(text, chunk_length, self.config.family)
+        history: list[Turn] = []
+        total_frames = 0
+        bar = tqdm(batches, desc="synthesizing", unit="batch", disable=not progress, file=sys.stderr)
+        for index, batch_text in enumerate(bar):
+            prompt = build_prompt(self.config, self.model.tokenizer, batch_text, references, history)
+            frames = generate(
+                self.model,
+                prompt,
+                max_frames=max_frames,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=batch_seed(seed, index),
+                repetition_penalty=repetition_penalty,
+            )
+            history.append(Turn(batch_text, frames))
+            total_frames += frames.shape[1]
+            bar.set_postfix(frames=total_frames)
+            codes = codes_for_codec(frames)
+            if codes.shape[1]:
+                audio = self.codec.decode(codes.to(self.codec.device))[0, 0].float().cpu().numpy()
+                yield np.clip(audio, -1.0, 1.0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,20 +192,39 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     partial = args.output.with_name(args.output.name + ".part")
+    samples = 0
     try:
+        clips = read_reference_clips(args.reference, args.reference_text)
+        synthesizer = Synthesizer(args.checkpoint, args.codec, args.device)
+        references = [synthesizer.reference(audio, text) for audio, text in clips]
+        chunks = synthesizer.generate(
+            args.text,
+            references,
+            seed=args.seed,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            max_frames=args.max_frames,
+            chunk_length=args.chunk_length,
+            progress=not args.quiet,
+        )
         with partial.open("wb") as file:
-            frames, samples = synthesize(args, encoder, file.write)
-    except (AudioDecodeError, ValueError, OSError) as error:
+            for audio in chunks:
+                samples += audio.size
+                file.write(encoder.write(audio))
+            file.write(encoder.finish())
+    except (AudioDecodeError, CheckpointError, ValueError, OSError) as error:
         partial.unlink(missing_ok=True)
         message = error.message if isinstance(error, AudioDecodeError) else str(error)
         print(f"error: {message}", file=sys.stderr)
         return 1
     partial.replace(args.output)
-    seconds = samples / encoder.input_sample_rate / args.speed
+    seconds = samples / SAMPLE_RATE / args.speed
     elapsed = time.perf_counter() - started
     print(
-        f"wrote {args.output} ({fmt}, {encoder.sample_rate} Hz, {seconds:.2f} s of audio from {frames} "
-        f"frames, seed {args.seed}) in {elapsed:.1f} s",
+        f"wrote {args.output} ({fmt}, {encoder.sample_rate} Hz, {seconds:.2f} s of audio, seed {args.seed}) "
+        f"in {elapsed:.1f} s",
         file=sys.stderr,
     )
     return 0

@@ -19,7 +19,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_MB = 4
-MAX_UPLOAD_MB = 1
+MAX_UPLOAD_MB = 2
 MAX_NEW_FRAMES = 24  # keeps every synthesis short on a CPU
 
 

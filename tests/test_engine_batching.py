@@ -59,7 +59,13 @@ def submit(core, model, sink, name, text, refs, params, max_frames, priority=Pri
     prompt = build_prompt(model.config, model.tokenizer, text, refs)
     prefix = voice_prefix_length(model.config, model.tokenizer, refs)
     request = core.new_request(
-        prompt, params, max_new_frames=max_frames, priority=priority, prefix_len=prefix, request_id=name, sink=sink
+        prompt,
+        params,
+        max_new_frames=max_frames,
+        priority=priority,
+        prefix_len=prefix,
+        request_id=name,
+        sink=sink,
     )
     core.add(request)
     return request, prompt
@@ -115,7 +121,9 @@ def test_request_submitted_during_decoding_joins_next_step(model):
 def test_abort_frees_pages_at_once_and_all_pages_return(model):
     core = make_core(model, ignore_eos=True)
     sink = Collector()
-    requests = [submit(core, model, sink, f"a{i}", TEXTS[i], [], SamplingParams(seed=i), 30)[0] for i in range(4)]
+    requests = [
+        submit(core, model, sink, f"a{i}", TEXTS[i], [], SamplingParams(seed=i), 30)[0] for i in range(4)
+    ]
     for _ in range(3):
         core.step()
     used = core.kv.pool.num_used
@@ -193,7 +201,9 @@ def test_realtime_preempts_batch_and_preempted_output_is_unchanged(model):
 
 def test_overload_then_keeps_serving(model):
     async def scenario():
-        config = EngineConfig(device="cpu", dtype="float64", num_pages=128, page_size=4, max_running_requests=1)
+        config = EngineConfig(
+            device="cpu", dtype="float64", num_pages=128, page_size=4, max_running_requests=1
+        )
         config.queue_limits = {"realtime": 1, "standard": 1, "batch": 1}
         engine = LocalEngine(model, config)
         prompt = build_prompt(model.config, model.tokenizer, "hello", [])

@@ -16,7 +16,9 @@ def make_request(name: str, length: int, priority=Priority.STANDARD, prefix_len=
     prompt = torch.zeros(3, length, dtype=torch.long)
     prompt[0] = torch.arange(length) + 1000 * voice
     prompt[0, prefix_len:] += 100_000 + hash(name) % 1000  # text part differs per request
-    return Request(name, prompt, SamplingParams(), max_new_frames=50, priority=priority, prefix_len=prefix_len)
+    return Request(
+        name, prompt, SamplingParams(), max_new_frames=50, priority=priority, prefix_len=prefix_len
+    )
 
 
 def fake_step(scheduler: Scheduler) -> list[Request]:

@@ -26,7 +26,10 @@ KEY_B = "shoal_test_key_tenant_b"
 def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     return audio.encode_audio(
-        (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), "wav", input_sample_rate=rate
+        (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32),
+        "wav",
+        input_sample_rate=rate,
+        sample_rate=rate,
     )
 
 
@@ -114,6 +117,7 @@ def test_bad_requests_get_fish_errors(client, engine, content, content_type, sta
 
 
 def test_engine_errors_map_to_statuses(client, engine):
+    assert "synthesis failed" in assert_fish_error(msgpack_post(client, {"text": "FAIL"}), 500)
     assert_fish_error(msgpack_post(client, {"text": "INVALID"}), 400)
     engine.max_waiting = 0
     assert_fish_error(msgpack_post(client, {"text": "hello"}), 503)

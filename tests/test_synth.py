@@ -12,10 +12,11 @@ import pytest
 
 from shoal.cli import main
 from shoal.server.audio import encode_audio
-from shoal.synth import output_format
+from shoal.synth import Synthesizer, output_format
 
-MAX_FRAMES = 12
+MAX_FRAMES = 8
 FRAME_LENGTH = 2048  # samples per frame at 44.1 kHz, as in the official codec
+SEED = 7
 TEXT = "Hello from Shoal. Ünïcödé and 中文 are bytes too."
 
 
@@ -35,9 +36,17 @@ def reference_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def synth(demo_dir: Path, output: Path, *extra: str, seed: int = 7) -> int:
-    argv = ["synth", TEXT, "--checkpoint", str(demo_dir), "-o", str(output), "--quiet"]
-    return main([*argv, "--max-frames", str(MAX_FRAMES), "--seed", str(seed), *extra])
+@pytest.fixture(scope="module")
+def pcm_samples(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """The CLI's raw s16le output for TEXT and SEED: the length every format must decode to."""
+    output = tmp_path_factory.mktemp("pcm") / "out.pcm"
+    assert synth(demo_dir, output) == 0
+    return np.frombuffer(output.read_bytes(), "<i2")
+
+
+def synth(demo_dir: Path, output: Path, *extra: str) -> int:
+    argv = ["synth", TEXT, "--checkpoint", str(demo_dir), "-o", str(output), "--quiet", "--seed", str(SEED)]
+    return main([*argv, "--max-frames", str(MAX_FRAMES), *extra])
 
 
 def decode_file(path: Path) -> tuple[int, int]:
@@ -68,38 +77,43 @@ def test_demo_checkpoint_has_the_s2_layout(demo_dir: Path, capsys: pytest.Captur
     assert model.config.semantic_end_id - model.config.semantic_begin_id + 1 == model.config.codebook_size
     codec = load_codec(demo_dir / "codec.pth")
     assert (codec.sample_rate, codec.frame_length, codec.num_codebooks) == (44100, FRAME_LENGTH, 10)
-    # Refuses to overwrite, and says the audio is noise when it writes.
+    # Refuses to overwrite an existing checkpoint.
     assert main(["demo-checkpoint", str(demo_dir)]) == 1
-    assert main(["demo-checkpoint", str(demo_dir / "again")]) == 0
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_demo_checkpoint_says_the_audio_is_noise(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["demo-checkpoint", str(tmp_path / "demo"), "--seed", "1"]) == 0
     assert "noise" in capsys.readouterr().out
 
 
-def test_every_format_decodes_at_the_right_rate_and_length(demo_dir: Path, tmp_path: Path) -> None:
-    assert synth(demo_dir, tmp_path / "out.pcm") == 0
-    samples = len((tmp_path / "out.pcm").read_bytes()) // 2  # s16le at 44.1 kHz
-    assert 0 < samples <= (MAX_FRAMES - 1) * FRAME_LENGTH and samples % FRAME_LENGTH == 0
-
-    assert synth(demo_dir, tmp_path / "out.wav") == 0
-    assert decode_file(tmp_path / "out.wav") == (samples, 44100)
-
-    assert synth(demo_dir, tmp_path / "out.mp3", "--mp3-bitrate", "64") == 0
-    mp3_samples, mp3_rate = decode_file(tmp_path / "out.mp3")
-    assert mp3_rate == 44100 and samples <= mp3_samples <= samples + 2 * 1152
-
-    assert synth(demo_dir, tmp_path / "out.ogg", "--opus-bitrate", "32") == 0
-    opus_samples, opus_rate = decode_file(tmp_path / "out.ogg")
-    assert opus_rate == 48000 and abs(opus_samples - samples * 48000 / 44100) <= 48
+def test_pcm_is_whole_codec_frames(pcm_samples: np.ndarray) -> None:
+    assert 0 < len(pcm_samples) <= (MAX_FRAMES - 1) * FRAME_LENGTH
+    assert len(pcm_samples) % FRAME_LENGTH == 0
+    assert np.abs(pcm_samples).max() > 0
 
 
-def test_sample_rate_and_speed_options(demo_dir: Path, tmp_path: Path) -> None:
-    assert synth(demo_dir, tmp_path / "base.wav") == 0
-    base, _ = decode_file(tmp_path / "base.wav")
-    assert synth(demo_dir, tmp_path / "low.wav", "--sample-rate", "16000") == 0
-    low, rate = decode_file(tmp_path / "low.wav")
-    assert rate == 16000 and abs(low - base * 16000 / 44100) <= 1
-    assert synth(demo_dir, tmp_path / "fast.wav", "--speed", "2.0") == 0
-    fast, _ = decode_file(tmp_path / "fast.wav")
-    assert abs(fast - base / 2) < 0.05 * base
+@pytest.mark.parametrize(
+    ("name", "options", "rate"),
+    [
+        ("out.wav", ["--sample-rate", "16000"], 16000),
+        ("out.mp3", ["--mp3-bitrate", "64"], 44100),
+        ("out.ogg", ["--opus-bitrate", "32"], 48000),
+    ],
+)
+def test_each_format_decodes_at_the_right_rate_and_length(
+    demo_dir: Path, pcm_samples: np.ndarray, tmp_path: Path, name: str, options: list[str], rate: int
+) -> None:
+    assert synth(demo_dir, tmp_path / name, *options) == 0
+    samples, decoded_rate = decode_file(tmp_path / name)
+    expected = len(pcm_samples) * rate / 44100
+    assert decoded_rate == rate
+    if name.endswith(".wav"):
+        assert abs(samples - expected) <= 1
+    elif name.endswith(".mp3"):
+        assert expected <= samples <= expected + 2 * 1152
+    else:
+        assert abs(samples - expected) <= rate / 1000
 
 
 def test_with_a_reference_clip(demo_dir: Path, reference_clip: Path, tmp_path: Path) -> None:
@@ -107,16 +121,34 @@ def test_with_a_reference_clip(demo_dir: Path, reference_clip: Path, tmp_path: P
     assert synth(demo_dir, tmp_path / "voiced.mp3", *voice) == 0
     samples, rate = decode_file(tmp_path / "voiced.mp3")
     assert rate == 44100 and samples > 0
-    # The reference changes the prompt, so (same seed) the audio differs from the unvoiced one.
-    assert synth(demo_dir, tmp_path / "voiced.pcm", *voice) == 0
-    assert synth(demo_dir, tmp_path / "plain.pcm") == 0
-    assert (tmp_path / "voiced.pcm").read_bytes() != (tmp_path / "plain.pcm").read_bytes()
 
 
-def test_same_seed_same_audio(demo_dir: Path, tmp_path: Path) -> None:
-    assert synth(demo_dir, tmp_path / "a.pcm", seed=3) == 0
-    assert synth(demo_dir, tmp_path / "b.pcm", seed=3) == 0
-    assert (tmp_path / "a.pcm").read_bytes() == (tmp_path / "b.pcm").read_bytes()
+def test_synthesizer_is_deterministic_and_uses_the_reference(
+    demo_dir: Path, pcm_samples: np.ndarray, reference_clip: Path
+) -> None:
+    from shoal.synth import read_reference_clips
+
+    synthesizer = Synthesizer(demo_dir)
+    plain = np.concatenate(list(synthesizer.generate(TEXT, seed=SEED, max_frames=MAX_FRAMES)))
+    # The same frames and audio as the CLI's pcm file (which rounds to 16 bits).
+    assert np.array_equal(np.round(plain * 32767).astype(np.int16), pcm_samples)
+    [(clip, text)] = read_reference_clips([reference_clip], ["A low hum."])
+    reference = synthesizer.reference(clip, text)
+    assert reference.codes.shape[0] == 10 and reference.codes.shape[1] == -(-len(clip) // FRAME_LENGTH)
+    voiced = np.concatenate(list(synthesizer.generate(TEXT, [reference], seed=SEED, max_frames=MAX_FRAMES)))
+    common = min(len(voiced), len(plain))
+    assert common > 0 and not np.array_equal(voiced[:common], plain[:common])
+
+
+def test_long_text_is_generated_batch_by_batch(demo_dir: Path) -> None:
+    from shoal.models.prompt import split_text
+
+    text = "".join(f"<|speaker:{i % 2}|>Turn number {i} of a longer dialogue, said aloud. " for i in range(6))
+    batches = split_text(text, 100, "s2")
+    assert len(batches) > 1
+    chunks = list(Synthesizer(demo_dir).generate(text, seed=SEED, max_frames=4, chunk_length=100))
+    assert 1 < len(chunks) <= len(batches)  # one audio array per batch that produced frames
+    assert all(chunk.dtype == np.float32 and len(chunk) % FRAME_LENGTH == 0 for chunk in chunks)
 
 
 def test_bad_inputs_fail_with_a_message(
@@ -130,6 +162,8 @@ def test_bad_inputs_fail_with_a_message(
     assert "--reference-text" in capsys.readouterr().err
     assert synth(demo_dir, tmp_path / "x.opus", "--sample-rate", "44100") == 2
     assert "opus sample_rate" in capsys.readouterr().err
+    assert synth(tmp_path / "missing", tmp_path / "x.wav") == 1
+    assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "x.wav").exists() and not (tmp_path / "x.wav.part").exists()
 
 

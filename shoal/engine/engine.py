@@ -10,19 +10,34 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
+import numpy as np
 import torch
 
 from shoal.config import EngineConfig
-from shoal.engine.api import EngineStats, FinishReason, InvalidRequest, Priority
+from shoal.engine.api import (
+    AudioChunk,
+    Engine,
+    EngineStats,
+    FinishReason,
+    InvalidRequest,
+    Priority,
+    RequestHandle,
+    SynthesisRequest,
+    VoiceReference,
+)
 from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page
-from shoal.engine.request import Request, RequestStatus, SamplingParams
+from shoal.engine.request import Request, SamplingParams
 from shoal.engine.runner import ModelRunner
 from shoal.engine.scheduler import Scheduler
+from shoal.engine.vocoder import Vocoder, VocoderStream
+from shoal.models.prompt import Reference, Turn, build_prompt, split_text, voice_prefix_length
+from shoal.models.reference import batch_seed
 
 _ids = itertools.count()
 
@@ -80,7 +95,9 @@ class EngineCore:
             raise InvalidRequest(f"prompt of {prompt.shape[1]} tokens exceeds max_seq_len {self.max_seq_len}")
         pages_needed = self.kv.pages_for(prompt.shape[1] + min(max_new_frames, room))
         if pages_needed > self.kv.pool.num_pages:
-            raise InvalidRequest(f"request needs {pages_needed} KV pages, the pool has {self.kv.pool.num_pages}")
+            raise InvalidRequest(
+                f"request needs {pages_needed} KV pages, the pool has {self.kv.pool.num_pages}"
+            )
         return Request(
             request_id or new_request_id(),
             prompt,
@@ -91,10 +108,10 @@ class EngineCore:
             sink=sink,
         )
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, bypass_limit: bool = False) -> None:
         if request.request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request.request_id}")
-        self.scheduler.add(request)
+        self.scheduler.add(request, bypass_limit)
         self.requests[request.request_id] = request
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
@@ -218,19 +235,137 @@ class FrameStream:
         return torch.cat(chunks).t().contiguous() if chunks else torch.zeros(0, 0, dtype=torch.int32)
 
 
-class LocalEngine:
-    """Runs an EngineCore on a thread. (The text/audio `Engine` API lives in `vocoder.py`.)"""
+class SynthesisHandle(RequestHandle):
+    """One SynthesisRequest: its text batches run one after another (S2 long text), each as an
+    engine Request whose prompt carries the earlier batches' frames; audio comes out through
+    the vocoder (or frames only, with an empty waveform, when the engine has no codec)."""
 
-    def __init__(self, model, config: EngineConfig) -> None:
+    def __init__(self, engine: LocalEngine, spec: SynthesisRequest, request_id: str, seed: int) -> None:
+        self.request_id = request_id
+        self.spec = spec
+        self.seed = seed
+        self.references = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in spec.references)
+        self.texts = split_text(spec.text, spec.chunk_length, engine.core.model.config.family) or [spec.text]
+        self.batch = 0
+        self.history: list[Turn] = []
+        self.current: Request | None = None
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._finish: FinishReason | None = None
+        self._stream: VocoderStream | None = None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish
+
+    def next_request(self) -> Request:
+        """The engine Request of the current text batch."""
+        engine = self._engine
+        config, tokenizer = engine.core.model.config, engine.core.model.tokenizer
+        text = self.texts[self.batch]
+        prompt = build_prompt(config, tokenizer, text, self.references, self.history)
+        sampling = self.spec.sampling
+        params = SamplingParams(
+            sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty,
+            batch_seed(self.seed, self.batch),
+        )  # fmt: skip
+        self.current = engine.core.new_request(
+            prompt,
+            params,
+            max_new_frames=self.spec.max_new_frames,
+            priority=self.spec.priority,
+            prefix_len=voice_prefix_length(config, tokenizer, self.references),
+            request_id=f"{self.request_id}/{self.batch}",
+            sink=self._on_frames,
+        )
+        if engine.vocoder is not None:
+            self._stream = engine.vocoder.open(self._on_audio)
+        return self.current
+
+    # Engine thread
+    def _on_frames(self, request: Request, frames: torch.Tensor | None, reason: FinishReason | None) -> None:
+        vocoder = self._engine.vocoder
+        if frames is not None:
+            if vocoder is not None:
+                vocoder.push(self._stream, frames)
+            else:
+                self._on_audio(np.zeros(0, dtype=np.float32), frames.numpy())
+        if reason is None:
+            return
+        more = reason in (FinishReason.STOP, FinishReason.LENGTH) and self.batch + 1 < len(self.texts)
+        if more:
+            self.history.append(
+                Turn(self.texts[self.batch], request.frames[: request.num_frames].t().clone())
+            )
+            self.batch += 1
+        done = (lambda: None) if more else (lambda: self._finished(reason))
+        if vocoder is not None:
+            vocoder.end(self._stream, done, drop=reason in (FinishReason.ABORTED, FinishReason.ERROR))
+        else:
+            done()
+        if more:
+            self._engine.core.add(self.next_request(), bypass_limit=True)
+
+    # Vocoder thread (or engine thread without a codec)
+    def _on_audio(self, samples: np.ndarray, frames: np.ndarray) -> None:
+        chunk = AudioChunk(samples, self._engine.sample_rate, frames)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    def _finished(self, reason: FinishReason) -> None:
+        self._engine._handles.pop(self.request_id, None)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, reason)
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        try:
+            while self._finish is None:
+                item = await self._queue.get()
+                if isinstance(item, FinishReason):
+                    self._finish = item
+                else:
+                    yield item
+        finally:
+            if self._finish is None:
+                await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._finish is None:
+            self._engine.abort(self.request_id)
+
+
+class LocalEngine(Engine):
+    """The Engine the server drives: an EngineCore on its own thread, plus the vocoder."""
+
+    def __init__(self, model, config: EngineConfig, codec=None, model_name: str = "s2-pro") -> None:
         self.core = EngineCore(model, config)
         self.config = config
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self.codec = codec
+        self.vocoder = None
+        if codec is not None:
+            streams = 2 * config.max_running_requests
+            self.vocoder = Vocoder(
+                codec, streams, config.vocoder_chunk_frames, config.vocoder_first_chunk_frames
+            )
+        self.sample_rate = codec.sample_rate if codec is not None else 44100
+        self.frame_rate = self.sample_rate / (codec.frame_length if codec is not None else 2048)
+        self.model_name = model_name
+        self._handles: dict[str, SynthesisHandle] = {}
+        self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.on_error: Callable[[BaseException], None] | None = None
+        self.last_error: BaseException | None = None
+
+    # Thread --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.start_thread()
+
+    async def stop(self) -> None:
+        self.stop_thread()
 
     def start_thread(self) -> None:
+        if self.vocoder is not None:
+            self.vocoder.start()
         if self._thread is None:
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
@@ -243,28 +378,79 @@ class LocalEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.vocoder is not None:
+            self.vocoder.stop()
 
     def _loop(self) -> None:
         while True:
-            with self._wake:
+            with self._wake:  # held for the step: submit/abort land between steps
                 while not self._stopping and not self.core.has_work:
                     self._wake.wait()
                 if self._stopping:
                     return
                 try:
                     self.core.step()
-                except Exception as error:  # fail the running requests, keep serving
+                except Exception as error:  # fail what was running, keep serving the rest
+                    self.last_error = error
                     for request in list(self.core.scheduler.running):
                         self.core.abort(request.request_id, FinishReason.ERROR)
-                    if self.on_error is not None:
-                        self.on_error(error)
 
     def call(self, fn: Callable, *args, **kwargs):
-        """Run `fn` with the engine state locked (between steps) and wake the loop."""
+        """Run `fn` on the engine state between steps, then wake the loop."""
         with self._wake:
             result = fn(*args, **kwargs)
             self._wake.notify_all()
             return result
+
+    # Engine API ----------------------------------------------------------------------------
+
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
+        if not request.text.strip():
+            raise InvalidRequest("text is empty")
+        request_id = request.request_id or new_request_id()
+        if request_id in self._handles:
+            raise InvalidRequest(f"duplicate request id {request_id}")
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        handle = SynthesisHandle(self, request, request_id, seed)
+        try:
+            first = handle.next_request()
+        except ValueError as error:  # bad reference codes and the like
+            raise InvalidRequest(str(error)) from error
+        self.call(self.core.add, first)
+        self._handles[request_id] = handle
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        handle = self._handles.pop(request_id, None)
+        if handle is not None and handle.current is not None:
+            self.call(self.core.abort, handle.current.request_id)
+        else:
+            self.call(self.core.abort, request_id)
+
+    async def prefill_voice(self, references: tuple[VoiceReference, ...], voice_key: str) -> None:
+        model = self.core.model
+        refs = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in references)
+        prefix = build_prompt(model.config, model.tokenizer, "", refs)
+        prefix = prefix[:, : voice_prefix_length(model.config, model.tokenizer, refs)]
+        await asyncio.get_running_loop().run_in_executor(None, self.call, self.core.prefill_voice, prefix)
+
+    async def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
+        if self.codec is None:
+            raise InvalidRequest("this engine has no codec")
+
+        def encode() -> np.ndarray:
+            wave = torch.as_tensor(np.asarray(audio, dtype=np.float32)).flatten()
+            if sample_rate != self.codec.sample_rate:
+                size = max(1, round(wave.numel() * self.codec.sample_rate / sample_rate))
+                wave = torch.nn.functional.interpolate(wave[None, None], size=size, mode="linear")[0, 0]
+            return self.codec.encode(wave)[0].cpu().numpy()
+
+        return await asyncio.get_running_loop().run_in_executor(None, encode)
+
+    def stats(self) -> EngineStats:
+        return self.call(self.core.stats)
+
+    # Frame-level API (tests, benchmarks) ---------------------------------------------------
 
     def submit_frames(
         self,
@@ -290,11 +476,5 @@ class LocalEngine:
         self.call(self.core.add, request)
         return stream
 
-    def abort(self, request_id: str) -> None:
-        self.call(self.core.abort, request_id)
 
-    def stats(self) -> EngineStats:
-        return self.call(self.core.stats)
-
-
-__all__ = ["EngineCore", "FrameStream", "LocalEngine", "RequestStatus", "new_request_id"]
+__all__ = ["EngineCore", "FrameStream", "LocalEngine", "SynthesisHandle", "new_request_id"]

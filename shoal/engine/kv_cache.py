@@ -223,6 +223,7 @@ class PagedKV:
         self._segments: list[tuple[int, int, int, list[int]]] = []  # offset, count, kv_len, pages
         self._block_tables: torch.Tensor | None = None
         self._kv_lens: torch.Tensor | None = None
+        self._prefill_meta: tuple | None = None
 
     def slot_of(self, pages: list[int], position: int) -> int:
         return pages[position // self.page_size] * self.page_size + position % self.page_size
@@ -235,6 +236,19 @@ class PagedKV:
         self._slots = torch.tensor(slots, dtype=torch.long, device=self.k.device)
         self._segments = segments
         self._mode = "varlen"
+        self._prefill_meta = None
+        if _triton_prefill is not None and self.k.is_cuda:
+            width = max(len(pages) for _, _, _, pages in segments)
+            tables = torch.full((len(segments), width), self.scratch_page, dtype=torch.int32)
+            for i, (_, _, _, pages) in enumerate(segments):
+                tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            starts = [offset for offset, _, _, _ in segments] + [sum(c for _, c, _, _ in segments)]
+            self._prefill_meta = (
+                tables.to(self.k.device),
+                torch.tensor([kv for _, _, kv, _ in segments], dtype=torch.int32, device=self.k.device),
+                torch.tensor(starts, dtype=torch.int32, device=self.k.device),
+                max(c for _, c, _, _ in segments),
+            )
 
     def set_decode(self, slots: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """slots Long[B] (where each row's new key goes), block_tables int32 [B, P], kv_lens
@@ -253,6 +267,9 @@ class PagedKV:
             return self._attend_decode(layer, q)
         if self._mode != "varlen":
             raise RuntimeError("PagedKV.attend before set_varlen/set_decode")
+        if self._prefill_meta is not None:
+            tables, seq_lens, starts, max_query = self._prefill_meta
+            return _triton_prefill(q, self.k[layer], self.v[layer], tables, seq_lens, starts, max_query)
         out = torch.empty_like(q)
         for offset, count, kv_len, pages in self._segments:
             n_pages = -(-kv_len // self.page_size)
@@ -289,13 +306,16 @@ class PagedKV:
         return attended[:, :, 0, :]
 
 
-def _load_triton_decode():
-    """The Triton paged decode attention from kernels/attention.py, when it is there."""
+def _load_triton_kernel(name: str):
+    """A Triton paged attention op from kernels/attention.py (None without Triton or a GPU)."""
+    if not torch.cuda.is_available():
+        return None
     try:
         from shoal.kernels import attention as kernels_attention
     except Exception:
         return None
-    return getattr(kernels_attention, "paged_decode_attention", None)
+    return getattr(kernels_attention, name, None)
 
 
-_triton_decode = _load_triton_decode()
+_triton_decode = _load_triton_kernel("paged_decode_attention")
+_triton_prefill = _load_triton_kernel("paged_prefill_attention")

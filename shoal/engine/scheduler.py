@@ -53,11 +53,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting.values())
 
-    def add(self, request: Request) -> None:
-        """Queue a new request; raises EngineOverloaded when its class's queue is full."""
+    def add(self, request: Request, bypass_limit: bool = False) -> None:
+        """Queue a new request; raises EngineOverloaded when its class's queue is full
+        (`bypass_limit`: the next text batch of a request already accepted)."""
         queue = self.waiting[request.priority]
         limit = self.config.queue_limits.get(request.priority.name.lower())
-        if limit is not None and len(queue) >= limit:
+        if not bypass_limit and limit is not None and len(queue) >= limit:
             raise EngineOverloaded(f"{request.priority.name.lower()} queue is full ({limit} waiting)")
         if request.seq_len + request.max_new_frames - request.num_frames > self.max_seq_len + 1:
             raise ValueError("request does not fit in max_seq_len")

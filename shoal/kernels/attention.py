@@ -286,8 +286,8 @@ def _launch_attention(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_R=max(16, block_m * block_g),
         BLOCK_N=config.block_n, PAGE=k_pages.shape[1], HEAD_DIM=d, NUM_SPLITS=num_splits,
-        IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None, HAS_KV_START=kv_start is not None,
-        WRITE_PARTIAL=part_out is not None, UPCAST=_interpreting(),
+        IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
+        HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None, UPCAST=_interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -406,7 +406,8 @@ def shared_prefix_decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
-        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=_interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)
     return out

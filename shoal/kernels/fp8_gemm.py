@@ -127,11 +127,7 @@ def _workspace_for(device: torch.device, m: int, n: int, config: GemmConfig) -> 
     """A lazily grown per-device workspace, for callers (tests, eager use) that pass none."""
     need_partials, need_tiles = SplitKWorkspace.required(m, n, config)
     current = _default_workspaces.get(device)
-    if (
-        current is None
-        or current.partials.numel() < need_partials
-        or current.counters.numel() < need_tiles
-    ):
+    if current is None or current.partials.numel() < need_partials or current.counters.numel() < need_tiles:
         have_p = current.partials.numel() if current else 0
         have_t = current.counters.numel() if current else 0
         current = SplitKWorkspace(max(need_partials, have_p), max(need_tiles, have_t), device)
@@ -253,7 +249,9 @@ def check_weight_layout(w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
     n, k = w_q.shape
     expected = (triton.cdiv(n, 128), triton.cdiv(k, 128))
     if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != expected:
-        raise ValueError(f"weight_scale must be float32 {list(expected)}, got {w_scale.dtype} {list(w_scale.shape)}")
+        raise ValueError(
+            f"weight_scale must be float32 {list(expected)}, got {w_scale.dtype} {list(w_scale.shape)}"
+        )
     if not w_scale.is_contiguous():
         raise ValueError(f"weight_scale must be row-major contiguous, got strides {w_scale.stride()}")
 
@@ -275,7 +273,9 @@ def _launch(
         raise ValueError("activations must be 2-D with unit column stride")
     m = a.shape[0]
     if a.shape[1] != (2 * k if swiglu else k):
-        raise ValueError(f"activations have {a.shape[1]} columns, weight expects {k}{' x 2' if swiglu else ''}")
+        raise ValueError(
+            f"activations have {a.shape[1]} columns, weight expects {k}{' x 2' if swiglu else ''}"
+        )
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:

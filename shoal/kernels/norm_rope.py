@@ -123,7 +123,11 @@ def qk_norm_rope_kv_write(
         raise ValueError("qkv rows and the rope table's [D/2, 2] rows must be contiguous")
     if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1:
         raise ValueError("k_pages and v_pages must share one layout with head_dim innermost")
-    q_out = torch.empty(tokens, n_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
+    q_out = (
+        torch.empty(tokens, n_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        if q_out is None
+        else q_out
+    )
     if tokens == 0:
         return q_out
     dummy = rope_table

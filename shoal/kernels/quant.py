@@ -34,7 +34,9 @@ def check_activation_scales(scales: torch.Tensor, m: int, k: int) -> None:
     """Raise if `scales` is not the fp32 [m, ceil(k/128)] group-major buffer the kernels expect."""
     groups = triton.cdiv(k, GROUP)
     if scales.dtype != torch.float32 or tuple(scales.shape) != (m, groups):
-        raise ValueError(f"activation scales must be float32 [{m}, {groups}], got {scales.dtype} {scales.shape}")
+        raise ValueError(
+            f"activation scales must be float32 [{m}, {groups}], got {scales.dtype} {scales.shape}"
+        )
     if m > 1 and scales.stride() != (1, m):
         raise ValueError(f"activation scales must be group-major (strides (1, {m})), got {scales.stride()}")
 

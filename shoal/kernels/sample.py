@@ -48,7 +48,7 @@ def _row_hash(seed, frame, slot):
     h = _fmix32(seed_lo ^ 0x243F6A88)
     h = _fmix32(h ^ seed_hi)
     h = _fmix32(h ^ (frame & 0xFFFFFFFF).to(tl.uint32))
-    return _fmix32(h ^ slot.to(tl.uint32))
+    return _fmix32(h ^ tl.cast(slot, tl.uint32))  # tl.cast: `slot` may be specialized to constexpr 1
 
 
 @triton.jit
@@ -110,7 +110,9 @@ def _sample_kernel(
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     top_k = tl.load(top_k_ptr + row).to(tl.int64)
-    token = _race(values, sorted_ids, ranks, top, total, temperature, top_p, top_k, _row_hash(seed, frame, slot))
+    token = _race(
+        values, sorted_ids, ranks, top, total, temperature, top_p, top_k, _row_hash(seed, frame, slot)
+    )
     if RAS:
         high = _race(
             values, sorted_ids, ranks, top, total, ras_temperature, ras_top_p, top_k,

@@ -45,7 +45,9 @@ def window_shift(window: Tensor, frames: Tensor, frame_index: Tensor | None = No
     """Shift `frames` [bs, N+1] into `window` [bs, W, N+1] in place (see the module docstring)."""
     bs, width, columns = window.shape
     if frames.shape != (bs, columns) or frames.dtype != window.dtype:
-        raise ValueError(f"frames must be {window.dtype} [{bs}, {columns}], got {frames.dtype} {tuple(frames.shape)}")
+        raise ValueError(
+            f"frames must be {window.dtype} [{bs}, {columns}], got {frames.dtype} {tuple(frames.shape)}"
+        )
     if window.stride(2) != 1 or frames.stride(1) != 1:
         raise ValueError("the frame dimension must be contiguous")
     if bs == 0:

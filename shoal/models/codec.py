@@ -216,7 +216,7 @@ class Codec(nn.Module):
         Right-padded with zeros to whole frames: frames = ceil(T / frame_length)."""
         audio = audio.reshape(-1, 1, audio.shape[-1]) if audio.dim() < 3 else audio
         pad = math.ceil(audio.shape[-1] / self.frame_length) * self.frame_length - audio.shape[-1]
-        audio = F.pad(audio.to(self.dtype), (0, pad))
+        audio = F.pad(audio.to(self.device, self.dtype), (0, pad))
         return self.quantizer.encode(self.encoder(audio))
 
     @torch.inference_mode()

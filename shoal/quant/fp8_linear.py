@@ -28,7 +28,9 @@ DEFAULT_QUANTIZE_INPUT = False
 # stays far below: only the bf16 rounding of the output (~1e-3) remains.
 PROBE_TOLERANCE = 5e-3
 # The transformer-block projections; embeddings, heads and norms stay in the model dtype.
-QUANTIZED_MODULES = re.compile(r"^(layers|fast_layers)\.\d+\.(attention\.(wqkv|wo)|feed_forward\.(w1|w2|w3))$")
+QUANTIZED_MODULES = re.compile(
+    r"^(layers|fast_layers)\.\d+\.(attention\.(wqkv|wo)|feed_forward\.(w1|w2|w3))$"
+)
 
 
 class LayoutError(RuntimeError):
@@ -50,7 +52,9 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.quantize_input = quantize_input
         blocks = (-(-out_features // 128), -(-in_features // 128))
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        )
         self.register_buffer("weight_scale", torch.empty(blocks, dtype=torch.float32, device=device))
         self.register_buffer("weight_probe", torch.empty(out_features, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.empty(out_features, device=device) if bias else None)
@@ -58,7 +62,11 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, quantize_input: bool = DEFAULT_QUANTIZE_INPUT) -> Fp8Linear:
         layer = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, quantize_input, linear.weight.device
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            quantize_input,
+            linear.weight.device,
         )
         w_q, w_scale, probe = fp8.quantize_weight(linear.weight.float())
         layer.weight.copy_(w_q)
@@ -69,17 +77,21 @@ class Fp8Linear(nn.Module):
         return layer
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, quantize_input={self.quantize_input}"
+        return f"in={self.in_features}, out={self.out_features}, quantize_input={self.quantize_input}"
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
         if x.is_cuda:
             from shoal.kernels.fp8_gemm import fp8_linear
 
-            out = fp8_linear(rows.to(torch.bfloat16).contiguous(), self.weight, self.weight_scale, self.quantize_input)
+            out = fp8_linear(
+                rows.to(torch.bfloat16).contiguous(), self.weight, self.weight_scale, self.quantize_input
+            )
             out = out.to(x.dtype)
         else:
-            out = reference.fp8_linear(rows, self.weight, self.weight_scale, self.quantize_input, out_dtype=x.dtype)
+            out = reference.fp8_linear(
+                rows, self.weight, self.weight_scale, self.quantize_input, out_dtype=x.dtype
+            )
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -97,16 +109,25 @@ class Fp8Linear(nn.Module):
     def check_layout(self, name: str = "") -> None:
         """Raise LayoutError unless dtype, shape, strides and a numeric probe are all as the kernel needs."""
         where = name or "Fp8Linear"
-        if self.weight.dtype != torch.float8_e4m3fn or tuple(self.weight.shape) != (self.out_features, self.in_features):
-            raise LayoutError(f"{where}: weight must be float8_e4m3fn [{self.out_features}, {self.in_features}]")
+        if self.weight.dtype != torch.float8_e4m3fn or tuple(self.weight.shape) != (
+            self.out_features,
+            self.in_features,
+        ):
+            raise LayoutError(
+                f"{where}: weight must be float8_e4m3fn [{self.out_features}, {self.in_features}]"
+            )
         if self.weight.stride(1) != 1:
             raise LayoutError(f"{where}: weight must have unit column stride, got {self.weight.stride()}")
         blocks = (-(-self.out_features // 128), -(-self.in_features // 128))
         scale = self.weight_scale
         if scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
-            raise LayoutError(f"{where}: weight_scale must be float32 {list(blocks)}, got {scale.dtype} {list(scale.shape)}")
+            raise LayoutError(
+                f"{where}: weight_scale must be float32 {list(blocks)}, got {scale.dtype} {list(scale.shape)}"
+            )
         if not scale.is_contiguous():
-            raise LayoutError(f"{where}: weight_scale must be row-major contiguous, got strides {scale.stride()}")
+            raise LayoutError(
+                f"{where}: weight_scale must be row-major contiguous, got strides {scale.stride()}"
+            )
         if not torch.isfinite(scale).all() or (scale <= 0).any():
             raise LayoutError(f"{where}: weight_scale has non-positive or non-finite entries")
         error = self.probe_error()
@@ -145,12 +166,16 @@ def verify_model_layout(model: nn.Module) -> int:
         except LayoutError as error:
             problems.append(str(error))
     if problems:
-        shown = "; ".join(problems[:5]) + (f" ... ({len(problems)} layers in all)" if len(problems) > 5 else "")
+        shown = "; ".join(problems[:5]) + (
+            f" ... ({len(problems)} layers in all)" if len(problems) > 5 else ""
+        )
         raise LayoutError(shown)
     return len(layers)
 
 
-def quantize_checkpoint(source: str | Path, out: str | Path, quantize_input: bool = DEFAULT_QUANTIZE_INPUT) -> Path:
+def quantize_checkpoint(
+    source: str | Path, out: str | Path, quantize_input: bool = DEFAULT_QUANTIZE_INPUT
+) -> Path:
     """Read any checkpoint through `load_model`, quantize it, write the FP8 directory, and check it loads."""
     from shoal.models import load_model
     from shoal.models.checkpoint import resolve_checkpoint_dir
@@ -165,7 +190,10 @@ def quantize_checkpoint(source: str | Path, out: str | Path, quantize_input: boo
 
 
 def load_quantized(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, verify: bool = True
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    verify: bool = True,
 ) -> nn.Module:
     """Load an FP8 checkpoint written by `quantize_checkpoint`; `verify` checks every layer's layout."""
     from shoal.models.checkpoint import build_model, load_state_into
@@ -184,7 +212,13 @@ def load_quantized(
     model = build_model(config, tokenizer)
     for name in section["modules"]:
         linear = model.get_submodule(name)
-        meta = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, section["quantize_activations"], "meta")
+        meta = Fp8Linear(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            section["quantize_activations"],
+            "meta",
+        )
         _set_submodule(model, name, meta)
     state = fp8.read_quantized_state(directory)
     model = load_state_into(model, state, device, dtype)

@@ -136,6 +136,7 @@ def system_router():
             waiting=stats.waiting,
             pages_used=stats.pages_used,
             pages_free=stats.pages_free,
+            prefix_cache_pages=stats.prefix_cache_pages,
             frames_per_second=stats.frames_per_second,
             active_streams=request.app.state.limiter.total,
         )

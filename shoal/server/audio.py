@@ -364,13 +364,18 @@ class ProsodyTransform:
             samples = self._drain()
         elif self._graph is not None:
             samples = np.zeros(0, np.float32)
-        return samples * self.gain if self.gain != 1.0 else samples
+        return self._apply_gain(samples)
 
     def finish(self) -> np.ndarray:
         if self._graph is None:
             return np.zeros(0, np.float32)
         self._graph.push(None)
-        return self._drain() * self.gain
+        return self._apply_gain(self._drain())
+
+    def _apply_gain(self, samples: np.ndarray) -> np.ndarray:
+        if self.gain == 1.0:
+            return samples
+        return np.clip(samples * self.gain, -1.0, 1.0)  # a boost saturates instead of wrapping
 
     def _drain(self) -> np.ndarray:
         pieces = []

@@ -84,9 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace):
-    """The real engine for the checkpoint (imported here so `--help` stays fast)."""
-    from shoal.engine.serving import load_engine
-
+    """The real engine for the checkpoint (imported here so `--help` stays fast). The engine
+    package provides `load_engine(checkpoint, *, codec, device, dtype) -> shoal.engine.api.Engine`."""
+    try:
+        from shoal.engine import load_engine
+    except ImportError as error:
+        raise SystemExit(
+            f"shoal serve: this build has no engine factory (shoal.engine.load_engine): {error}"
+        ) from error
     return load_engine(args.checkpoint, codec=args.codec, device=args.device, dtype=args.dtype)
 
 

@@ -185,5 +185,6 @@ class Health(BaseModel):
     waiting: dict[str, int]
     pages_used: int
     pages_free: int
+    prefix_cache_pages: int  # pinned voice prefixes; the rest of pages_used belongs to requests
     frames_per_second: float
     active_streams: int

@@ -43,8 +43,12 @@ OPENAI_BUILTIN_VOICES = frozenset(
 )
 
 
-class SynthesisFailed(Exception):
-    """The engine ended a request with an error after audio had started flowing."""
+class SynthesisFailed(ApiError):
+    """The engine ended a request with an error (before the first audio: a 500 answer; after
+    it: the chunked body ends early, which the client sees as a truncated response)."""
+
+    def __init__(self, reason: FinishReason | None) -> None:
+        super().__init__(500, f"synthesis failed (engine finish reason: {reason})")
 
 
 def build_synthesis_request(
@@ -112,7 +116,7 @@ class EncodedAudio:
             if data:
                 yield data
         if self.handle.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
-            raise SynthesisFailed(f"synthesis ended with {self.handle.finish_reason}")
+            raise SynthesisFailed(self.handle.finish_reason)
         if self.finish_encoder:
             tail = await anyio.to_thread.run_sync(self.encoder.finish)
             if tail:

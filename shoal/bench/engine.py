@@ -1,0 +1,223 @@
+"""`shoal bench engine`: decode throughput and time to first frame of the batching engine.
+
+Without `--checkpoint` the model is S2-Pro-shaped (the full-size config) with random weights
+built directly on the GPU: no file, no tokenizer. Prompts are `--prompt-tokens` long, either
+all different or sharing a voice prefix (`--shared-prefix` tokens). Output length is fixed
+(`ignore_eos`). Per concurrency it reports aggregate frames/s, per-request decode frames/s,
+time to first frame (p50/p95) and peak GPU memory, plus a naive batch-1 loop
+(`models.reference.generate`) on the same model for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from shoal.config import EngineConfig
+from shoal.engine.api import FinishReason
+from shoal.engine.engine import EngineCore
+from shoal.engine.request import SamplingParams
+
+S2_PRO_CONFIG = {
+    "model_type": "fish_qwen3_omni",
+    "eos_token_id": 151645,
+    "semantic_start_token_id": 151678,
+    "semantic_end_token_id": 155773,
+    "text_config": {
+        "dim": 2560, "n_layer": 36, "n_head": 32, "n_local_heads": 8, "head_dim": 128,
+        "intermediate_size": 9728, "max_seq_len": 32768, "rope_base": 1000000, "norm_eps": 1e-6,
+        "vocab_size": 155776, "attention_qk_norm": True, "tie_word_embeddings": True,
+    },
+    "audio_decoder_config": {
+        "dim": 2560, "n_layer": 4, "n_head": 32, "n_local_heads": 8, "head_dim": 128,
+        "intermediate_size": 9728, "max_seq_len": 11, "num_codebooks": 10, "vocab_size": 4096,
+        "rope_base": 1000000, "norm_eps": 1e-6, "attention_qk_norm": False,
+    },
+}  # fmt: skip
+
+
+def build_random_s2(device: str, dtype: torch.dtype, seed: int = 0):
+    """The full-size S2-Pro module tree with random weights, allocated on `device` directly."""
+    from shoal.models.config import parse_config
+    from shoal.models.dual_ar import DualARTransformer
+
+    config = parse_config(S2_PRO_CONFIG)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = DualARTransformer(config).to(dtype)
+        for param in model.parameters():
+            if param.dim() >= 2:  # keep activations in a sane range at this width
+                torch.nn.init.normal_(param, std=0.02)
+        model.build_rope_tables(device)
+    return model.eval()
+
+
+def make_prompts(model, count: int, length: int, shared: int, seed: int) -> list[torch.Tensor]:
+    """Random text-token prompts [N+1, length]; the first `shared` columns (a voice prefix with
+    semantic frames) identical across prompts."""
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+
+    def columns(n: int) -> torch.Tensor:
+        block = torch.zeros(c.num_codebooks + 1, n, dtype=torch.long)
+        block[0] = torch.randint(0, min(150_000, c.semantic_begin_id), (n,), generator=g)
+        semantic = slice(n // 4, n // 2)  # a run of reference frames
+        codes = torch.randint(
+            0, c.codebook_size, (c.num_codebooks, semantic.stop - semantic.start), generator=g
+        )
+        block[1:, semantic] = codes
+        block[0, semantic] = c.semantic_begin_id + codes[0]
+        return block
+
+    prefix = columns(shared) if shared else None
+    return [
+        torch.cat([prefix, columns(length - shared)], dim=1) if prefix is not None else columns(length)
+        for _ in range(count)
+    ]
+
+
+def run_level(core: EngineCore, prompts: list[torch.Tensor], frames: int, prefix_len: int) -> dict:
+    """Submit all prompts at once and run the engine until they are done."""
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    requests = []
+    for i, prompt in enumerate(prompts):
+        request = core.new_request(
+            prompt, SamplingParams(seed=i), max_new_frames=frames, prefix_len=prefix_len
+        )
+        request.arrival_perf = time.perf_counter()
+        core.add(request)
+        requests.append(request)
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    while core.has_work:
+        for request in core.step():
+            now = time.perf_counter()
+            first.setdefault(id(request), now)
+            if request.finish_reason is not None:
+                done[id(request)] = now
+    wall = time.perf_counter() - start
+    assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
+    ttff = sorted(first[id(r)] - r.arrival_perf for r in requests)
+    rates = [(frames - 1) / max(done[id(r)] - first[id(r)], 1e-9) for r in requests]
+    return {
+        "concurrency": len(prompts),
+        "frames": frames,
+        "aggregate_frames_per_s": len(prompts) * frames / wall,
+        "per_request_frames_per_s": statistics.mean(rates),
+        "ttff_p50_ms": 1000 * statistics.median(ttff),
+        "ttff_p95_ms": 1000 * ttff[min(len(ttff) - 1, int(0.95 * len(ttff)))],
+        "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        "wall_s": wall,
+    }
+
+
+def naive_batch1(model, prompt: torch.Tensor, frames: int) -> dict:
+    """The oracle generation loop (eager, batch 1) on the same model: the baseline to beat."""
+    from shoal.models.reference import generate
+
+    model.config.im_end_id, saved = -1, model.config.im_end_id  # fixed length, as the engine
+    try:
+        generate(model, prompt, max_frames=4, temperature=0.8, top_p=0.8)  # warm up
+        _sync()
+        start = time.perf_counter()
+        out = generate(model, prompt, max_frames=frames, temperature=0.8, top_p=0.8)
+        _sync()
+    finally:
+        model.config.im_end_id = saved
+    return {"naive_batch1_frames_per_s": out.shape[1] / (time.perf_counter() - start)}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_engine_bench(
+    checkpoint: str | None = None,
+    concurrencies: list[int] | None = None,
+    *,
+    frames: int = 128,
+    prompt_tokens: int = 300,
+    shared_prefix: int = 0,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    use_cuda_graphs: bool = True,
+    naive: bool = False,
+) -> list[dict]:
+    """One result dict per concurrency (the performance gate reads `per_request_frames_per_s`)."""
+    concurrencies = concurrencies or [1, 4, 16, 64]
+    torch_dtype = getattr(torch, dtype)
+    if checkpoint:
+        from shoal.models import load_model
+
+        model = load_model(checkpoint, device=device, dtype=torch_dtype)
+    else:
+        model = build_random_s2(device, torch_dtype)
+    config = EngineConfig(
+        device=device,
+        dtype=dtype,
+        max_running_requests=max(concurrencies),
+        max_seq_len=prompt_tokens + frames + 16,
+        memory_fraction=0.6,
+        use_cuda_graphs=use_cuda_graphs,
+        ignore_eos=True,
+    )
+    core = EngineCore(model, config)
+    results = []
+    for concurrency in concurrencies:
+        prompts = make_prompts(model, concurrency, prompt_tokens, shared_prefix, seed=concurrency)
+        run_level(core, prompts[:1], 4, shared_prefix)  # warm the prefill path
+        result = run_level(core, prompts, frames, shared_prefix)
+        result["shared_prefix"] = shared_prefix
+        results.append(result)
+    if naive:
+        results[0].update(naive_batch1(model, make_prompts(model, 1, prompt_tokens, 0, 0)[0], frames))
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default=None, help="default: random S2-Pro-shaped weights")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--frames", type=int, default=128, help="frames per request (fixed)")
+    parser.add_argument("--prompt-tokens", type=int, default=300)
+    parser.add_argument("--shared-prefix", type=int, nargs="+", default=[0, 200], help="voice prefix tokens")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive batch-1 loop")
+    parser.add_argument("--json", default=None, help="also write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    all_results = []
+    for shared in args.shared_prefix:
+        all_results += run_engine_bench(
+            args.checkpoint,
+            args.concurrency,
+            frames=args.frames,
+            prompt_tokens=args.prompt_tokens,
+            shared_prefix=shared,
+            device=args.device,
+            dtype=args.dtype,
+            use_cuda_graphs=not args.no_graphs,
+            naive=not args.no_naive and shared == args.shared_prefix[0],
+        )
+    header = f"{'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6}"
+    print(header)
+    for r in all_results:
+        print(
+            f"{r['concurrency']:>5} {r['shared_prefix']:>6} {r['aggregate_frames_per_s']:>9.1f} "
+            f"{r['per_request_frames_per_s']:>8.1f} {r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m "
+            f"{r['gpu_memory_gib']:>6.1f}"
+        )
+        if "naive_batch1_frames_per_s" in r:
+            print(f"naive batch-1 loop: {r['naive_batch1_frames_per_s']:.1f} frames/s")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(all_results, f, indent=2)
+    return 0
