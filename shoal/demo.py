@@ -109,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     directory: Path = args.directory
     if (directory / "config.json").exists() and not args.overwrite:
-        print(f"error: {directory} already holds a checkpoint; pass --overwrite to replace it", file=sys.stderr)
+        print(
+            f"error: {directory} already holds a checkpoint; pass --overwrite to replace it", file=sys.stderr
+        )
         return 1
     write_demo_checkpoint(directory, seed=args.seed)
     print(f"Wrote a demo S2-layout checkpoint and {CODEC_FILE} to {directory}")

@@ -12,10 +12,14 @@ Needs only torch (+ triton for the fused Snake); runs on a GPU box without the w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+import types
 
 import torch
+import torch.nn.functional as F
 
+from shoal.models import codec_modules
 from shoal.models.codec import Codec, CodecConfig, random_codec
 
 
@@ -30,15 +34,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
     parser.add_argument("--no-redecode", action="store_true", help="skip the naive baseline rows")
     parser.add_argument("--encode-seconds", type=float, default=10.0, help="audio length for the encoder row")
+    parser.add_argument(
+        "--conv-layout", choices=["nhwc", "nchw"], default="nhwc",
+        help="nchw forces the streaming convs back to channels-first (to measure the layout's effect)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eager-cudnn-benchmark", action="store_true", help="cuDNN search for eager steps too"
+    )
+    parser.add_argument("--profile", action="store_true", help="kernel-time table of eager steps (64 x 8)")
+    parser.add_argument("--diagnose", action="store_true", help="graph vs eager vs fp32 accuracy table")
 
 
 def run(args: argparse.Namespace) -> int:
-    run_codec_bench(
-        streams=args.streams, chunks=args.chunks, steps=args.steps, dtype=getattr(torch, args.dtype),
-        device=args.device, graphs=not args.no_graphs, redecode=not args.no_redecode,
-        encode_seconds=args.encode_seconds,
-    )  # fmt: skip
+    with _conv_layout(args.conv_layout):
+        run_codec_bench(
+            streams=args.streams, chunks=args.chunks, steps=args.steps, dtype=getattr(torch, args.dtype),
+            device=args.device, graphs=not args.no_graphs, redecode=not args.no_redecode,
+            encode_seconds=args.encode_seconds, eager_cudnn_benchmark=args.eager_cudnn_benchmark,
+            profile=args.profile, diagnose=args.diagnose,
+        )  # fmt: skip
     return 0
+
+
+@contextlib.contextmanager
+def _conv_layout(layout: str):
+    """`nchw`: make the streaming path's convs take channels-first copies (the old layout)."""
+    if layout == "nhwc":
+        yield
+        return
+    original = codec_modules.F
+    forced = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
+    forced.conv1d = lambda x, *a: F.conv1d(x.contiguous(), *a)
+    forced.conv_transpose1d = lambda x, *a: F.conv_transpose1d(x.contiguous(), *a)
+    codec_modules.F = forced
+    try:
+        yield
+    finally:
+        codec_modules.F = original
 
 
 def _sync(device: torch.device) -> None:
@@ -54,10 +86,11 @@ def _random_codes(codec: Codec, batch: int, frames: int, gen: torch.Generator) -
 
 
 def _time_streaming(
-    codec: Codec, codes: torch.Tensor, chunk: int, steps: int, graphs: bool
+    codec: Codec, codes: torch.Tensor, chunk: int, steps: int, graphs: bool, eager_benchmark: bool = False
 ) -> tuple[float, list]:
     """Seconds for `steps` batched steps (after one warm-up step), and the audio produced."""
     pool = codec.stream_pool(codes.shape[0])
+    pool.cudnn_benchmark_eager = eager_benchmark
     if graphs:
         pool.capture_cuda_graphs([codes.shape[0]], [chunk])
     streams = [pool.open() for _ in range(codes.shape[0])]
@@ -93,12 +126,13 @@ def _time_redecode(codec: Codec, codes: torch.Tensor, chunk: int, steps: int) ->
 def run_codec_bench(
     streams: list[int] = (1, 16, 64), chunks: list[int] = (4, 8), steps: int = 8,
     dtype: torch.dtype = torch.bfloat16, device: str = "cuda", graphs: bool = True, redecode: bool = True,
-    encode_seconds: float = 10.0, config: CodecConfig | None = None,
+    encode_seconds: float = 10.0, config: CodecConfig | None = None, eager_cudnn_benchmark: bool = False,
+    profile: bool = False, diagnose: bool = False, codec: Codec | None = None,
 ) -> list[dict]:  # fmt: skip
     """Print and return one row per measurement."""
     device = torch.device(device)
     graphs = graphs and device.type == "cuda"
-    codec = random_codec(config, seed=0, device=device, dtype=dtype)
+    codec = codec or random_codec(config, seed=0, device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     print(f"codec bench: {sum(p.numel() for p in codec.parameters()) / 1e6:.0f}M params, {dtype}, {device}")
@@ -112,7 +146,14 @@ def run_codec_bench(
                 if mode == "redecode":
                     seconds = _time_redecode(codec, codes, chunk, steps)
                 else:
-                    seconds, _ = _time_streaming(codec, codes, chunk, steps, graphs=mode == "graph")
+                    seconds, _ = _time_streaming(
+                        codec,
+                        codes,
+                        chunk,
+                        steps,
+                        graphs=mode == "graph",
+                        eager_benchmark=eager_cudnn_benchmark,
+                    )
                 row = {
                     "mode": mode,
                     "streams": batch,
@@ -125,8 +166,89 @@ def run_codec_bench(
                 print(f"{mode:<9} {batch:>7} {chunk:>5} {row['ms_per_step']:>8.2f} "
                       f"{row['audio_s_per_s']:>10.0f} {row['frames_per_s']:>9.0f}")  # fmt: skip
     rows.append(_accuracy_row(codec, config, chunks[0], graphs, gen))
-    rows.append(_encode_row(codec, encode_seconds, gen))
+    if encode_seconds > 0:
+        rows.append(_encode_row(codec, encode_seconds, gen))
+    if profile:
+        _profile_table(codec, gen, eager_cudnn_benchmark)
+    if diagnose:
+        rows.append(_diagnose(codec, config, gen))
     return rows
+
+
+def _fp32_reference(codec: Codec, config: CodecConfig | None, codes: torch.Tensor) -> torch.Tensor:
+    """Full decode in true float32: cuDNN's default TF32 convs (10-bit mantissa) switched off."""
+    reference = random_codec(config, seed=0, device=codes.device, dtype=torch.float32)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False, deterministic=False):
+        return reference.decode(codes)[:, 0]
+
+
+def _profile_table(codec: Codec, gen, eager_benchmark: bool, streams: int = 64, chunk: int = 8) -> None:
+    """Where the time of an eager 64 x 8 step goes, by kernel name (top 14)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    codes = _random_codes(codec, streams, 3 * chunk, gen)
+    pool = codec.stream_pool(streams)
+    pool.cudnn_benchmark_eager = eager_benchmark
+    streams_ = [pool.open() for _ in range(streams)]
+    pool.step(streams_, [c[:, :chunk] for c in codes])
+    _sync(codec.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in (1, 2):
+            pool.step(streams_, [c[:, i * chunk : (i + 1) * chunk] for c in codes])
+        _sync(codec.device)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / 2  # per step, in us
+    print(f"profile: eager {streams} x {chunk}, GPU kernel time {total / 1e3:.2f} ms/step")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
+        share = e.device_time_total / 2 / total
+        print(f"  {e.device_time_total / 2e3:7.2f} ms {100 * share:5.1f}% {e.count // 2:4d}x  {e.key[:90]}")
+
+
+def _diagnose(codec: Codec, config: CodecConfig | None, gen) -> dict:
+    """Graph replay vs eager (same and different shapes) vs bf16 full decode vs true fp32."""
+    codes = _random_codes(codec, 4, 24, gen)
+    reference = _fp32_reference(codec, config, codes)
+    same = [[4] * 6] * 4  # every step 4 rows x 4 frames: eager shapes == the graph's bucket
+    mixed = [[4] * 6, [2, 4, 1, 4, 4, 4, 4, 1], [8, 8, 8], [1, 3, 4, 8, 8]]  # pads differently
+    graph_pool = codec.stream_pool(8)
+    graph_pool.capture_cuda_graphs(batch_sizes=[2, 4], chunk_frames=[4, 8])
+    out = {}
+    for name, schedule in (("same", same), ("mixed", mixed)):
+        out[f"graph_{name}"] = _feed(graph_pool, codes, schedule)
+        out[f"eager_{name}"] = _feed(codec.stream_pool(8), codes, schedule)
+    out["full_bf16"] = codec.decode(codes)[:, 0].float()
+    rms = reference.pow(2).mean().sqrt().item()
+
+    def stats(a, b):
+        d = (a - b).abs()
+        rel = ((a - b).pow(2).mean().sqrt() / rms).item()
+        return f"max {d.max().item():.2e} mean {d.mean().item():.2e} rel_rms {rel:.2e} nonzero {(d > 0).float().mean().item():.3f}"
+
+    print(f"diagnose (reference rms {rms:.3f}):")
+    pairs = [("graph_same", "eager_same"), ("graph_mixed", "eager_mixed"), ("eager_same", "eager_mixed"),
+             ("eager_same", "full_bf16")]  # fmt: skip
+    for a, b in pairs:
+        print(f"  {a:>11} vs {b:<11} {stats(out[a], out[b])}")
+    for a in out:
+        print(f"  {a:>11} vs fp32        {stats(out[a], reference)}")
+    return {"mode": "diagnose"}
+
+
+def _feed(pool, codes: torch.Tensor, schedules: list[list[int]]) -> torch.Tensor:
+    """Stream each row of codes through `pool` in its own chunk schedule; [B, samples] float."""
+    streams = [pool.open() for _ in schedules]
+    offsets, parts = [0] * len(streams), [[] for _ in streams]
+    for step in range(max(len(s) for s in schedules)):
+        chunks = []
+        for i, schedule in enumerate(schedules):
+            take = schedule[step] if step < len(schedule) else 0
+            chunks.append(codes[i, :, offsets[i] : offsets[i] + take])
+            offsets[i] += take
+        for i, audio in enumerate(pool.step(streams, chunks)):
+            parts[i].append(audio)
+    for s in streams:
+        s.close()
+    return torch.stack([torch.cat(p) for p in parts]).float()
 
 
 def _accuracy_row(codec: Codec, config: CodecConfig | None, chunk: int, graphs: bool, gen) -> dict:
@@ -134,7 +256,7 @@ def _accuracy_row(codec: Codec, config: CodecConfig | None, chunk: int, graphs: 
     codes = _random_codes(codec, 2, 8 * chunk, gen)
     _, audio = _time_streaming(codec, codes, chunk, steps=7, graphs=graphs)
     streamed = torch.stack([torch.cat(parts) for parts in audio]).float()
-    reference = random_codec(config, seed=0, device=codes.device, dtype=torch.float32).decode(codes)[:, 0]
+    reference = _fp32_reference(codec, config, codes)
     error = (streamed - reference).abs()
     row = {"mode": "accuracy", "max_abs_err": error.max().item(), "mean_abs_err": error.mean().item(),
            "reference_rms": reference.pow(2).mean().sqrt().item()}  # fmt: skip

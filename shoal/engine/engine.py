@@ -294,18 +294,23 @@ class SynthesisHandle(RequestHandle):
         if reason is None:
             return
         more = reason in (FinishReason.STOP, FinishReason.LENGTH) and self.batch + 1 < len(self.texts)
+        previous_stream, following = self._stream, None
         if more:
             self.history.append(
                 Turn(self.texts[self.batch], request.frames[: request.num_frames].t().clone())
             )
             self.batch += 1
+            try:
+                following = self.next_request()
+            except (InvalidRequest, ValueError):  # the history outgrew the context: end as an error
+                more, reason = False, FinishReason.ERROR
         done = (lambda: None) if more else (lambda: self._finished(reason))
         if vocoder is not None:
-            vocoder.end(self._stream, done, drop=reason in (FinishReason.ABORTED, FinishReason.ERROR))
+            vocoder.end(previous_stream, done, drop=reason in (FinishReason.ABORTED, FinishReason.ERROR))
         else:
             done()
-        if more:
-            self._engine.core.add(self.next_request(), bypass_limit=True)
+        if following is not None and more:
+            self._engine.core.add(following, bypass_limit=True)
 
     # Vocoder thread (or engine thread without a codec)
     def _on_audio(self, samples: np.ndarray, frames: np.ndarray) -> None:
@@ -416,7 +421,12 @@ class LocalEngine(Engine):
             first = handle.next_request()
         except ValueError as error:  # bad reference codes and the like
             raise InvalidRequest(str(error)) from error
-        self.call(self.core.add, first)
+        try:
+            self.call(self.core.add, first)
+        except Exception:
+            if self.vocoder is not None:
+                self.vocoder.end(handle._stream, lambda: None, drop=True)
+            raise
         self._handles[request_id] = handle
         return handle
 

@@ -8,7 +8,10 @@ how the official file stores it ("parametrizations" or "legacy" weight_g/weight_
 Decode-path modules also have `step(x, ctx, valid)`: the streaming form. `ctx` (a `StepContext`)
 holds the batched carried state; `valid` [B] is how many leading time steps of `x` are real
 per row (rows are right-padded to a common length). Causality makes the padding harmless to the
-real steps; the carried state is taken at each row's own valid end.
+real steps; the carried state is taken at each row's own valid end. The streaming form is
+time-major: x is `[B, T, C]`, so every convolution runs channels-last (cuDNN's NHWC tensor-core
+kernels, no layout transposes) and the transformer and ConvNeXt need no transposes at all.
+Convolution biases are deferred into the next fused Snake (`Pending`), saving a pass each.
 """
 
 from __future__ import annotations
@@ -107,9 +110,18 @@ class StepContext:
 
 def take_window(x: Tensor, start: Tensor, length: int, dim: int = -1) -> Tensor:
     """x[b, ..., start[b] : start[b] + length, ...] along `dim`, per row, without host sync."""
-    moved = x.movedim(dim, -1)
-    index = start.view(-1, *([1] * (moved.dim() - 1))) + torch.arange(length, device=x.device)
-    return torch.gather(moved, -1, index.expand(*moved.shape[:-1], length)).movedim(-1, dim)
+    dim = dim % x.dim()
+    shape = [1] * x.dim()
+    shape[dim] = length
+    index = torch.arange(length, device=x.device).view(shape) + start.view(-1, *([1] * (x.dim() - 1)))
+    size = list(x.shape)
+    size[dim] = length
+    return torch.gather(x, dim, index.expand(size))
+
+
+# A conv output whose bias is still to be added (by the next fused Snake): (tensor or None, bias or None).
+Pending = tuple[Tensor | None, Tensor | None]
+NO_PENDING: Pending = (None, None)
 
 
 class Snake1d(nn.Module):
@@ -122,6 +134,10 @@ class Snake1d(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Returns (x + residual, snake(x + residual)); the sum is the next skip connection."""
         return snake(x, self.alpha, residual)
+
+    def step(self, x: Tensor, pending: Pending = NO_PENDING, need_sum: bool = True) -> tuple[Tensor, Tensor]:
+        """Time-major x [B, T, C]: (s, snake(s)) with s = x + pending tensor + pending bias."""
+        return snake(x, self.alpha, pending[0], pending[1], channels_last=True, need_sum=need_sum)
 
 
 class CausalConv1d(nn.Module):
@@ -142,11 +158,16 @@ class CausalConv1d(nn.Module):
         extra = (frames - 1) * self.stride + self.receptive - self.context - length
         return self.conv(F.pad(x, (self.context, extra)))
 
-    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
+    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor, bias: bool = True) -> Tensor:
+        """Time-major x [B, T, C] -> [B, T, C_out]; without `bias` the caller adds conv.bias."""
         assert self.stride == 1, "streaming is only defined for the stride-1 decode-path convs"
         if self.context > 0:
-            x = ctx.extend(key, x, valid)
-        return self.conv(x)
+            x = ctx.extend(key, x, valid, dim=1)
+        conv = self.conv
+        y = F.conv1d(
+            x.transpose(1, 2), conv.weight, conv.bias if bias else None, 1, 0, conv.dilation, conv.groups
+        )
+        return y.transpose(1, 2)
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -165,13 +186,15 @@ class CausalConvTranspose1d(nn.Module):
         y = self.conv(x)
         return y[..., : y.shape[-1] - self.trim]
 
-    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
-        new = x.shape[-1]
+    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor, bias: bool = True) -> Tensor:
+        """Time-major x [B, t, C] -> [B, t * stride, C_out] (a view into the conv's output)."""
+        new = x.shape[1]
         if self.context > 0:
-            x = ctx.extend(key, x, valid)
-        y = self.conv(x)
+            x = ctx.extend(key, x, valid, dim=1)
+        conv = self.conv
+        y = F.conv_transpose1d(x.transpose(1, 2), conv.weight, conv.bias if bias else None, conv.stride)
         start = self.context * self.stride
-        return y[..., start : start + new * self.stride]
+        return y.transpose(1, 2)[:, start : start + new * self.stride]
 
 
 class ResidualUnit(nn.Module):
@@ -192,10 +215,15 @@ class ResidualUnit(nn.Module):
         h = self.block[2](self.block[1](h))[1]
         return x, self.block[3](h)
 
-    def step(self, x: Tensor, pending: Tensor | None, ctx: StepContext, key: str, valid: Tensor):
-        x, h = self.block[0](x, pending)
-        h = self.block[2](self.block[1].step(h, ctx, f"{key}.block.1", valid))[1]
-        return x, self.block[3](h)
+    def step(
+        self, x: Tensor, pending: Pending, ctx: StepContext, key: str, valid: Tensor
+    ) -> tuple[Tensor, Pending]:
+        """Time-major; (x, pending) stand for x + pending, as in `forward`. Biases are fused."""
+        x, h = self.block[0].step(x, pending)
+        conv, pointwise = self.block[1], self.block[3]
+        h = conv.step(h, ctx, f"{key}.block.1", valid, bias=False)
+        h = self.block[2].step(h, (None, conv.conv.bias), need_sum=False)[1]
+        return x, (pointwise.step(h, ctx, f"{key}.block.3", valid, bias=False), pointwise.conv.bias)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -209,15 +237,16 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(int(mlp_ratio * dim), dim)
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
-    def _pointwise(self, x: Tensor, h: Tensor) -> Tensor:
-        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h.transpose(1, 2)))))
-        return x + (self.gamma * h).transpose(1, 2)
+    def _pointwise(self, h: Tensor) -> Tensor:
+        """Time-major h [B, T, C] -> gamma * MLP(norm(h)), time-major."""
+        return self.gamma * self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self._pointwise(x, self.dwconv(x))
+        return x + self._pointwise(self.dwconv(x).transpose(1, 2)).transpose(1, 2)
 
     def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
-        return self._pointwise(x, self.dwconv.step(x, ctx, f"{key}.dwconv", valid))
+        """Time-major x [B, T, C]."""
+        return x + self._pointwise(self.dwconv.step(x, ctx, f"{key}.dwconv", valid))
 
 
 # ---------------------------------------------------------------- window-limited transformer
@@ -333,8 +362,8 @@ class WindowLimitedTransformer(nn.Module):
         return self.norm(x).transpose(1, 2)
 
     def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor) -> Tensor:
-        """New frames x [B, C, t]; carries each layer's last window-1 keys/values (post-RoPE)."""
-        x = x.transpose(1, 2)
+        """New frames x [B, t, C] (time-major in and out); carries each layer's last window-1
+        keys/values (post-RoPE)."""
         new, cached = x.shape[1], self.window - 1
         qpos = ctx.positions[:, None] + torch.arange(new, device=x.device)  # [B, t]
         kpos = torch.cat([ctx.positions[:, None] - cached + torch.arange(cached, device=x.device), qpos], 1)
@@ -346,7 +375,7 @@ class WindowLimitedTransformer(nn.Module):
             k = ctx.extend(f"{key}.layers.{i}.k", k, valid, dim=2)
             v = ctx.extend(f"{key}.layers.{i}.v", v, valid, dim=2)
             x = layer.finish(x, layer.attention.out(q, k, v, mask))
-        return self.norm(x).transpose(1, 2)
+        return self.norm(x)
 
     def state_shapes(self, key: str) -> dict[str, tuple[int, ...]]:
         kv = (self.cfg.n_head, self.window - 1, self.cfg.head_dim)

@@ -16,6 +16,7 @@ captured as a CUDA graph (`pool.capture_cuda_graphs`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +34,7 @@ def stream_state_shapes(codec: Codec) -> dict[str, tuple[int, ...]]:
     for name, module in codec.named_modules():
         on_decode_path = name.startswith(("quantizer.upsample", "decoder."))
         if on_decode_path and isinstance(module, CausalConv1d | CausalConvTranspose1d) and module.context:
-            shapes[name] = (module.conv.in_channels, module.context)
+            shapes[name] = (module.context, module.conv.in_channels)  # time-major, like the step path
     return shapes
 
 
@@ -41,24 +42,41 @@ def decode_step(
     codec: Codec, codes: Tensor, valid: Tensor, positions: Tensor, states: dict[str, Tensor]
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decode new frames codes [B, N, t] (row b real for its first valid[b] frames; the stream's
-    first new frame has absolute index positions[b]) -> (audio [B, t * frame_length], new states)."""
+    first new frame has absolute index positions[b]) -> (audio [B, t * frame_length], new states).
+
+    Runs time-major ([B, T, C]) throughout; each conv bias is added by the fused Snake after it."""
     ctx = StepContext(states, positions)
     quantizer, layers = codec.quantizer, codec.decoder.model
-    x = quantizer.post_module.step(quantizer.embed(codes), ctx, "quantizer.post_module", valid)
+    x = quantizer.embed(codes).transpose(1, 2)
+    x = quantizer.post_module.step(x, ctx, "quantizer.post_module", valid)
     for i, (transposed, convnext) in enumerate(quantizer.upsample):
         x = transposed.step(x, ctx, f"quantizer.upsample.{i}.0", valid)
         valid = valid * transposed.stride
         x = convnext.step(x, ctx, f"quantizer.upsample.{i}.1", valid)
-    x, pending = layers[0].step(x, ctx, "decoder.model.0", valid), None
+    pending = (None, layers[0].conv.bias)
+    x = layers[0].step(x, ctx, "decoder.model.0", valid, bias=False)
     for j in range(1, len(layers) - 3):
         block, key = layers[j].block, f"decoder.model.{j}.block"
-        x = block[1].step(block[0](x, pending)[1], ctx, f"{key}.1", valid)
-        valid, pending = valid * block[1].stride, None
+        h = block[0].step(x, pending, need_sum=False)[1]
+        x = block[1].step(h, ctx, f"{key}.1", valid, bias=False)
+        valid, pending = valid * block[1].stride, (None, block[1].conv.bias)
         for u in range(2, len(block)):
             x, pending = block[u].step(x, pending, ctx, f"{key}.{u}", valid)
     last = len(layers) - 2
-    audio = layers[last].step(layers[last - 1](x, pending)[1], ctx, f"decoder.model.{last}", valid)
-    return torch.tanh(audio).squeeze(1), ctx.new_states
+    h = layers[last - 1].step(x, pending, need_sum=False)[1]
+    audio = layers[last].step(h, ctx, f"decoder.model.{last}", valid)
+    return torch.tanh(audio.squeeze(-1)), ctx.new_states
+
+
+@contextlib.contextmanager
+def cudnn_benchmark(enabled: bool):
+    """Temporarily set torch.backends.cudnn.benchmark (the conv algorithm search)."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
 
 
 class CodecStream:
@@ -84,6 +102,11 @@ class CodecStreamPool:
         }
         self.positions = torch.zeros(slots, dtype=torch.long, device=codec.device)
         self._free = list(range(max_streams - 1, -1, -1))
+        # cuDNN algorithm search (torch.backends.cudnn.benchmark) while capturing graphs: the
+        # fastest algorithm per conv shape is timed once and frozen into the graph. Off for eager
+        # steps by default: there every new (batch, chunk) shape would pay a search of seconds.
+        self.cudnn_benchmark_eager = False
+        self._capturing = False
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]] = {}
 
     def state_bytes_per_stream(self) -> int:
@@ -157,6 +180,10 @@ class CodecStreamPool:
 
     def run(self, slots: Tensor, codes: Tensor, valid: Tensor) -> Tensor:
         """The fixed-shape core: gather states by slot, decode, scatter states back. Graph-safe."""
+        with cudnn_benchmark(self._capturing or self.cudnn_benchmark_eager):
+            return self._run(slots, codes, valid)
+
+    def _run(self, slots: Tensor, codes: Tensor, valid: Tensor) -> Tensor:
         states = {k: buf.index_select(0, slots) for k, buf in self.states.items()}
         audio, new_states = decode_step(
             self.codec, codes, valid, self.positions.index_select(0, slots), states
@@ -169,6 +196,13 @@ class CodecStreamPool:
     @torch.inference_mode()
     def capture_cuda_graphs(self, batch_sizes: list[int], chunk_frames: list[int]) -> None:
         """Capture `run` for each (batch bucket, chunk) shape; later steps pad up to a bucket."""
+        self._capturing = True
+        try:
+            self._capture(batch_sizes, chunk_frames)
+        finally:
+            self._capturing = False
+
+    def _capture(self, batch_sizes: list[int], chunk_frames: list[int]) -> None:
         device = self.codec.device
         pool = torch.cuda.graph_pool_handle()
         for chunk in chunk_frames:

@@ -4,19 +4,58 @@
 any mix of them, each with any number of new tokens, flattened into one varlen batch.
 `FastKVCache` is the fast transformer's dense per-frame cache `[B, Hkv, N, D]` per layer.
 The engine's paged cache (`engine/kv_cache.py`) implements the same `attend` contract.
+
+Both call `grouped_attention`, which serves GQA without copying keys (each kv head attends for
+its group of query heads as one matrix) and, for the small problems of a decode step on the CPU,
+runs as a handful of serial element-wise ops: torch's fused softmax and CPU SDPA kernels open an
+OpenMP parallel region even for a few dozen scores, and on a busy machine every such region
+waits a scheduler time slice (milliseconds) for its second thread.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shoal.models.layers import repeat_kv_heads
+# Score-matrix size (elements) up to which CPU attention runs unfused; above it the fused kernel's
+# parallelism pays for itself and the unfused path's memory would grow quadratically.
+SMALL_ATTENTION = 1 << 18
+
+
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
+    """Masked GQA attention: q [B, Hq, S, D], keys/values [B, Hkv, L, D], visible bool [S, L]
+    (True where query s may attend to key l; every row needs at least one True) -> [B, Hq, S, D].
+
+    Scale 1/sqrt(D); kv head j serves q heads j*g .. j*g+g-1 (g = Hq / Hkv). Equal, up to float
+    rounding, to the reference's `softmax(q k^T / sqrt(D) + mask) v` with repeat_interleave'd kv."""
+    batch, q_heads, steps, head_dim = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    groups = q_heads // kv_heads
+    if q.device.type != "cpu" or batch * q_heads * steps * length > SMALL_ATTENTION:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=groups > 1)
+    # Query heads j*g .. j*g+g-1 are contiguous, so [B, Hq, S, D] views as [B, Hkv, g*S, D].
+    grouped = q.reshape(batch, kv_heads, groups * steps, head_dim)
+    scores = grouped @ keys.transpose(-2, -1)
+    scores = scores * head_dim**-0.5
+    scores = scores.masked_fill(~visible.repeat(groups, 1), float("-inf"))
+    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights @ values).view(batch, q_heads, steps, head_dim)
+
+
+def causal_mask(start: int, count: int, device: torch.device | str = "cpu") -> Tensor:
+    """bool [count, start+count]: the query at position start+i sees keys 0 .. start+i."""
+    return _cached_causal_mask(start, count, torch.device(device))
+
+
+@lru_cache(maxsize=256)
+def _cached_causal_mask(start: int, count: int, device: torch.device) -> Tensor:
+    return torch.ones(count, start + count, dtype=torch.bool, device=device).tril(start)
 
 
 @dataclass(frozen=True)
@@ -52,6 +91,7 @@ class ContiguousKVCache:
         self.max_seq_len = max_seq_len
         self.lengths = [0] * num_slots
         self._segments: list[_Segment] = []
+        self._masks: list[Tensor] = []
 
     def plan(self, slots: Sequence[int], new_token_counts: Sequence[int]) -> Tensor:
         """Declare the next forward: `new_token_counts[i]` tokens appended to slot `slots[i]`,
@@ -69,6 +109,9 @@ class ContiguousKVCache:
             offset += count
         self._segments = segments
         device = self.keys[0].device if self.keys else "cpu"
+        # Causal masks, built once per forward and shared by every layer: query at position
+        # start+i sees keys 0 .. start+i.
+        self._masks = [causal_mask(seg.start, seg.count, device) for seg in segments]
         return torch.cat(positions).to(device) if positions else torch.zeros(0, dtype=torch.long)
 
     def reset(self, slot: int) -> None:
@@ -76,22 +119,21 @@ class ContiguousKVCache:
         self.lengths[slot] = 0
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if len(self._segments) == 1 and self._segments[0].count == q.shape[0]:
+            return self._attend_segment(layer, self._segments[0], self._masks[0], q, k, v)
         out = torch.empty_like(q)
-        groups = q.shape[1] // k.shape[1]
-        for seg in self._segments:
+        for seg, mask in zip(self._segments, self._masks, strict=True):
             new = slice(seg.offset, seg.offset + seg.count)
-            end = seg.start + seg.count
-            self.keys[layer][seg.slot, seg.start : end] = k[new]
-            self.values[layer][seg.slot, seg.start : end] = v[new]
-            keys = repeat_kv_heads(self.keys[layer][seg.slot, :end].transpose(0, 1), groups, 0)
-            values = repeat_kv_heads(self.values[layer][seg.slot, :end].transpose(0, 1), groups, 0)
-            query_positions = torch.arange(seg.start, end, device=q.device)
-            mask = torch.arange(end, device=q.device)[None, :] <= query_positions[:, None]
-            attended = F.scaled_dot_product_attention(
-                q[new].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask[None, None]
-            )
-            out[new] = attended[0].transpose(0, 1)
+            out[new] = self._attend_segment(layer, seg, mask, q[new], k[new], v[new])
         return out
+
+    def _attend_segment(self, layer: int, seg: _Segment, mask: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        end = seg.start + seg.count
+        self.keys[layer][seg.slot, seg.start : end] = k
+        self.values[layer][seg.slot, seg.start : end] = v
+        keys = self.keys[layer][seg.slot, :end].transpose(0, 1)[None]
+        values = self.values[layer][seg.slot, :end].transpose(0, 1)[None]
+        return grouped_attention(q.transpose(0, 1)[None], keys, values, mask)[0].transpose(0, 1)
 
 
 class FastKVCache:
@@ -128,19 +170,14 @@ class FastKVCache:
         self.step_len = step_len
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Eager masked attention over all N cached positions, as the reference's fast layers do."""
+        """Causal attention over the cached positions 0 .. start_pos+step_len-1. The reference's
+        fast layers attend over all N positions with the later ones masked out: the same sum."""
         batch, steps, start = self.batch, self.step_len, self.start_pos
+        end = start + steps
         q = q.view(batch, steps, *q.shape[1:]).transpose(1, 2)
-        self.keys[layer][:, :, start : start + steps] = k.view(batch, steps, *k.shape[1:]).transpose(1, 2)
-        self.values[layer][:, :, start : start + steps] = v.view(batch, steps, *v.shape[1:]).transpose(1, 2)
-        groups = q.shape[1] // k.shape[1]
-        keys = repeat_kv_heads(self.keys[layer], groups, 1)
-        values = repeat_kv_heads(self.values[layer], groups, 1)
-        query_positions = torch.arange(start, start + steps, device=q.device)
-        visible = torch.arange(self.num_positions, device=q.device)[None, :] <= query_positions[:, None]
-        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
-        bias.masked_fill_(visible.logical_not(), float("-inf"))
-        scores = q @ keys.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]))
-        weights = torch.softmax(scores + bias, dim=-1)
-        out = weights @ values
+        self.keys[layer][:, :, start:end] = k.view(batch, steps, *k.shape[1:]).transpose(1, 2)
+        self.values[layer][:, :, start:end] = v.view(batch, steps, *v.shape[1:]).transpose(1, 2)
+        keys = self.keys[layer][:, :, :end]
+        values = self.values[layer][:, :, :end]
+        out = grouped_attention(q, keys, values, causal_mask(start, steps, q.device))
         return out.transpose(1, 2).reshape(batch * steps, out.shape[1], out.shape[-1])

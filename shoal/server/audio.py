@@ -191,6 +191,7 @@ class AudioEncoder:
 
     format: str
     sample_rate: int  # of the encoded output
+    prosody: ProsodyTransform | None = None  # applied at the input rate, before resampling
 
     def __init__(self, input_sample_rate: int, sample_rate: int) -> None:
         self.input_sample_rate = input_sample_rate
@@ -203,11 +204,15 @@ class AudioEncoder:
 
     def write(self, samples: np.ndarray) -> bytes:
         """Encode more audio; returns whatever bytes are ready (possibly none)."""
-        return self._encode(self._resampler.process(_as_mono_float(samples)))
+        samples = _as_mono_float(samples)
+        if self.prosody is not None:
+            samples = self.prosody.process(samples)
+        return self._encode(self._resampler.process(samples))
 
     def finish(self) -> bytes:
-        """Flush the resampler and codec; returns the last bytes of the file."""
-        return self._encode(self._resampler.flush()) + self._close()
+        """Flush prosody, resampler and codec; returns the last bytes of the file."""
+        tail = b"" if self.prosody is None else self._encode(self._resampler.process(self.prosody.finish()))
+        return tail + self._encode(self._resampler.flush()) + self._close()
 
     def _encode(self, samples: np.ndarray) -> bytes:
         raise NotImplementedError
@@ -387,23 +392,6 @@ class ProsodyTransform:
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
 
-class _ProsodyEncoder(AudioEncoder):
-    """An encoder preceded by a prosody transform; still one write/finish object."""
-
-    def __init__(self, prosody: ProsodyTransform, encoder: AudioEncoder) -> None:
-        self._prosody = prosody
-        self._inner = encoder
-        self.format = encoder.format
-        self.input_sample_rate = encoder.input_sample_rate
-        self.sample_rate = encoder.sample_rate
-
-    def write(self, samples: np.ndarray) -> bytes:
-        return self._inner.write(self._prosody.process(samples))
-
-    def finish(self) -> bytes:
-        return self._inner.write(self._prosody.finish()) + self._inner.finish()
-
-
 # ---------------------------------------------------------------------------------- factories
 
 
@@ -432,6 +420,9 @@ def create_encoder(
     if format not in FORMATS:
         raise AudioFormatError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     rate = sample_rate or (OPUS_SAMPLE_RATE if format == "opus" else SAMPLE_RATE)
+    prosody = (
+        None if speed == 1.0 and volume_db == 0.0 else ProsodyTransform(input_sample_rate, speed, volume_db)
+    )
     encoder: AudioEncoder
     if format == "mp3":
         if rate not in MP3_SAMPLE_RATES:
@@ -452,8 +443,7 @@ def create_encoder(
             if format == "wav"
             else PcmEncoder(input_sample_rate, rate)
         )
-    if speed != 1.0 or volume_db != 0.0:
-        return _ProsodyEncoder(ProsodyTransform(input_sample_rate, speed, volume_db), encoder)
+    encoder.prosody = prosody
     return encoder
 
 
