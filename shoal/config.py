@@ -42,6 +42,13 @@ class EngineConfig:
     graph_max_batch: int | None = None  # None: min(max_running_requests, 256)
     graph_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max
 
+    # The decode step: "fast" (graph-safe fused step, `engine/decode_step.py`) or "reference"
+    # (`models/reference.decode_frame`, the oracle's code); None: fast on CUDA, else reference.
+    decode_step: str | None = None
+    # The sampling kernels extract this many candidates per row (rows whose top_k is larger run
+    # an uncapped eager step); None: always sort the whole row.
+    sample_max_top_k: int | None = 64
+
     # Benchmarks: keep generating past <|im_end|> until max_new_frames (fixed output length).
     ignore_eos: bool = False
 
@@ -61,6 +68,13 @@ class EngineConfig:
             raise ValueError("memory_fraction must be in (0, 1]")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
+        if self.decode_step not in (None, "fast", "reference"):
+            raise ValueError("decode_step must be 'fast', 'reference' or None")
+
+    def resolved_decode_step(self, device_type: str) -> str:
+        if self.decode_step is not None:
+            return self.decode_step
+        return "fast" if device_type == "cuda" else "reference"
 
     @property
     def resolved_graph_max_batch(self) -> int:

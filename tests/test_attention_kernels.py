@@ -9,27 +9,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def _allow_scalar_loop_bounds_in_interpreter() -> None:
-    """Triton 3.6's interpreter turns scalars into 1-element arrays and `int()`s them for
-    `range(lo, hi)`; NumPy >= 2.4 refuses that. Index through the single element instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    if getattr(original, "__name__", "") != "patched":
-        interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _allow_scalar_loop_bounds_in_interpreter()
+from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 
+from shoal.kernels import attention  # noqa: E402
 from shoal.kernels.attention import (  # noqa: E402
     AttentionConfig,
     paged_decode_attention,
@@ -75,8 +59,8 @@ def poisoned(shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(hq: int, hkv: int, num_splits: int) -> None:
+@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-fused"])
+def test_decode_matches_reference(hq: int, hkv: int, num_splits: int, fused: bool) -> None:
     gen = torch.Generator().manual_seed(hq * 10 + num_splits)
     seq_lens = [1, 15, 16, 17, 40]
     d, page = 32, 16
@@ -84,9 +68,23 @@ def test_decode_matches_reference(hq: int, hkv: int, num_splits: int) -> None:
     q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = poisoned(q.shape)
-    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=SMALL, out=out)
+    config = replace(SMALL, fused_merge=fused)
+    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config, out=out)
     ref = paged_attention_reference(q, k, v, tables, lens)
     assert relative_error(out, ref) < 1e-2
+    if fused:  # the arrival counters are back at zero for the next launch / graph replay
+        assert not attention._merge_counters[out.device].any()
+        again = paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config)
+        assert torch.equal(again, out)
+
+
+def test_decode_config_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "TUNED_DECODE_CONFIGS", {})
+    assert attention.decode_config(7) is attention.DEFAULT_CONFIG
+    small, large = AttentionConfig(block_n=32), AttentionConfig(block_n=128)
+    monkeypatch.setattr(attention, "TUNED_DECODE_CONFIGS", {1: small, 16: large})
+    assert attention.decode_config(1) is small
+    assert attention.decode_config(2) is large and attention.decode_config(64) is large
 
 
 def test_decode_default_splits_with_page_size_8() -> None:
@@ -148,22 +146,45 @@ def test_shared_prefix_matches_reference(hq: int, hkv: int) -> None:
     assert relative_error(out, ref) < 1e-2
 
 
+S2_DECODE_SHAPES = [(1, 8192), (16, 4096), (64, 1024)]
+S2_PREFIX_LENS = [1025 + 5 * i for i in range(64)]  # every row longer than the 1024 shared
+
+
+def decode_lengths(batch: int, context: int) -> list[int]:
+    """Lengths in (context/2, context], odd steps so rows end at different page offsets."""
+    return [context - (37 * i) % (context // 2) for i in range(batch)]
+
+
+@pytest.mark.parametrize("batch,context", S2_DECODE_SHAPES)
+def test_gpu_shapes_are_sensible(batch: int, context: int) -> None:
+    """The GPU tests' shape builders, run without a kernel: lengths in range, pages crossed."""
+    lens = decode_lengths(batch, context)
+    assert len(lens) == batch and all(context // 2 < n <= context for n in lens), lens
+    if batch > 1:
+        assert len({n % 16 for n in lens}) > 1, "rows should end at different page offsets"
+    assert min(S2_PREFIX_LENS) > 1024 and len(S2_PREFIX_LENS) == 64
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,context", [(1, 8192), (16, 4096), (64, 1024)])
-def test_decode_full_s2_shapes(batch: int, context: int) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+@pytest.mark.parametrize("batch,context", S2_DECODE_SHAPES)
+def test_decode_full_s2_shapes(batch: int, context: int, fused: bool) -> None:
     gen = torch.Generator().manual_seed(batch)
-    seq_lens = [context - 37 * i for i in range(batch)]
+    seq_lens = decode_lengths(batch, context)
     k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
     q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = paged_decode_attention(q, k, v, tables, lens)
-    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
+    config = AttentionConfig(block_n=128, min_split_tokens=64, target_programs=528, fused_merge=fused)
+    ref = paged_attention_reference(q, k, v, tables, lens)
+    for cfg in (None, config):  # the default (tuned) config and a wide split
+        out = paged_decode_attention(q, k, v, tables, lens, config=cfg)
+        assert relative_error(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
 def test_prefill_and_shared_prefix_full_s2_shapes() -> None:
     gen = torch.Generator().manual_seed(3)
-    seq_lens = [1024 + 5 * i for i in range(64)]
+    seq_lens = S2_PREFIX_LENS
     k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen, shared_pages=64)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(64, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)

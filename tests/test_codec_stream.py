@@ -91,19 +91,47 @@ def test_pool_slots_are_reset_and_bounded(codec):
 
 @pytest.mark.gpu
 def test_full_size_bf16_graph_streaming_matches_fp32_decode():
+    """bf16 streaming (graphs and eager) against a true-float32 full decode.
+
+    Why not an element-wise graph-vs-eager tolerance: a step padded to a graph bucket runs other
+    shapes than the eager step (batch 3 -> 4 rows, 1 frame -> 4), so cuDNN/cuBLAS run other
+    kernels with another accumulation order; each intermediate is then rounded to bf16 (unit
+    roundoff u = 2^-9) differently, and ~40 layers carry those one-ulp flips to the output. The
+    two bf16 results are then two draws of bf16 noise around the float32 answer, and their
+    difference is as large as that noise (seen: max 0.04). So the test checks what is exact and
+    bounds the rest by the bf16 noise of the plain (non-streaming) bf16 decode:
+      1. at equal shapes graph replay equals eager bit for bit (same kernels, deterministic);
+      2. with mixed chunk schedules (padding differs) each path's error against float32 is within
+         1.25x the full bf16 decode's own error: streaming in bf16 adds no error of its own;
+      3. that bf16 error is within the bf16 budget: relative rms < 5e-2 (bf16-rounded weights alone
+         give ~1.1e-2 and the whole bf16 decode ~2.7e-2 on this model).
+    """
     from shoal.models.codec import random_codec
 
     reference = random_codec(seed=0, device="cuda", dtype=torch.float32)
     codec = random_codec(seed=0, device="cuda", dtype=torch.bfloat16)
-    codes = [random_codes(reference, 24, seed=20 + i).cuda() for i in range(3)]
-    schedules = [[4] * 6, [2, 4, 1, 4, 4, 4, 4, 1], [8, 8, 8]]
+    codes = [random_codes(reference, 24, seed=20 + i).cuda() for i in range(4)]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False, deterministic=False):  # no TF32 convs
+        full = torch.stack([reference.decode(c)[0, 0] for c in codes])
+    full_bf16 = torch.stack([codec.decode(c)[0, 0].float() for c in codes])
     graph_pool = codec.stream_pool(8)
     graph_pool.capture_cuda_graphs(batch_sizes=[2, 4], chunk_frames=[4, 8])
-    _, graphed = stream_decode(graph_pool, codes, schedules)
-    _, eager = stream_decode(codec.stream_pool(8), codes, schedules)
-    for i in range(3):
-        full = reference.decode(codes[i])[0, 0]
-        assert graphed[i].dtype == torch.bfloat16
-        torch.testing.assert_close(graphed[i].float(), eager[i].float(), atol=2e-2, rtol=0)
-        error = (graphed[i].float() - full).abs()
-        assert error.max() < 0.1 and error.mean() < 0.01 * full.abs().mean() + 5e-3
+
+    same = [[4] * 6] * 4  # 4 rows x 4 frames every step: the eager shapes are the graph bucket's
+    _, graphed = stream_decode(graph_pool, codes, same)
+    _, eager = stream_decode(codec.stream_pool(8), codes, same)
+    for g, e in zip(graphed, eager, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert torch.equal(g, e)
+
+    def rel_rms(audio):
+        return ((audio - full).pow(2).mean().sqrt() / full.pow(2).mean().sqrt()).item()
+
+    budget = rel_rms(full_bf16)
+    assert budget < 5e-2
+    mixed = [[4] * 6, [2, 4, 1, 4, 4, 4, 4, 1], [8, 8, 8], [1, 3, 4, 8, 8]]
+    for pool in (graph_pool, codec.stream_pool(8)):
+        _, audio = stream_decode(pool, codes, mixed)
+        audio = torch.stack(audio).float()
+        assert rel_rms(audio) < 1.25 * budget
+        assert (audio - full).abs().max() < 0.1

@@ -98,3 +98,30 @@ def test_consumer_going_away_aborts(model):
     first, handle = asyncio.run(scenario())
     assert first.frames.shape == (1, 5)
     assert not engine.core.requests and engine.core.kv.pool.num_used == engine.core.kv.prefix_cache_pages
+
+
+def test_load_engine_on_a_demo_checkpoint(tmp_path):
+    from shoal.demo import write_demo_checkpoint
+    from shoal.engine import load_engine
+
+    directory = write_demo_checkpoint(tmp_path / "demo")
+    engine = load_engine(directory, device="cpu", dtype="float32")
+    assert isinstance(engine, LocalEngine) and engine.codec is not None
+    assert engine.core.model.embeddings.weight.dtype == torch.float32
+    request = SynthesisRequest("Hello there.", sampling=SamplingOptions(seed=3), max_new_frames=6)
+
+    async def scenario():
+        await engine.start()
+        try:
+            return await asyncio.wait_for(synthesize(engine, request), 120)
+        finally:
+            await engine.stop()
+
+    handle, chunks = asyncio.run(scenario())
+    assert handle.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    frames = np.concatenate([c.frames for c in chunks])
+    audio = np.concatenate([c.samples for c in chunks])
+    assert frames.shape[1] == 11 and audio.size == frames.shape[0] * engine.codec.frame_length
+    assert np.isfinite(audio).all()
+    with pytest.raises(FileNotFoundError):
+        load_engine(directory, codec=tmp_path / "missing.pth", device="cpu")

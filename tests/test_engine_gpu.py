@@ -1,4 +1,5 @@
-"""CUDA-graph decode: replay equals eager for every bucket, and needs no host sync.
+"""CUDA-graph decode: replay equals eager for every bucket, needs no host sync, and the fused
+step agrees with the model's torch forward.
 
 Run on a GPU box with `pytest -m gpu tests/test_engine_gpu.py`."""
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 from shoal.config import EngineConfig
-from shoal.engine.engine import EngineCore
+from shoal.engine.core import EngineCore
+from shoal.engine.decode_step import DecodeStep
 from shoal.engine.request import SamplingParams
-from shoal.engine.runner import DecodeBuffers
 from shoal.models import load_model
 from shoal.models.prompt import build_prompt
 
@@ -23,61 +24,106 @@ def core(golden_dir):
         pytest.skip("needs a CUDA GPU")
     model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
     config = EngineConfig(
-        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, graph_max_batch=16, ignore_eos=True
+        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16, ignore_eos=True
     )
     return EngineCore(model, config)
 
 
-def decoding_requests(core, count: int):
-    """`count` requests of different prompts, each past its prefill."""
+def decoding_requests(core, count: int, top_k: int = 30):
+    """`count` requests of different prompts, each past its prefill with a few frames."""
     model = core.model
     requests = []
     for i in range(count):
         prompt = build_prompt(model.config, model.tokenizer, "text " * (1 + i % 5), [])
-        request = core.new_request(
-            prompt, SamplingParams(seed=i, temperature=0.7 + 0.01 * i), max_new_frames=60
-        )
+        params = SamplingParams(seed=i, temperature=0.7 + 0.01 * i, top_k=top_k)
+        request = core.new_request(prompt, params, max_new_frames=60)
         core.add(request)
         requests.append(request)
-    while not all(r.is_decoding for r in requests):
+    while not all(r.num_frames >= 3 for r in requests):
         core.step()
     return requests
 
 
-def eager(core, requests) -> torch.Tensor:
-    runner = core.runner
-    host = runner.host_buffers(requests, pages=runner.max_pages)  # same width: same kernel splits
-    device = DecodeBuffers(*(getattr(host, f).to("cuda") for f in host.__dataclass_fields__))
-    with torch.no_grad():
-        runner.decode_step(device)
-    return device.frames.cpu()
+def snapshot(buffers) -> dict:
+    return {name: getattr(buffers, name).clone() for name in buffers.names}
+
+
+def restore(buffers, saved: dict) -> None:
+    for name, value in saved.items():
+        getattr(buffers, name).copy_(value)
 
 
 def test_graph_replay_equals_eager_for_every_bucket(core):
-    graphs = core.runner.graphs
-    assert graphs is not None and graphs.buckets[-1] == 16
+    runner, graphs = core.runner, core.runner.graphs
+    assert graphs is not None and graphs.buckets[-1] == 16 and runner.step is not None
     requests = decoding_requests(core, 16)
     for bucket in graphs.buckets:
         for live in sorted({bucket, max(1, bucket - 1)}):  # exact fit and padded
-            batch = requests[:live]
-            expected = eager(core, batch)
-            replayed = graphs.run(core.runner.host_buffers(batch, pages=core.runner.max_pages), live)
-            assert torch.equal(replayed, expected), (bucket, live)
+            runner.host.invalidate()
+            fields = runner.host.fill(requests[:live])
+            runner.host.upload(runner.buffers, fields, bucket)
+            saved = snapshot(runner.buffers)
+            with torch.no_grad():
+                runner.decode_step(runner.buffers.view(bucket))
+            expected = snapshot(runner.buffers)
+            restore(runner.buffers, saved)
+            runner.buffers.frames.fill_(-1)
+            graphs.replay(bucket)
+            for name in ("frames", "window", "tokens"):
+                assert torch.equal(getattr(runner.buffers, name)[:live], expected[name][:live]), (
+                    bucket,
+                    live,
+                    name,
+                )
+    runner.host.invalidate()
     for request in requests:
         core.abort(request.request_id)
 
 
 def test_graph_replay_makes_no_host_sync(core):
-    graphs = core.runner.graphs
+    runner = core.runner
     requests = decoding_requests(core, 5)
-    host = core.runner.host_buffers(requests, pages=core.runner.max_pages)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
-            graphs.launch(host, len(requests))
+        for _ in range(3):  # first launch uploads everything, later ones the metadata only
+            pending = runner.launch_decode(requests)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert graphs.frames(len(requests)).shape == (5, core.runner.num_rows)
+    assert pending.result().shape == (5, runner.num_rows)
+    for request in requests:
+        core.abort(request.request_id)
+
+
+def test_large_top_k_runs_uncapped_and_steady_path_matches(core):
+    """top_k above the kernels' bound: eager, whole-row sort; then steady steps keep going."""
+    runner = core.runner
+    requests = decoding_requests(core, 3, top_k=200)
+    assert not runner.capped(requests)
+    for _ in range(4):
+        frames = runner.decode(requests)
+        assert frames.shape == (3, runner.num_rows) and (frames >= 0).all()
+        for request, frame in zip(requests, frames, strict=True):
+            request.num_computed += 1
+            request.append_frame(frame)
+            core.kv.grow(request, request.seq_len)
+    for request in requests:
+        core.abort(request.request_id)
+
+
+def test_fused_step_agrees_with_torch_forward(core):
+    runner = core.runner
+    requests = decoding_requests(core, 4)
+    torch_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=False)
+    runner.host.invalidate()
+    fields = runner.host.fill(requests)
+    runner.host.upload(runner.buffers, fields, 4)
+    view = runner.buffers.view(4)
+    with torch.no_grad():
+        hidden_k, normed_k = runner.step.slow(view)
+        hidden_t, normed_t = torch_step.slow(view)
+    error = (normed_k.float() - normed_t.float()).norm() / normed_t.float().norm()
+    assert error < 2e-2, error
+    runner.host.invalidate()
     for request in requests:
         core.abort(request.request_id)

@@ -43,9 +43,10 @@ CONFIGS = [
     gemm.GemmConfig(block_m=16, block_n=32, split_k=1, num_warps=2, num_stages=1),
     gemm.GemmConfig(block_m=16, block_n=64, split_k=3, num_warps=2, num_stages=1),
 ]
+SWAPPED = gemm.GemmConfig(block_m=16, block_n=32, split_k=2, num_warps=2, num_stages=1, swap_ab=True)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["nosplit", "split3"])
+@pytest.mark.parametrize("config", [*CONFIGS, SWAPPED], ids=["nosplit", "split3", "swap-split2"])
 @pytest.mark.parametrize("m,n,k", [(1, 96, 384), (5, 160, 256), (17, 64, 200)])
 def test_w8a8_prequantized_matches_reference(config: gemm.GemmConfig, m: int, n: int, k: int) -> None:
     w_q, w_s = _weight(n, k)
@@ -55,16 +56,34 @@ def test_w8a8_prequantized_matches_reference(config: gemm.GemmConfig, m: int, n:
     assert _rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
 
 
+def test_activation_scales_loaded_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback that loads activation scales inside the K loop (large BLOCK_M x steps)."""
+    monkeypatch.setattr(gemm, "PRELOAD_A_SCALES_LIMIT", 0)
+    m, n, k = 3, 64, 384
+    w_q, w_s = _weight(n, k)
+    x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    for config in (CONFIGS[0], SWAPPED):
+        out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=config)
+        assert _rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
+
+
+def test_rejects_block_n_that_does_not_divide_128() -> None:
+    w_q, w_s = _weight(256, 256)
+    x = torch.randn(1, 256, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="block_n"):
+        gemm.fp8_linear(x, w_q, w_s, False, config=gemm.GemmConfig(16, 256, 1))
+
+
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["ab", "swap-ab"])
 @pytest.mark.parametrize("quantize_input", [False, True], ids=["w8a16", "w8a8-inline"])
 @pytest.mark.parametrize("swiglu_input", [False, True], ids=["plain", "swiglu"])
-def test_fp8_linear_modes_match_reference(quantize_input: bool, swiglu_input: bool) -> None:
+def test_fp8_linear_modes_match_reference(quantize_input: bool, swiglu_input: bool, swap_ab: bool) -> None:
     m, n, k = 3, 192, 256
     w_q, w_s = _weight(n, k)
     x = torch.randn(m, 2 * k if swiglu_input else k, device=DEVICE).to(torch.bfloat16)
     expected = ref.fp8_linear(x, w_q, w_s, quantize_input=quantize_input, swiglu_input=swiglu_input)
-    out = gemm.fp8_linear(
-        x, w_q, w_s, quantize_input, swiglu_input, out=_poisoned_out(m, n), config=CONFIGS[1]
-    )
+    config = SWAPPED if swap_ab else CONFIGS[1]
+    out = gemm.fp8_linear(x, w_q, w_s, quantize_input, swiglu_input, out=_poisoned_out(m, n), config=config)
     assert _rel_err(out, expected) < 4e-3
     # and the FP8 product is close to the unquantized bf16 one (the error FP8 costs the model)
     a = ref.swiglu(x) if swiglu_input else x.float()

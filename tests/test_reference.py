@@ -6,9 +6,19 @@ import pytest
 import torch
 
 from shoal.models import load_model
-from shoal.models.prompt import Reference, Turn, build_prompt, codes_for_codec
+from shoal.models.prompt import (
+    Reference,
+    Turn,
+    build_prompt,
+    codes_for_codec,
+    split_text,
+    v15_history_window,
+    v15_user_turn_length,
+    voice_prefix_length,
+)
 from shoal.models.reference import decode_frame, generate, generate_long
 from shoal.models.sampling import Sampler, SamplingBatch, new_window
+from shoal.models.writer import tiny_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +134,52 @@ def test_generate_long_prompts_each_batch_with_the_earlier_audio(golden_dir):
         assert torch.equal(result.codes, codes_for_codec(result.frames))
         history.append(Turn(result.text, result.frames))
     assert results[-1].prompt.shape[1] > results[0].prompt.shape[1] + 3 * 2
+
+
+def test_v15_history_window_follows_the_reference_walk():
+    # Walk back from the newest: stop at the first i where the total + segment i again exceeds.
+    assert v15_history_window([10, 20, 10, 20, 10, 20, 10], 75) == [0, 1, 4, 5, 6]  # i = 3
+    assert v15_history_window([5] * 7, 16) == [0, 1, 6]  # i = 2 is even: back to 1
+    assert v15_history_window([10, 20, 10, 20, 10], 55) == [0, 1, 2, 3, 4]  # tail reaches turn 0
+    assert v15_history_window([10, 20, 10, 20, 10, 20, 10], 1000) == list(range(7))
+    assert v15_history_window([7], 1) == [0]
+    # The newest segment alone overflows: keep batch 0 + the newest (the reference's [-0:] bug).
+    assert v15_history_window([5, 5, 5, 5, 50], 60) == [0, 1, 4]
+
+
+def test_generate_long_v15_slides_the_history(tmp_path):
+    config = write_checkpoint(tmp_path, tiny_config("1.5"), dtype=torch.float32)
+    model = load_model(tmp_path)
+    assert model.config.family == "1.5" and config.im_end_id == model.config.im_end_id
+    text = "One two. Three four. Five six. Seven eight. Nine ten."
+    prefix = voice_prefix_length(model.config, model.tokenizer)
+    kwargs = dict(chunk_length=12, max_frames=6, temperature=0.7, top_p=0.8, seed=3, repetition_penalty=1.2)
+    # max_length leaves room for about two turns of history besides batch 0.
+    results = generate_long(model, text, max_length=1024 + prefix + 150, **kwargs)
+    assert [r.text for r in results] == split_text(text, 12, "1.5") and len(results) == 5
+    turns = [Turn(r.text, r.frames) for r in results]
+    n = model.config.num_codebooks
+    truncated = False
+    for b, result in enumerate(results):
+        lengths = []
+        for turn in turns[:b]:
+            lengths += [v15_user_turn_length(model.tokenizer, turn.text, n), turn.frames.shape[1]]
+        lengths.append(v15_user_turn_length(model.tokenizer, result.text, n))
+        kept = v15_history_window(lengths, 150)
+        history = [turns[k // 2] for k in kept[:-1:2]]
+        truncated |= len(history) < b
+        expected = build_prompt(model.config, model.tokenizer, result.text, (), history)
+        assert torch.equal(result.prompt, expected)
+        # History frames go in as generated, the <|im_end|> frame included.
+        assert result.frames.shape[0] == n + 1
+    assert truncated, "the budget should have dropped some middle batches"
+    # Batch 0 and its audio always lead the history once there is one.
+    lead = results[1].prompt.shape[1] - v15_user_turn_length(model.tokenizer, results[1].text, n)
+    assert torch.equal(results[-1].prompt[:, :lead], results[1].prompt[:, :lead])
+    # A generous max_length keeps every earlier batch.
+    full = generate_long(model, text, **kwargs)
+    for b, result in enumerate(full):
+        history = [Turn(r.text, r.frames) for r in full[:b]]
+        assert torch.equal(
+            result.prompt, build_prompt(model.config, model.tokenizer, result.text, (), history)
+        )

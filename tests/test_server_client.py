@@ -25,7 +25,7 @@ from fishaudio.exceptions import (
 )
 from fishaudio.types import FlushEvent, Prosody, ReferenceAudio, TextEvent, TTSConfig
 from httpx_ws import WebSocketUpgradeError
-from server_process import ShoalServer
+from server_process import MAX_NEW_FRAMES, ShoalServer
 from websockets.sync.client import connect
 
 from shoal.server import audio
@@ -280,17 +280,70 @@ def test_malformed_and_oversized_bodies_keep_serving(client, server):
     assert client.tts.convert(text="Still serving.", config=SHORT)
 
 
+# 20 speaker turns of about 60 bytes: with chunk_length=100, S2 synthesizes them as 20 batches.
+LONG_TEXT = "".join(
+    f"<|speaker:{i % 2}|>Some text that takes a while to speak, turn {i}. " for i in range(20)
+)
+
+
+def health(server: ShoalServer) -> dict:
+    return httpx.get(f"{server.url}/v1/health").json()
+
+
+def wait_until_generating(server: ShoalServer) -> float:
+    """Wait until the engine has measured its speed on a running request; its frames/s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = health(server)
+        if state["running"] and state["frames_per_second"] > 0:
+            return state["frames_per_second"]
+        time.sleep(0.05)
+    raise AssertionError(f"no request running: {state}")
+
+
+def assert_aborted_early(server: ShoalServer, frames_per_second: float, baseline: dict) -> None:
+    """After the client vanished, the engine is idle long before the request could have ended
+    on its own (20 batches of MAX_NEW_FRAMES), and holds no request pages: only cached prefixes."""
+    started = time.monotonic()
+    wait_for_idle(server)
+    remaining_seconds = 20 * MAX_NEW_FRAMES / frames_per_second
+    assert time.monotonic() - started < remaining_seconds / 2, (frames_per_second, remaining_seconds)
+    after = health(server)
+    assert request_pages(after) == request_pages(baseline) == 0, (baseline, after)
+    assert (
+        after["pages_used"] - baseline["pages_used"]
+        == after["prefix_cache_pages"] - baseline["prefix_cache_pages"]
+    )
+
+
 def test_disconnect_mid_stream_frees_pages(client, server):
-    body = ormsgpack.packb({"text": "Some text that takes a while to speak. " * 3, "format": "pcm"})
+    wait_for_idle(server)
+    baseline = health(server)
+    body = ormsgpack.packb({"text": LONG_TEXT, "format": "pcm", "chunk_length": 100, "seed": 3})
     headers = {"Authorization": f"Bearer {server.key_a}", "Content-Type": "application/msgpack"}
     with httpx.stream("POST", f"{server.url}/v1/tts", content=body, headers=headers) as response:
         assert response.status_code == 200
         next(response.iter_raw())
-    wait_for_idle(server)
-    assert request_pages(httpx.get(f"{server.url}/v1/health").json()) == 0
+        frames_per_second = wait_until_generating(server)
+    assert_aborted_early(server, frames_per_second, baseline)
     assert client.tts.convert(text="After the disconnect.", config=SHORT)
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "shoal_time_to_first_audio_seconds_count" in metrics and "shoal_kv_pages_used" in metrics
+
+
+def test_live_disconnect_mid_stream_frees_pages(server):
+    wait_for_idle(server)
+    baseline = health(server)
+    headers = {"Authorization": f"Bearer {server.key_a}"}
+    url = server.url.replace("http://", "ws://") + "/v1/tts/live"
+    with connect(url, additional_headers=headers) as session:
+        request = {"text": "", "format": "pcm", "chunk_length": 100, "seed": 3}
+        session.send(ormsgpack.packb({"event": "start", "request": request}))
+        session.send(ormsgpack.packb({"event": "text", "text": LONG_TEXT}))
+        session.send(ormsgpack.packb({"event": "flush"}))
+        assert ormsgpack.unpackb(session.recv())["event"] == "audio"
+        frames_per_second = wait_until_generating(server)
+    assert_aborted_early(server, frames_per_second, baseline)
 
 
 class _nothing:

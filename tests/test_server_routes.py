@@ -7,6 +7,7 @@ import io
 import json
 import wave
 
+import anyio
 import numpy as np
 import ormsgpack
 import pytest
@@ -121,6 +122,39 @@ def test_engine_errors_map_to_statuses(client, engine):
     assert_fish_error(msgpack_post(client, {"text": "INVALID"}), 400)
     engine.max_waiting = 0
     assert_fish_error(msgpack_post(client, {"text": "hello"}), 503)
+
+
+def test_disconnect_before_first_audio_aborts(tmp_path):
+    """A client gone while its request still waits for audio (e.g. queued) frees it at once,
+    not when the first audio would have come (here after 30 s)."""
+    engine = ToneEngine(chunk_delay=30.0)
+    app = create_app(engine, Store.in_directory(tmp_path), ServerSettings(auth=False))
+    body = ormsgpack.packb({"text": "hello", "format": "pcm"})
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/tts", "raw_path": b"/v1/tts", "query_string": b"",
+        "root_path": "", "headers": [(b"content-type", b"application/msgpack")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {},
+    }  # fmt: skip
+    sent: list[dict] = []
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive() -> dict:
+        for message in messages:
+            return message
+        await anyio.sleep(0.2)  # then the client goes away
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def scenario() -> None:
+        with anyio.fail_after(10):
+            await app(scope, receive, send)
+
+    anyio.run(scenario)
+    assert len(engine.submitted) == 1 and engine.pages_used == 0 and not engine.running
+    assert sent[0]["status"] == 499
 
 
 def test_auth_required_and_invalid(client):

@@ -56,3 +56,24 @@ def test_dispatch_uses_reference_on_cpu():
     total, out = snake(x, alpha)
     assert total is x
     torch.testing.assert_close(out, snake_reference(x, alpha)[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("need_sum", [False, True])
+def test_snake_kernel_time_major_with_bias_and_strided_inputs(need_sum):
+    """The streaming layout: x [B, T, C] a time slice of a bigger buffer, residual transposed."""
+    gen = torch.Generator().manual_seed(2)
+    channels = 24
+    x = (2 * torch.randn(3, 70, channels, generator=gen)).to(DEVICE)[:, 5:62]
+    residual = torch.randn(3, channels, 57, generator=gen).to(DEVICE).transpose(1, 2)
+    alpha = (0.3 + torch.rand(1, channels, 1, generator=gen)).to(DEVICE)
+    bias = torch.randn(channels, generator=gen).to(DEVICE)
+    total, out = snake_triton(x, alpha, residual, bias, channels_last=True, need_sum=need_sum)
+    ref_total, ref_out = snake_reference(x, alpha, residual, bias, channels_last=True)
+    assert out.is_contiguous() and out.shape == (3, 57, channels)
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-6)
+    if need_sum:
+        torch.testing.assert_close(total, ref_total, atol=1e-6, rtol=0)
+    else:
+        assert total is x
+    _, bias_only = snake_triton(x, alpha, None, bias, channels_last=True)
+    torch.testing.assert_close(bias_only, snake_reference(x, alpha, None, bias, channels_last=True)[1])

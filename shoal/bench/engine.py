@@ -129,6 +129,81 @@ def naive_batch1(model, prompt: torch.Tensor, frames: int) -> dict:
     return {"naive_batch1_frames_per_s": out.shape[1] / (time.perf_counter() - start)}
 
 
+def _time_graph(fn, reps: int = 30) -> float:
+    """Median ms of `reps` replays of `fn` captured as one CUDA graph (after a warm-up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def breakdown(core: EngineCore, batches: list[int], context: int) -> list[dict]:
+    """Where a decode step's time goes: the whole step, the slow model alone, one layer's
+    attention (Triton paged kernel vs SDPA over a gathered contiguous view), each timed as
+    CUDA-graph replays on synthetic rows of `context` keys in distinct pages."""
+    runner = core.runner
+    pages_per_row = -(-context // runner.page_size)
+    results = [
+        _breakdown_one(core, batch, context)
+        for batch in batches
+        if batch <= runner.max_batch and (batch + 1) * pages_per_row <= runner.kv.scratch_page
+    ]
+    runner.host.invalidate()
+    return results
+
+
+def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
+    from shoal.kernels.attention import paged_decode_attention
+
+    runner, step = core.runner, core.runner.step
+    kv, page = runner.kv, runner.page_size
+    pages_per_row = -(-context // page)
+    view = runner.buffers.view(batch)
+    rows = torch.arange(batch, device=runner.device)
+    tables = (rows[:, None] * pages_per_row + torch.arange(pages_per_row, device=runner.device)).int()
+    view.block_tables.fill_(kv.scratch_page)
+    view.block_tables[:, :pages_per_row] = tables
+    view.kv_lens.fill_(context)
+    view.positions.fill_(context - 1)
+    view.slots.copy_(tables[:, -1].long() * page + (context - 1) % page)
+    view.frame_index.fill_(5)
+    view.top_k.fill_(30)
+    full = _time_graph(lambda: step(view))
+    slow = _time_graph(lambda: step.slow(view))
+    q = torch.randn(batch, 32, 128, device=runner.device, dtype=runner.dtype)
+    k_pages, v_pages = kv.k[0], kv.v[0]
+    triton_ms = _time_graph(
+        lambda: paged_decode_attention(q, k_pages, v_pages, view.block_tables, view.kv_lens)
+    )
+    index = view.block_tables[:, :pages_per_row].long()
+
+    def sdpa():
+        keys = k_pages[index].flatten(1, 2)[:, :context].transpose(1, 2)
+        values = v_pages[index].flatten(1, 2)[:, :context].transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
+
+    sdpa_ms = _time_graph(sdpa)
+    return {
+        "batch": batch, "step_ms": full, "slow_ms": slow, "head_fast_ms": full - slow,
+        "attn_layer_triton_us": 1000 * triton_ms, "attn_layer_sdpa_gather_us": 1000 * sdpa_ms,
+        "frames_per_s": 1000 * batch / full,
+    }  # fmt: skip
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -145,6 +220,7 @@ def run_engine_bench(
     dtype: str = "bfloat16",
     use_cuda_graphs: bool = True,
     naive: bool = False,
+    breakdown_batches: list[int] | None = None,
 ) -> list[dict]:
     """One result dict per concurrency (the performance gate reads `per_request_frames_per_s`)."""
     concurrencies = concurrencies or [1, 4, 16, 64]
@@ -172,6 +248,8 @@ def run_engine_bench(
         result = run_level(core, prompts, frames, shared_prefix)
         result["shared_prefix"] = shared_prefix
         results.append(result)
+    if breakdown_batches and core.runner.step is not None and torch.cuda.is_available():
+        results[0]["breakdown"] = breakdown(core, breakdown_batches, prompt_tokens + frames // 2)
     if naive:
         results[0].update(naive_batch1(model, make_prompts(model, 1, prompt_tokens, 0, 0)[0], frames))
     return results
@@ -188,6 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive batch-1 loop")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--breakdown", type=int, nargs="*", default=[1, 64], help="batches timed part by part (graphs)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             use_cuda_graphs=not args.no_graphs,
             naive=not args.no_naive and shared == args.shared_prefix[0],
+            breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
         )
     header = f"{'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6}"
     print(header)
@@ -212,6 +294,13 @@ def run(args: argparse.Namespace) -> int:
             f"{r['per_request_frames_per_s']:>8.1f} {r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m "
             f"{r['gpu_memory_gib']:>6.1f}"
         )
+        for b in r.get("breakdown", []):
+            print(
+                f"  breakdown bs={b['batch']}: step {b['step_ms']:.2f} ms ({b['frames_per_s']:.0f} f/s), "
+                f"slow {b['slow_ms']:.2f} ms, head+fast {b['head_fast_ms']:.2f} ms, attention/layer "
+                f"triton {b['attn_layer_triton_us']:.1f} us, "
+                f"sdpa-gather {b['attn_layer_sdpa_gather_us']:.1f} us"
+            )
         if "naive_batch1_frames_per_s" in r:
             print(f"naive batch-1 loop: {r['naive_batch1_frames_per_s']:.1f} frames/s")
     if args.json:

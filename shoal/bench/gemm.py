@@ -2,39 +2,107 @@
 
 Every variant is timed as CUDA-graph replays of one launch per weight set, rotating over enough
 weight sets that L2 (50 MB on the H200) cannot serve them. Bandwidth counts weight bytes only, and
-is compared with a device-to-device copy measured in the same run (bytes read + written).
+is compared with two ceilings measured in the same run on 2 GiB buffers (`memory_ceilings`): a
+device-to-device copy (bytes read + written) and a pure read (the limit a GEMM's weight stream has).
 
 Variants: ours W8A16 (bf16 activations), ours W8A8 with in-GEMM activation quantization, ours W8A8
 after the separate quant launch, `torch._scaled_mm` (block-wise scales where this torch accepts
 them, else row-wise) with its activation quantization in torch ops, bf16 cuBLAS; plus the whole
 MLP (gate+up, SwiGLU, down) in bf16 eager, `torch.compile`d, and ours with SwiGLU fused.
-`--sweep` times every candidate config per (N, K, M) and prints the best, to paste into
-`kernels/fp8_gemm.py: TUNED_CONFIGS`. Needs only torch and triton.
+`torch._scaled_mm` block-wise rejects M=1 in cuBLAS: there M is zero-padded to the smallest size it
+accepts, and the row says so. `--sweep` times the candidate configs per (N, K, M) for the W8A8
+(pre-quantized) and W8A16 paths, compiling them first in parallel worker processes, and prints the
+best per (shape, M) as lines to paste into `kernels/fp8_gemm.py: TUNED_CONFIGS_FP8 / TUNED_CONFIGS`.
+Needs only torch and triton.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
+import math
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 M_VALUES = (1, 4, 16, 64, 128)
 ROTATION_BYTES = 400 * 2**20  # well past the 50 MB L2
+PROBE_BYTES = 2 * 2**30  # 2 GiB buffers for the bandwidth ceilings
+SCALED_MM_PAD = (1, 2, 4, 8, 16)  # M sizes tried, smallest first, when cuBLAS rejects a small M
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Grid-stride sum of x: every byte read once, 16-byte loads, one float written per program."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def _time_events(fn: Callable[[], object], reps: int, trials: int = 5) -> float:
+    """Median seconds per call over `trials` batches of `reps` back-to-back eager calls."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def memory_ceilings(verbose: bool = True) -> dict[str, float]:
+    """Bytes/s: 'copy' (device-to-device, read + write counted) and 'read' (read-only), each the
+    best of two methods on 2 GiB buffers, 20 back-to-back calls of about 1 ms each (launch cost
+    under 1%). Run 2's probe copied inside a CUDA graph, where the copy became a memcpy node and
+    read 2.77 TB/s against about 4.0 from kernels; here the copies are eager launches."""
+    n = PROBE_BYTES // 4
+    src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    copies = {
+        "copy_": _time_events(lambda: dst.copy_(src), 20),
+        "mul-kernel": _time_events(lambda: torch.mul(src, 1.0, out=dst), 20),
+    }
+    programs = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+    partial = torch.empty(programs, dtype=torch.float32, device="cuda")
+    reads = {
+        "triton-sum": _time_events(
+            lambda: _read_kernel[(programs,)](src, partial, n, BLOCK=4096, num_warps=8), 20
+        ),
+        "torch.sum": _time_events(lambda: src.sum(), 20),
+    }
+    result = {
+        "copy": max(2 * PROBE_BYTES / t for t in copies.values()),
+        "read": max(PROBE_BYTES / t for t in reads.values()),
+    }
+    if verbose:
+        detail = ", ".join(f"{k} {2 * PROBE_BYTES / t / 1e12:.2f}" for k, t in copies.items())
+        detail += "; " + ", ".join(f"{k} {PROBE_BYTES / t / 1e12:.2f}" for k, t in reads.items())
+        print(
+            f"ceilings on 2 GiB: copy {result['copy'] / 1e12:.2f} TB/s (read+write), "
+            f"read {result['read'] / 1e12:.2f} TB/s  [{detail}]"
+        )
+    return result
 
 
 def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
-    src = torch.randn(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = _time_graph(lambda: dst.copy_(src), replays=20)
-    return 2 * src.numel() * 4 / seconds
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted)."""
+    return memory_ceilings(verbose=False)["copy"]
 
 
-def _time_graph(fn: Callable[[], object], replays: int = 50) -> float:
+def _time_graph(fn: Callable[[], object], replays: int = 50, trials: int = 5) -> float:
     """Seconds per call of `fn`, captured once into a CUDA graph and replayed (median of batches)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -47,7 +115,7 @@ def _time_graph(fn: Callable[[], object], replays: int = 50) -> float:
         fn()
     graph.replay()
     times = []
-    for _ in range(5):
+    for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
@@ -82,6 +150,32 @@ def _scaled_mm_blockwise(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> t
     q, scale = _torch_act_quant(x)
     w_scale = weights["w_scale"].t()  # (K/128, N/128), outer-dim-major
     return torch._scaled_mm(q, weights["w_q"].t(), scale, w_scale, out_dtype=torch.bfloat16)
+
+
+def scaled_mm_rows(m: int, k: int, n: int = 256) -> int | None:
+    """The smallest M >= m in SCALED_MM_PAD (or m itself) that block-wise `_scaled_mm` accepts."""
+    w = _weight_sets(n, k, 1)[0]
+    for rows in [r for r in SCALED_MM_PAD if r >= m] or [m]:
+        try:
+            _scaled_mm_blockwise(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), w)
+            torch.cuda.synchronize()
+            return rows
+        except RuntimeError:
+            continue
+    return None
+
+
+def _padded(fn: Callable, rows: int) -> Callable:
+    """fn on x zero-padded to `rows` rows (the pad is built once, outside the timed graph)."""
+    cache: dict[int, torch.Tensor] = {}
+
+    def call(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        if x.data_ptr() not in cache:
+            cache.clear()
+            cache[x.data_ptr()] = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+        return fn(cache[x.data_ptr()], w)[: x.shape[0]]
+
+    return call
 
 
 def _scaled_mm_rowwise(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -126,17 +220,21 @@ def _pick_scaled_mm() -> str:
         return "rowwise"
 
 
-def time_variant(fn: Callable, x: torch.Tensor, sets: list[dict[str, torch.Tensor]]) -> float:
+def time_variant(
+    fn: Callable, x, sets: list[dict[str, torch.Tensor]], replays: int = 50, trials: int = 5
+) -> float:
     """Seconds per GEMM, rotating over the weight sets inside one graph."""
-    return _time_graph(lambda: [fn(x, w) for w in sets]) / len(sets)
+    return _time_graph(lambda: [fn(x, w) for w in sets], replays, trials) / len(sets)
 
 
-def run_gemm_bench(shapes: dict[str, tuple[int, int]] = SHAPES, m_values=M_VALUES) -> list[dict]:
+def run_gemm_bench(
+    shapes: dict[str, tuple[int, int]] = SHAPES, m_values=M_VALUES, mlp: bool = True
+) -> list[dict]:
     """Times every variant; prints and returns one row per (shape, M, variant)."""
-    copy_bw = copy_bandwidth()
+    ceilings = memory_ceilings()
     mode = _pick_scaled_mm()
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; torch._scaled_mm {mode}")
-    print(f"{'shape':>8} {'M':>4} {'variant':>18} {'us':>8} {'TB/s':>6} {'%copy':>6}")
+    print(f"torch._scaled_mm {mode}")
+    print(f"{'shape':>8} {'M':>4} {'variant':>22} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%read':>6}")
     rows = []
     for name, (n, k) in shapes.items():
         count = max(2, -(-ROTATION_BYTES // (n * k)))
@@ -144,22 +242,30 @@ def run_gemm_bench(shapes: dict[str, tuple[int, int]] = SHAPES, m_values=M_VALUE
         for m in m_values:
             width = 2 * k if name == "down" else k
             x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
-            for variant, fn in _variants(name).items():
+            variants = _variants(name)
+            if mode == "blockwise":
+                pad = scaled_mm_rows(m, k)
+                if pad is None:
+                    variants.pop("scaled_mm")
+                elif pad != m:  # cuBLAS rejects this M: time it on zero-padded rows, and say so
+                    variants[f"scaled_mm(M pad->{pad})"] = _padded(variants.pop("scaled_mm"), pad)
+            for variant, fn in variants.items():
                 try:
                     seconds = time_variant(fn, x, sets)
                 except RuntimeError as error:  # e.g. a torch baseline that rejects this shape
-                    print(f"{name:>8} {m:>4} {variant:>18}  failed: {str(error).splitlines()[0][:60]}")
+                    print(f"{name:>8} {m:>4} {variant:>22}  failed: {str(error).splitlines()[0][:60]}")
                     continue
-                fp8 = variant.startswith("ours") or variant == "scaled_mm"
+                fp8 = variant.startswith("ours") or variant.startswith("scaled_mm")
                 bandwidth = n * k * (1 if fp8 else 2) / seconds
                 rows.append(
                     {"shape": name, "m": m, "variant": variant, "us": seconds * 1e6, "tb_s": bandwidth / 1e12}
                 )
                 print(
-                    f"{name:>8} {m:>4} {variant:>18} {seconds * 1e6:8.1f} "
-                    f"{bandwidth / 1e12:6.2f} {100 * bandwidth / copy_bw:6.1f}"
+                    f"{name:>8} {m:>4} {variant:>22} {seconds * 1e6:8.1f} {bandwidth / 1e12:6.2f} "
+                    f"{100 * bandwidth / ceilings['copy']:6.1f} {100 * bandwidth / ceilings['read']:6.1f}"
                 )
-    _mlp_rows(m_values, rows)
+    if mlp:
+        _mlp_rows(m_values, rows)
     return rows
 
 
@@ -192,52 +298,167 @@ def _mlp_rows(m_values, rows: list[dict]) -> None:
             print(f"{'mlp':>8} {m:>4} {variant:>18} {seconds * 1e6:8.1f}")
 
 
-def candidate_configs(n: int, k: int, m: int) -> list:
-    from shoal.kernels.fp8_gemm import GemmConfig
+SWEEP_MODES = ("w8a8", "w8a16")  # pre-quantized activations; bf16 activations (dequant in registers)
+H200_SMS = 132
 
-    block_ms = [bm for bm in (16, 32, 64, 128) if bm // 2 < max(m, 16) or bm == 16]
+
+def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS) -> list:
+    """The plausible winners, not a grid: per tile width (32/64/128 weight rows, each dividing the
+    128-row scale block), split-K counts that put about 2 and 4 programs on every SM (one per SM
+    leaves too few loads in flight; at least 2 K steps per split); A/B swapped or not; 4 or 6
+    pipeline stages (8 warps instead of 6 stages for 64+ row M tiles)."""
+    from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
+
+    k_blocks = -(-k // BLOCK_K)
+    block_ms = (16,) if m <= 16 else (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
     configs = []
-    for bm, bn, split, warps, stages in itertools.product(
-        block_ms, (32, 64, 128), (1, 2, 4, 8, 16), (4, 8), (3, 4, 6)
-    ):
-        if split <= max(1, k // 128 // 2):
-            configs.append(GemmConfig(bm, bn, split, warps, stages))
+    for bm in block_ms:
+        m_tiles = -(-m // bm)
+        for bn in (32, 64, 128):
+            tiles = m_tiles * -(-n // bn)
+            splits = sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in (2, 4)})
+            for split in splits:
+                for swap in (False, True):
+                    for warps, stages in ((4, 4), (4, 6)) if bm <= 32 else ((4, 4), (8, 4)):
+                        configs.append(GemmConfig(bm, bn, split, warps, stages, swap_ab=swap))
     return configs
 
 
-def sweep(
-    shapes: dict[str, tuple[int, int]] = SHAPES, m_values=M_VALUES, quantize_input: bool = False
-) -> None:
-    """Print the fastest config per (N, K, M) as TUNED_CONFIGS entries."""
+def _sweep_fn(mode: str, config) -> Callable:
     from shoal.kernels import fp8_gemm
 
+    if mode == "w8a8":
+        return lambda x, w: fp8_gemm.fp8_gemm(x[0], x[1], w["w_q"], w["w_scale"], config=config)
+    return lambda x, w: fp8_gemm.fp8_linear(x, w["w_q"], w["w_scale"], False, config=config)
+
+
+def _sweep_input(mode: str, m: int, k: int):
+    from shoal.kernels import quant
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return quant.quantize_activations(x) if mode == "w8a8" else x
+
+
+_WORKER_WEIGHTS: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+
+def _compile_job(job: tuple) -> str | None:
+    """In a worker process: one launch of (mode, n, k, m, config), so Triton's on-disk cache holds
+    the binary the timing process will load (the kernel does not specialize on M)."""
+    mode, n, k, m, config = job
+    try:
+        if (n, k) not in _WORKER_WEIGHTS:
+            _WORKER_WEIGHTS[(n, k)] = _weight_sets(n, k, 1)[0]
+        _sweep_fn(mode, config)(_sweep_input(mode, m, k), _WORKER_WEIGHTS[(n, k)])
+        torch.cuda.synchronize()
+        return None
+    except Exception as error:  # noqa: BLE001 - reported, and the timing pass skips it too
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"
+
+
+def precompile(jobs: list, job_fn: Callable = _compile_job, workers: int | None = None) -> None:
+    """Run `job_fn(job)` (one small launch per kernel variant) in parallel processes, filling
+    Triton's on-disk cache: compilation, not the GPU, is what a sweep mostly waits for."""
+    import concurrent.futures
+    import multiprocessing
+
+    workers = workers or max(1, min(14, (os.cpu_count() or 2) - 2))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for job, error in zip(jobs, pool.map(job_fn, jobs, chunksize=1), strict=True):
+            if error:
+                print(f"  compile failed for {job}: {error}")
+
+
+def sweep(
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+    m_values=M_VALUES,
+    modes=SWEEP_MODES,
+    precompile_only: bool = False,
+    json_path: str | None = None,
+) -> list[dict]:
+    """Time the candidates per (shape, M, mode); print the best as TUNED_CONFIGS lines and a
+    summary against the default config, bf16 cuBLAS and `_scaled_mm`, and the ceilings."""
+    from shoal.kernels import fp8_gemm
+
+    jobs = []
+    for n, k in shapes.values():
+        for mode in modes:
+            seen = set()
+            for m in m_values:
+                for config in candidate_configs(n, k, m):
+                    if config not in seen:
+                        seen.add(config)
+                        jobs.append((mode, n, k, m, config))
+    print(f"compiling {len(jobs)} kernels in parallel")
+    precompile(jobs)
+    if precompile_only:
+        return []
+    ceilings = memory_ceilings()
+    scaled_mm_mode = _pick_scaled_mm()
+    results = []
     for name, (n, k) in shapes.items():
         sets = _weight_sets(n, k, max(2, -(-ROTATION_BYTES // (n * k))))
         for m in m_values:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            best = None
-            for config in candidate_configs(n, k, m):
-
-                def fn(x, w, config=config):
-                    return fp8_gemm.fp8_linear(x, w["w_q"], w["w_scale"], quantize_input, config=config)
-
-                try:
-                    seconds = time_variant(fn, x, sets)
-                except Exception as error:  # noqa: BLE001 - out of shared memory, etc.
-                    print(f"  skip {config}: {type(error).__name__}")
-                    continue
-                if best is None or seconds < best[0]:
-                    best = (seconds, config)
-            if best:
+            row = {"shape": name, "n": n, "k": k, "m": m}
+            for mode in modes:
+                x = _sweep_input(mode, m, k)
+                timed = []
+                for config in [None, *candidate_configs(n, k, m)]:
+                    try:
+                        t = time_variant(_sweep_fn(mode, config), x, sets, 20, 3)
+                    except Exception:  # noqa: BLE001 - out of shared memory, etc.: already reported
+                        continue
+                    timed.append((t, config))
+                default = next((t for t, c in timed if c is None), math.nan)
+                best_t, best_c = min((item for item in timed if item[1] is not None), key=lambda i: i[0])
+                row[mode] = {"best_us": best_t * 1e6, "config": repr(best_c), "default_us": default * 1e6}
+                table = "TUNED_CONFIGS_FP8" if mode == "w8a8" else "TUNED_CONFIGS"
                 print(
-                    f"    ({n}, {k}, {fp8_gemm.m_bucket(m)}): {best[1]},  # {name} {best[0] * 1e6:.1f} us, "
-                    f"{n * k / best[0] / 1e12:.2f} TB/s"
+                    f"    ({n}, {k}, {fp8_gemm.m_bucket(m)}): {best_c!r},  # {table} {name} "
+                    f"{best_t * 1e6:.1f} us {n * k / best_t / 1e12:.2f} TB/s (default {default * 1e6:.1f})"
                 )
+            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row["bf16_us"] = time_variant(lambda x, w: F.linear(x, w["bf16"]), xb, sets, 20, 3) * 1e6
+            pad = scaled_mm_rows(m, k) if scaled_mm_mode == "blockwise" else m
+            fn = _SCALED_MM if pad == m else _padded(_SCALED_MM, pad)
+            row["scaled_mm_us"] = time_variant(fn, xb, sets, 20, 3) * 1e6 if pad else math.nan
+            row["scaled_mm_rows"] = pad
+            results.append(row)
+    _print_sweep_summary(results, ceilings, modes)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"ceilings": ceilings, "rows": results}, f, indent=1)
+    return results
+
+
+def _print_sweep_summary(results: list[dict], ceilings: dict[str, float], modes) -> None:
+    print(
+        f"copy {ceilings['copy'] / 1e12:.2f} TB/s, read {ceilings['read'] / 1e12:.2f} TB/s; "
+        "us per GEMM (best swept / default config), TB/s on weight bytes, % of copy / read"
+    )
+    header = f"{'shape':>8} {'M':>4}"
+    for mode in modes:
+        header += f" {mode + ' best/dflt':>18} {'TB/s':>5} {'%cp':>4} {'%rd':>4}"
+    print(header + f" {'bf16':>6} {'scaled_mm':>16}")
+    for row in results:
+        line = f"{row['shape']:>8} {row['m']:>4}"
+        for mode in modes:
+            best, default = row[mode]["best_us"], row[mode]["default_us"]
+            bw = row["n"] * row["k"] / best / 1e6
+            line += f" {best:8.1f}/{default:8.1f} {bw:5.2f} {100 * bw * 1e12 / ceilings['copy']:4.0f}"
+            line += f" {100 * bw * 1e12 / ceilings['read']:4.0f}"
+        pad = row["scaled_mm_rows"]
+        note = "" if pad == row["m"] else f" (M pad {pad})"
+        print(line + f" {row['bf16_us']:6.1f} {row['scaled_mm_us']:6.1f}{note:>10}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="search configs and print the best per shape")
-    parser.add_argument("--quantize-activations", action="store_true", help="sweep the W8A8 inline mode")
+    parser.add_argument("--modes", nargs="*", choices=SWEEP_MODES, default=list(SWEEP_MODES))
+    parser.add_argument("--precompile-only", action="store_true", help="sweep: only fill the compile cache")
+    parser.add_argument("--json", help="sweep: also write the results here")
+    parser.add_argument("--no-mlp", action="store_true", help="table: skip the whole-MLP rows")
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--m", nargs="*", type=int, default=list(M_VALUES))
 
@@ -248,7 +469,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shapes = {name: SHAPES[name] for name in args.shapes}
     if args.sweep:
-        sweep(shapes, args.m, args.quantize_activations)
+        sweep(shapes, args.m, args.modes, args.precompile_only, args.json)
     else:
-        run_gemm_bench(shapes, args.m)
+        run_gemm_bench(shapes, args.m, mlp=not args.no_mlp)
     return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -11,7 +11,8 @@ KV cache layout (the engine's `kv_cache.py` allocates it):
 GQA: one program handles all g = Hq/Hkv query heads of a kv head (its tile rows are
 (query token, head in group) pairs), so each kv head's keys are read once per group.
 Decode splits the keys of a sequence across `num_splits` programs writing partial (output,
-log-sum-exp) pairs that a second launch merges; that fills the GPU at batch 1 and long context.
+log-sum-exp) pairs that a second launch merges (or, with `fused_merge`, the last split program
+of each sequence and kv head); that fills the GPU at batch 1 and long context.
 
 Shared prefix ("cascade"): when consecutive batch rows share their first `prefix_len` tokens'
 pages (a cached voice prefix), one kernel attends all query heads of all those rows to the
@@ -48,9 +49,23 @@ class AttentionConfig:
     max_splits: int = 32
     prefix_block_rows: int = 64  # (row, head) pairs per shared-prefix program
     prefix_splits: int = 4  # splits of the shared prefix
+    # Decode: the last split program of each (sequence, kv head) to finish merges the partials
+    # (per-(sequence, kv head) arrival counters), so split-KV costs one launch instead of two.
+    fused_merge: bool = False
 
 
 DEFAULT_CONFIG = AttentionConfig()
+# Measured winners for `paged_decode_attention` per batch bucket (the smallest key >= batch),
+# filled from `shoal bench attention --sweep` on the H200; batches above every key use the largest.
+TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {}
+
+
+def decode_config(batch: int) -> AttentionConfig:
+    """The tuned decode config for this batch size, else `DEFAULT_CONFIG`."""
+    for bucket in sorted(TUNED_DECODE_CONFIGS):
+        if batch <= bucket:
+            return TUNED_DECODE_CONFIGS[bucket]
+    return TUNED_DECODE_CONFIGS[max(TUNED_DECODE_CONFIGS)] if TUNED_DECODE_CONFIGS else DEFAULT_CONFIG
 
 
 def _interpreting() -> bool:
@@ -118,22 +133,56 @@ def _store_rows(
 
 
 @triton.jit
+def _merge_group_partials(
+    part_out_ptr, part_lse_ptr, out_ptr, token, kv_head, num_q_heads, num_slots, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Combine the partials of one token's g heads of a kv head (one [g, slots, D] load, no loop)."""
+    g = tl.arange(0, BLOCK_G)
+    slots = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    row = token.to(tl.int64) * num_q_heads + head
+    ok = (g[:, None] < GROUP) & (slots[None, :] < num_slots)
+    slot_index = row[:, None] * num_slots + slots[None, :]
+    lse = tl.load(part_lse_ptr + slot_index, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top[:, None])
+    partial = tl.load(
+        part_out_ptr + slot_index[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+        mask=ok[:, :, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    total = tl.sum(weight, 1)
+    merged = tl.sum(partial * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
+    dest = token.to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(
+        out_ptr + dest[:, None] + offs_d[None, :],
+        merged.to(out_ptr.dtype.element_ty),
+        mask=(g < GROUP)[:, None],
+    )
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_splits"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, kv_start_ptr,
-    scale_log2e, num_q_heads, num_slots,
+    scale_log2e, num_q_heads, num_slots, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kp, stride_kt, stride_kh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Grid (bs, query blocks, Hkv * NUM_SPLITS): a block of one sequence's queries x the g heads
-    of one kv head, over one split of that sequence's (causally visible) keys."""
+    """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
+    of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
+    (decode only), the last of a (sequence, kv head)'s split programs to finish merges them."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     seq_len = tl.load(seq_lens_ptr + seq)
     if IS_DECODE:
         q_start = seq
@@ -158,7 +207,7 @@ def _paged_attention_kernel(
             kv_lo = tl.load(kv_start_ptr + seq)
         last_query = tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len) - 1
         kv_hi = seq_len - q_len + last_query + 1
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_hi)
 
@@ -174,6 +223,16 @@ def _paged_attention_kernel(
             acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
             stride_ot, stride_oh, num_q_heads, num_slots, HEAD_DIM, WRITE_PARTIAL,
         )  # fmt: skip
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            counter = counter_ptr + seq * (tl.num_programs(2) // num_splits) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_group_partials(
+                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_q_heads, num_slots,
+                    stride_ot, stride_oh, GROUP, BLOCK_G, BLOCK_S, HEAD_DIM,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -265,29 +324,46 @@ def _check_inputs(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> tuple[int, int
     return hq, hkv, d
 
 
+_merge_counters: dict[torch.device, Tensor] = {}
+
+
+def _counters(device: torch.device, count: int) -> Tensor:
+    """Zeroed int32 arrival counters for the fused merge, grown on demand; each launch leaves
+    them at zero again, so one buffer serves every layer and every graph replay on a stream."""
+    current = _merge_counters.get(device)
+    if current is None or current.numel() < count:
+        current = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _merge_counters[device] = current
+    return current
+
+
 def _launch_attention(
     q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tables: Tensor, seq_lens: Tensor,
     query_start_loc: Tensor | None, kv_start: Tensor | None, out: Tensor, part_out: Tensor | None,
     part_lse: Tensor | None, num_slots: int, grid_q_blocks: int, block_m: int, num_splits: int,
-    scale: float, config: AttentionConfig,
+    scale: float, config: AttentionConfig, fused_merge: bool = False,
 ):  # fmt: skip
     hq, hkv, d = _check_inputs(q, k_pages, v_pages)
     group = hq // hkv
     block_g = triton.next_power_of_2(group)
     dummy = seq_lens  # any tensor: pointers a constexpr branch never reads
+    counters = _counters(q.device, seq_lens.shape[0] * hkv) if fused_merge else dummy
+    # a fixed width (one compile for every split count up to max_splits); unused without fusion
+    block_s = triton.next_power_of_2(max(num_slots, config.max_splits)) if fused_merge else 1
     _paged_attention_kernel[(seq_lens.shape[0], grid_q_blocks, hkv * num_splits)](
         q, k_pages, v_pages, out,
-        part_out if part_out is not None else out, part_lse if part_lse is not None else out,
+        part_out if part_out is not None else out, part_lse if part_lse is not None else out, counters,
         block_tables, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
         kv_start if kv_start is not None else dummy,
-        scale * _LOG2E, hq, num_slots,
+        scale * _LOG2E, hq, num_slots, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_R=max(16, block_m * block_g),
-        BLOCK_N=config.block_n, PAGE=k_pages.shape[1], HEAD_DIM=d, NUM_SPLITS=num_splits,
+        BLOCK_N=config.block_n, PAGE=k_pages.shape[1], HEAD_DIM=d,
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
-        HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None, UPCAST=_interpreting(),
+        HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
+        FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=_interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -308,12 +384,15 @@ def paged_decode_attention(
     seq_lens: Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
-    config: AttentionConfig = DEFAULT_CONFIG,
+    config: AttentionConfig | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
     """One query per sequence: q [bs, Hq, D] -> [bs, Hq, D]. With `num_splits` > 1 (default:
-    `choose_num_splits` over the block table's capacity) a merge launch follows."""
+    `choose_num_splits` over the block table's capacity) the partials are merged, by a second
+    launch or (`config.fused_merge`) by the last split program. `config` defaults to the tuned
+    entry for this batch size (`decode_config`)."""
     bs, hq, d = q.shape
+    config = decode_config(bs) if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty_like(q) if out is None else out
     if num_splits is None:
@@ -329,9 +408,10 @@ def paged_decode_attention(
     part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
     _launch_attention(
         q, k_pages, v_pages, block_tables, seq_lens, None, None, out, part_out, part_lse,
-        num_splits, 1, 1, num_splits, scale, config,
+        num_splits, 1, 1, num_splits, scale, config, fused_merge=config.fused_merge,
     )  # fmt: skip
-    _merge(part_out, part_lse, out, config)
+    if not config.fused_merge:
+        _merge(part_out, part_lse, out, config)
     return out
 
 

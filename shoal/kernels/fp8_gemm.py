@@ -44,6 +44,8 @@ H200_SMS = 132
 # Triton's CPU interpreter multiplies bf16 tensors as raw uint16; there the W8A16 dot runs in fp32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Activation scales for a whole split are preloaded into registers up to BLOCK_M x steps this big.
+PRELOAD_A_SCALES_LIMIT = 2048
 
 
 @dataclass(frozen=True)
@@ -51,15 +53,20 @@ class GemmConfig:
     """Launch parameters; the benchmark's `--sweep` searches these per (N, K, M bucket)."""
 
     block_m: int
-    block_n: int
+    block_n: int  # divides 128: a tile's rows share one weight-scale row
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    # Compute out^T = W @ A^T: the weight tile is the MMA's M side (>= 64 rows reach Hopper's
+    # wgmma, and in W8A16 the dequantized tile can feed it from registers), M becomes the N side.
+    swap_ab: bool = False
 
 
-# Measured winners per (N, K, M bucket), filled from `shoal bench gemm --sweep` on the H200.
+# Measured winners per (N, K, M bucket), filled from `shoal bench gemm --sweep` on the H200, for
+# the W8A16 path; `TUNED_CONFIGS_FP8` for pre-quantized (and inline-quantized) activations.
 # Shapes absent here use `default_config`.
 TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {}
+TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {}
 
 
 def m_bucket(m: int) -> int:
@@ -87,8 +94,11 @@ def default_config(n: int, k: int, m: int, sms: int = H200_SMS) -> GemmConfig:
     return GemmConfig(block_m, block_n, split_k, num_warps=4, num_stages=4)
 
 
-def pick_config(n: int, k: int, m: int, device: torch.device | None = None) -> GemmConfig:
-    tuned = TUNED_CONFIGS.get((n, k, m_bucket(m)))
+def pick_config(
+    n: int, k: int, m: int, device: torch.device | None = None, fp8_activations: bool = False
+) -> GemmConfig:
+    table = TUNED_CONFIGS_FP8 if fp8_activations else TUNED_CONFIGS
+    tuned = table.get((n, k, m_bucket(m)))
     if tuned is not None:
         return tuned
     sms = _multiprocessors(device) if device is not None else H200_SMS
@@ -147,7 +157,9 @@ def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, S
     return tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
+# M (and the activation-scale stride, which equals M) is not specialized: one binary per (shape,
+# config) serves every M of a bucket, which keeps the benchmark's sweep affordable.
+@triton.jit(do_not_specialize=["M", "stride_asg"])
 def _fp8_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -174,6 +186,9 @@ def _fp8_gemm_kernel(
     BLOCK_K_: tl.constexpr,
     SPLIT_K: tl.constexpr,
     STEPS_PER_SPLIT: tl.constexpr,
+    STEPS_P2: tl.constexpr,
+    PRELOAD_A_SCALES: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
@@ -189,34 +204,65 @@ def _fp8_gemm_kernel(
     kb_start = pid_k * STEPS_PER_SPLIT
 
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    w_scale_rows = w_scale_ptr + (offs_n // BLOCK_K_) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Scales for all of this split's K steps, loaded once before the loop: a scale load inside
+    # the loop is not software-pipelined and would expose a memory latency every step.
+    # BLOCK_N divides 128, so the tile's rows share one weight-scale row: one scalar per step.
+    steps = tl.arange(0, STEPS_P2)
+    step_kb = kb_start + steps
+    step_ok = (steps < STEPS_PER_SPLIT) & (step_kb < k_blocks)
+    w_scale_row = w_scale_ptr + ((pid_n * BLOCK_N) // BLOCK_K_) * stride_wsn
+    w_scales = tl.load(w_scale_row + step_kb * stride_wsk, mask=step_ok, other=0.0)
+    if ACT_MODE == 1:
+        if PRELOAD_A_SCALES:
+            a_scales = tl.load(
+                a_scale_ptr + offs_m[:, None] * stride_asm + step_kb[None, :] * stride_asg,
+                mask=m_mask[:, None] & step_ok[None, :],
+                other=0.0,
+            )
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # A fixed trip count (the last split may run past K: those steps load nothing and add zero).
     for step in range(0, STEPS_PER_SPLIT):
         kb = kb_start + step
         offs_k = kb * BLOCK_K_ + tl.arange(0, BLOCK_K_)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        w_scale = tl.load(w_scale_rows + kb * stride_wsk, mask=n_mask & (kb < k_blocks), other=0.0)
+        w_scale = tl.sum(tl.where(steps == step, w_scales, 0.0), 0)
         if ACT_MODE == 1:  # pre-quantized e4m3 activations + per-token group scales
             a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
             a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            a_scale_ptrs = a_scale_ptr + offs_m * stride_asm + kb * stride_asg
-            a_scale = tl.load(a_scale_ptrs, mask=m_mask & (kb < k_blocks), other=0.0)
-            part = tl.dot(a, tl.trans(w))
-            acc += part * a_scale[:, None] * w_scale[None, :]
+            if PRELOAD_A_SCALES:
+                a_scale = tl.sum(tl.where((steps == step)[None, :], a_scales, 0.0), 1)
+            else:
+                a_scale_ptrs = a_scale_ptr + offs_m * stride_asm + kb * stride_asg
+                a_scale = tl.load(a_scale_ptrs, mask=m_mask & (kb < k_blocks), other=0.0)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * w_scale)
+            else:
+                acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale)
         elif ACT_MODE == 2:  # quantize this 128-column group of every token in registers
             a = _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU)
             a_q, a_scale = _quantize_groups(a, FP8_MAX_, MIN_SCALE_)
-            part = tl.dot(a_q, tl.trans(w))
-            acc += part * a_scale[:, None] * w_scale[None, :]
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a_q)) * (a_scale[None, :] * w_scale)
+            else:
+                acc += tl.dot(a_q, tl.trans(w)) * (a_scale[:, None] * w_scale)
         else:  # bf16 activations, e4m3 -> bf16 is exact; the block scale multiplies the partial
             a = _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU)
             if DOT_IN_FP32:  # same products (bf16 and e4m3 values are exact in fp32), fp32 sum
-                part = tl.dot(round_to_bf16(a).to(tl.float32), tl.trans(w.to(tl.float32)))
+                a_op = round_to_bf16(a).to(tl.float32)
+                w_op = w.to(tl.float32)
             else:
-                part = tl.dot(round_to_bf16(a), tl.trans(w.to(tl.bfloat16)))
-            acc += part * w_scale[None, :]
+                a_op = round_to_bf16(a)
+                w_op = w.to(tl.bfloat16)
+            if SWAP_AB:
+                acc += tl.dot(w_op, tl.trans(a_op)) * w_scale
+            else:
+                acc += tl.dot(a_op, tl.trans(w_op)) * w_scale
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -282,7 +328,9 @@ def _launch(
         raise ValueError(f"out must be bfloat16 [{m}, {n}] with unit column stride")
     if m == 0:
         return out
-    config = config or pick_config(n, k, m, a.device)
+    config = config or pick_config(n, k, m, a.device, fp8_activations=mode != ACT_BF16)
+    if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
+        raise ValueError(f"block_n must divide {BLOCK_K} (one weight-scale row per tile): {config}")
     if workspace is None:
         workspace = _workspace_for(a.device, m, n, config)
     workspace.check(m, n, config)
@@ -293,6 +341,8 @@ def _launch(
         a_scale_arg, stride_asm, stride_asg = a_scale, a_scale.stride(0), a_scale.stride(1)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
     k_blocks = triton.cdiv(k, BLOCK_K)
+    steps = triton.cdiv(k_blocks, config.split_k)
+    steps_p2 = max(2, triton.next_power_of_2(steps))
     _fp8_gemm_kernel[grid](
         a,
         a_scale_arg,
@@ -318,7 +368,10 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K_=BLOCK_K,
         SPLIT_K=config.split_k,
-        STEPS_PER_SPLIT=triton.cdiv(k_blocks, config.split_k),
+        STEPS_PER_SPLIT=steps,
+        STEPS_P2=steps_p2,
+        PRELOAD_A_SCALES=config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT,
+        SWAP_AB=config.swap_ab,
         DOT_IN_FP32=_INTERPRETED,
         FP8_MAX_=FP8_MAX,
         MIN_SCALE_=MIN_SCALE,

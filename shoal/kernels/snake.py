@@ -74,21 +74,20 @@ if triton is not None:
         mask = rmask[:, None] & cmask[None, :]
         i0, i1 = (r // inner).to(tl.int64), (r % inner).to(tl.int64)
         c64 = c.to(tl.int64)
-        channel = c if CHANNELS_LAST else r % inner
-        cmask_ch = cmask if CHANNELS_LAST else rmask
-        alpha = tl.load(alpha_ptr + channel, mask=cmask_ch, other=1.0).to(tl.float32)
+        if CHANNELS_LAST:  # channel = column
+            alpha = tl.load(alpha_ptr + c, mask=cmask, other=1.0).to(tl.float32)[None, :]
+        else:  # channel = row % channels
+            alpha = tl.load(alpha_ptr + r % inner, mask=rmask, other=1.0).to(tl.float32)[:, None]
         x_off = (i0 * xs0 + i1 * xs1)[:, None] + (c64 * xs2)[None, :]
         s = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r_off = (i0 * rs0 + i1 * rs1)[:, None] + (c64 * rs2)[None, :]
             s += tl.load(res_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            b = tl.load(bias_ptr + channel, mask=cmask_ch, other=0.0).to(tl.float32)
-            s += b[None, :] if CHANNELS_LAST else b[:, None]
-        if CHANNELS_LAST:
-            alpha = alpha[None, :]
-        else:
-            alpha = alpha[:, None]
+            if CHANNELS_LAST:
+                s += tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            else:
+                s += tl.load(bias_ptr + r % inner, mask=rmask, other=0.0).to(tl.float32)[:, None]
         out_off = r.to(tl.int64)[:, None] * cols + c64[None, :]
         if WRITE_SUM:
             tl.store(sum_ptr + out_off, s.to(sum_ptr.dtype.element_ty), mask=mask)

@@ -140,6 +140,14 @@ class Snake1d(nn.Module):
         return snake(x, self.alpha, pending[0], pending[1], channels_last=True, need_sum=need_sum)
 
 
+def channels_last_2d(x: Tensor) -> Tensor:
+    """Time-major x [B, T, C] as a 2-D conv input [B, C, 1, T] in channels-last memory, no copy.
+
+    F.conv1d would not do: it makes 3-D inputs contiguous (channels first) before widening them
+    to 2-D, so cuDNN would run NCHW with a transpose before and after every conv."""
+    return x.transpose(1, 2).unsqueeze(2)
+
+
 class CausalConv1d(nn.Module):
     """Conv1d padded on the left only (`CausalConvNet`); weight-norm folded at load."""
 
@@ -164,10 +172,9 @@ class CausalConv1d(nn.Module):
         if self.context > 0:
             x = ctx.extend(key, x, valid, dim=1)
         conv = self.conv
-        y = F.conv1d(
-            x.transpose(1, 2), conv.weight, conv.bias if bias else None, 1, 0, conv.dilation, conv.groups
-        )
-        return y.transpose(1, 2)
+        weight, bias_ = conv.weight.unsqueeze(2), conv.bias if bias else None
+        y = F.conv2d(channels_last_2d(x), weight, bias_, 1, 0, (1, *conv.dilation), conv.groups)
+        return y.squeeze(2).transpose(1, 2)
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -192,9 +199,11 @@ class CausalConvTranspose1d(nn.Module):
         if self.context > 0:
             x = ctx.extend(key, x, valid, dim=1)
         conv = self.conv
-        y = F.conv_transpose1d(x.transpose(1, 2), conv.weight, conv.bias if bias else None, conv.stride)
+        y = F.conv_transpose2d(
+            channels_last_2d(x), conv.weight.unsqueeze(2), conv.bias if bias else None, (1, *conv.stride)
+        )
         start = self.context * self.stride
-        return y.transpose(1, 2)[:, start : start + new * self.stride]
+        return y.squeeze(2).transpose(1, 2)[:, start : start + new * self.stride]
 
 
 class ResidualUnit(nn.Module):

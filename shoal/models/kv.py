@@ -5,57 +5,42 @@ any mix of them, each with any number of new tokens, flattened into one varlen b
 `FastKVCache` is the fast transformer's dense per-frame cache `[B, Hkv, N, D]` per layer.
 The engine's paged cache (`engine/kv_cache.py`) implements the same `attend` contract.
 
-Both call `grouped_attention`, which serves GQA without copying keys (each kv head attends for
-its group of query heads as one matrix) and, for the small problems of a decode step on the CPU,
-runs as a handful of serial element-wise ops: torch's fused softmax and CPU SDPA kernels open an
-OpenMP parallel region even for a few dozen scores, and on a busy machine every such region
-waits a scheduler time slice (milliseconds) for its second thread.
+Both attend through `grouped_attention`: one fused SDPA call per layer with native GQA (no
+repeat_interleave copies), no mask at all for a single new token, and masks built once per
+forward otherwise. On a CPU shared with other processes every OpenMP parallel region can wait a
+scheduler time slice for its second thread, so the reference path keeps one per attention call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Score-matrix size (elements) up to which CPU attention runs unfused; above it the fused kernel's
-# parallelism pays for itself and the unfused path's memory would grow quadratically.
-SMALL_ATTENTION = 1 << 18
 
-
-def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None = None) -> Tensor:
     """Masked GQA attention: q [B, Hq, S, D], keys/values [B, Hkv, L, D], visible bool [S, L]
-    (True where query s may attend to key l; every row needs at least one True) -> [B, Hq, S, D].
+    (True where query s may attend to key l; every row needs at least one True; None: all
+    visible) -> [B, Hq, S, D].
 
-    Scale 1/sqrt(D); kv head j serves q heads j*g .. j*g+g-1 (g = Hq / Hkv). Equal, up to float
-    rounding, to the reference's `softmax(q k^T / sqrt(D) + mask) v` with repeat_interleave'd kv."""
-    batch, q_heads, steps, head_dim = q.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    groups = q_heads // kv_heads
-    if q.device.type != "cpu" or batch * q_heads * steps * length > SMALL_ATTENTION:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=groups > 1)
-    # Query heads j*g .. j*g+g-1 are contiguous, so [B, Hq, S, D] views as [B, Hkv, g*S, D].
-    grouped = q.reshape(batch, kv_heads, groups * steps, head_dim)
-    scores = grouped @ keys.transpose(-2, -1)
-    scores = scores * head_dim**-0.5
-    scores = scores.masked_fill(~visible.repeat(groups, 1), float("-inf"))
-    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights @ values).view(batch, q_heads, steps, head_dim)
+    Scale 1/sqrt(D); kv head j serves q heads j*g .. j*g+g-1 (g = Hq / Hkv), without copying
+    keys. Equal, up to float rounding, to the reference's `softmax(q k^T / sqrt(D) + mask) v`
+    over repeat_interleave'd keys and values."""
+    groups = q.shape[1] // keys.shape[1]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=groups > 1)
 
 
-def causal_mask(start: int, count: int, device: torch.device | str = "cpu") -> Tensor:
-    """bool [count, start+count]: the query at position start+i sees keys 0 .. start+i."""
-    return _cached_causal_mask(start, count, torch.device(device))
-
-
-@lru_cache(maxsize=256)
-def _cached_causal_mask(start: int, count: int, device: torch.device) -> Tensor:
-    return torch.ones(count, start + count, dtype=torch.bool, device=device).tril(start)
+def causal_mask(start: int, count: int, device: torch.device | str = "cpu") -> Tensor | None:
+    """bool [count, start+count]: the query at position start+i sees keys 0 .. start+i. None
+    for a single query, which sees every key up to its own position: no mask needed."""
+    if count == 1:
+        return None
+    keys = torch.arange(start + count, device=device)
+    queries = torch.arange(start, start + count, device=device)
+    return keys[None, :] <= queries[:, None]
 
 
 @dataclass(frozen=True)
@@ -91,7 +76,7 @@ class ContiguousKVCache:
         self.max_seq_len = max_seq_len
         self.lengths = [0] * num_slots
         self._segments: list[_Segment] = []
-        self._masks: list[Tensor] = []
+        self._masks: list[Tensor | None] = []
 
     def plan(self, slots: Sequence[int], new_token_counts: Sequence[int]) -> Tensor:
         """Declare the next forward: `new_token_counts[i]` tokens appended to slot `slots[i]`,
@@ -127,7 +112,9 @@ class ContiguousKVCache:
             out[new] = self._attend_segment(layer, seg, mask, q[new], k[new], v[new])
         return out
 
-    def _attend_segment(self, layer: int, seg: _Segment, mask: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _attend_segment(
+        self, layer: int, seg: _Segment, mask: Tensor | None, q: Tensor, k: Tensor, v: Tensor
+    ) -> Tensor:
         end = seg.start + seg.count
         self.keys[layer][seg.slot, seg.start : end] = k
         self.values[layer][seg.slot, seg.start : end] = v

@@ -266,6 +266,40 @@ def split_text(text: str, chunk_length: int, family: str = "s2") -> list[str]:
     raise ValueError(f"unknown model family {family!r}")
 
 
+def v15_user_turn_length(tokenizer: Tokenizer, text: str, num_codebooks: int) -> int:
+    """Columns of one 1.5 user turn (`<|im_start|>user\\n` .. `<|voice|>`) for `text`."""
+    return encode_parts(tokenizer, _v15_user_turn(text), num_codebooks).shape[1]
+
+
+def v15_history_window(lengths: Sequence[int], budget: int) -> list[int]:
+    """Fish Speech 1.5's sliding history (v1.5.1 `generate_long`): which of the segments
+    `lengths` (column counts of user turn 0, generated frames 0, user turn 1, ..., the current
+    user turn last) go into the prompt, as indices in order.
+
+    Walking back from the newest segment, the reference stops at the first index i (0 = newest)
+    where the running total plus segment i's length again exceeds `budget` (= max_length - 1024
+    - voice prefix); an even i > 0 becomes i - 1 so that the kept tail starts at a user turn.
+    If that tail leaves out more than the first two segments, the prompt is the first two
+    segments (turn 0 and its audio, "to avoid drift") + the last i; otherwise everything.
+    Deliberate difference: the reference's i = 0 (the newest segment alone overflows) would take
+    `segments[-0:]`, i.e. everything again after the first two; here it keeps the newest one."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    count, i = 0, n - 1
+    for index, length in enumerate(reversed(lengths)):
+        count += length
+        if count + length > budget:
+            i = index
+            break
+    if i != 0 and i % 2 == 0:
+        i -= 1
+    if i < n - 2:
+        tail = max(i, 1)
+        return [0, 1, *range(n - tail, n)]
+    return list(range(n))
+
+
 # ---------------------------------------------------------------------------------------------
 # Fish Speech 1.5 text handling (fish_speech/text/clean.py and spliter.py at v1.5.1)
 

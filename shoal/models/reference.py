@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from shoal.models.prompt import Reference, Turn, build_prompt, codes_for_codec, split_text
+from shoal.models.prompt import (
+    Reference,
+    Turn,
+    build_prompt,
+    codes_for_codec,
+    split_text,
+    v15_history_window,
+    v15_user_turn_length,
+    voice_prefix_length,
+)
 from shoal.models.sampling import Sampler, SamplingBatch, new_window, push_frames
 
 if TYPE_CHECKING:
@@ -152,21 +161,38 @@ def generate_long(
     seed: int = 0,
     repetition_penalty: float = 1.1,
     tokenizer=None,
+    max_length: int = 2048,
 ) -> list[LongTextBatch]:
-    """The reference's `generate_long`: split the text into batches (`prompt.split_text`),
-    prompt each batch with the voice plus every earlier batch's text and generated codes as
-    an assistant turn (no truncation of the history, a fresh prefill per batch), generate.
+    """The family's reference `generate_long`: split the text into batches
+    (`prompt.split_text`), prompt each batch with the voice plus earlier batches' text and
+    generated frames (a fresh prefill per batch), generate batch b with `batch_seed(seed, b)`.
 
-    S2 splits by speaker turns and `chunk_length` bytes; S1 generates the text as one batch.
-    Fish Speech 1.5's sliding-history variant is not reproduced."""
+    - S2: batches are speaker turns grouped by `chunk_length` bytes; every earlier batch is in
+      the prompt as a user turn + an assistant turn with its codes (no truncation).
+    - S1: the whole text is one batch.
+    - 1.5: batches are sentences/clauses merged up to `chunk_length` bytes (the reference's
+      default is 150); the history slides (`prompt.v15_history_window`): batch 0 and its audio
+      are always kept, then the newest segments that fit in `max_length - 1024 - voice prefix`
+      columns (`max_length` is the reference's own argument, default 2048)."""
     config = model.config
-    if config.family == "1.5":
-        raise ValueError("generate_long follows S2/S1; for 1.5 use prompt.split_text + generate per segment")
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+    n = config.num_codebooks
     history: list[Turn] = []
     results: list[LongTextBatch] = []
+    budget = max_length - 1024
+    if config.family == "1.5":
+        budget -= voice_prefix_length(config, tokenizer, references)
     for index, batch_text in enumerate(split_text(text, chunk_length, config.family)):
-        prompt = build_prompt(config, tokenizer, batch_text, references, history)
+        context = history
+        if config.family == "1.5":
+            lengths: list[int] = []
+            for turn in history:
+                lengths += [v15_user_turn_length(tokenizer, turn.text, n), turn.frames.shape[1]]
+            lengths.append(v15_user_turn_length(tokenizer, batch_text, n))
+            kept = v15_history_window(lengths, budget)
+            # Kept segments come in (user turn, its frames) pairs plus the current turn last.
+            context = [history[k // 2] for k in kept[:-1:2]]
+        prompt = build_prompt(config, tokenizer, batch_text, references, context)
         frames = generate(
             model,
             prompt,

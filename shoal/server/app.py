@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -128,7 +129,8 @@ def system_router():
     async def health(request: Request) -> Health:
         """Liveness plus the engine's load; `pages_used` returns to 0 when no request runs."""
         engine: Engine = request.app.state.engine
-        stats = engine.stats()
+        # stats() may wait for the engine's current step to end: never on the event loop.
+        stats = await anyio.to_thread.run_sync(engine.stats)
         return Health(
             model=engine.model_name,
             sample_rate=engine.sample_rate,
@@ -143,7 +145,8 @@ def system_router():
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
+        text = await anyio.to_thread.run_sync(request.app.state.metrics.render)  # reads engine.stats()
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     @router.get("/wallet/{user_id}/api-credit")
     async def api_credit(

@@ -38,6 +38,7 @@ from shoal.server.schemas import OpenAISpeechBody, TTSRequestBody
 if TYPE_CHECKING:
     from shoal.server.app import ServerSettings
 
+THREADED_PARSE_BYTES = 256 * 1024
 OPENAI_BUILTIN_VOICES = frozenset(
     {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
 )
@@ -169,6 +170,34 @@ class AudioStreamResponse(StreamingResponse):
                 await self.on_close()
 
 
+async def start_stream_while_connected(
+    request: Request, engine: Engine, synthesis: SynthesisRequest, encoder: audio.AudioEncoder
+) -> tuple[EncodedAudio, bytes, AsyncIterator[bytes]]:
+    """`start_stream`, abandoned (and the engine request aborted) if the client disconnects
+    before the first audio exists, e.g. while its request waits in a long queue. Once the
+    response starts, Starlette watches for the disconnect itself."""
+    outcome: tuple[EncodedAudio, bytes, AsyncIterator[bytes]] | Exception | None = None
+    async with anyio.create_task_group() as group:
+
+        async def first_audio() -> None:
+            nonlocal outcome
+            try:
+                outcome = await start_stream(engine, synthesis, encoder)
+            except Exception as error:  # re-raised below, outside the task group's exception group
+                outcome = error
+            group.cancel_scope.cancel()
+
+        group.start_soon(first_audio)
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # the body was read already: the only message left to come is the disconnect
+        group.cancel_scope.cancel()
+    if isinstance(outcome, Exception):
+        raise outcome
+    if outcome is None:
+        raise ApiError(499, "client closed the request before the first audio")
+    return outcome
+
+
 async def synthesize_response(
     request: Request, principal: Principal, body: TTSRequestBody, priority: Priority, route: str
 ) -> AudioStreamResponse:
@@ -185,7 +214,7 @@ async def synthesize_response(
     synthesis = build_synthesis_request(body, references, voice_key, priority, settings)
     limiter.acquire(principal)
     try:
-        stream, first, rest = await start_stream(engine, synthesis, encoder)
+        stream, first, rest = await start_stream_while_connected(request, engine, synthesis, encoder)
     except BaseException:
         limiter.release(principal)
         raise
@@ -228,13 +257,19 @@ def decode_body(raw: bytes, content_type: str) -> object:
 
 async def parse_model(request: Request, model: type[TTSRequestBody] | type[OpenAISpeechBody]):
     raw = await read_body(request, request.app.state.settings.max_body_bytes)
-    data = decode_body(raw, request.headers.get("content-type", ""))
-    if not isinstance(data, dict):
-        raise ApiError(422, "request body must be an object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise exception_to_error(error) from error
+    content_type = request.headers.get("content-type", "")
+
+    def parse() -> TTSRequestBody | OpenAISpeechBody:
+        data = decode_body(raw, content_type)
+        if not isinstance(data, dict):
+            raise ApiError(422, "request body must be an object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as error:
+            raise exception_to_error(error) from error
+
+    # Bodies with inline reference audio (megabytes of JSON base64) parse in a worker thread.
+    return await anyio.to_thread.run_sync(parse) if len(raw) > THREADED_PARSE_BYTES else parse()
 
 
 router = APIRouter(tags=["tts"])

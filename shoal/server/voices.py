@@ -33,6 +33,10 @@ INLINE_CACHE_SIZE = 256
 STORED_CACHE_SIZE = 512
 
 
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def can_use(principal: Principal, row: VoiceRow) -> bool:
     """Own voices, public and unlisted ones are usable; other tenants' private ones are not."""
     return row.tenant == principal.tenant or row.visibility in ("public", "unlist")
@@ -91,7 +95,7 @@ class VoiceResolver:
         encoded = []
         voice_hash = hashlib.sha256()
         for reference in references:
-            digest = hashlib.sha256(reference.audio).hexdigest()
+            digest = await anyio.to_thread.run_sync(sha256_hex, reference.audio)  # up to the upload cap
             voice_hash.update(digest.encode() + reference.text.encode("utf-8") + b"\0")
             codes = self._inline.get(digest)
             if codes is None:

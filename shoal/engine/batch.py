@@ -1,0 +1,150 @@
+"""Decode-step inputs: the static buffers a step (or its CUDA graph) reads and writes, and the
+host side that fills them.
+
+`DecodeBuffers` rows 0..bs-1 are live; the rest is padding pointed at the KV cache's scratch
+page. `HostBatch` keeps a pinned host copy of every buffer and fills it with numpy, so a step
+costs a few vectorized writes and one non-blocking copy per field. When a step runs the same
+requests in the same rows as the previous one (steady decoding), the device already holds the
+right tokens and window (the step writes them in place), so only the per-step metadata
+(positions, slots, lengths, frame indices, block tables) travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from shoal.engine.request import Request
+from shoal.models.sampling import SamplingBatch
+
+METADATA = ("positions", "slots", "block_tables", "kv_lens", "frame_index")
+PER_REQUEST = ("tokens", "window", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+
+
+@dataclass
+class DecodeBuffers:
+    """Inputs and outputs of a decode step. Graph replays read and write these same tensors,
+    so they are only ever filled in place."""
+
+    tokens: Tensor  # int32 [B, N+1]: each row's last frame, the step's input
+    positions: Tensor  # int64 [B]
+    slots: Tensor  # int64 [B]: flat KV slot of the new key
+    block_tables: Tensor  # int32 [B, P]
+    kv_lens: Tensor  # int32 [B]
+    window: Tensor  # int32 [B, W, N+1]
+    frame_index: Tensor  # int64 [B]
+    temperature: Tensor  # float32 [B]
+    top_p: Tensor  # float32 [B]
+    top_k: Tensor  # int64 [B]
+    repetition_penalty: Tensor  # float32 [B]
+    seed: Tensor  # int64 [B]
+    frames: Tensor  # int32 [B, N+1]: the step's output
+
+    @classmethod
+    def allocate(
+        cls, batch: int, pages: int, window: int, rows: int, device, pin: bool = False
+    ) -> DecodeBuffers:
+        def z(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device, pin_memory=pin)
+
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        return cls(
+            z(batch, rows, dtype=i32), z(batch, dtype=i64), z(batch, dtype=i64), z(batch, pages, dtype=i32),
+            z(batch, dtype=i32), z(batch, window, rows, dtype=i32), z(batch, dtype=i64), z(batch, dtype=f32),
+            z(batch, dtype=f32), z(batch, dtype=i64), z(batch, dtype=f32), z(batch, dtype=i64),
+            z(batch, rows, dtype=i32),
+        )  # fmt: skip
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.__dataclass_fields__)
+
+    def view(self, batch: int, pages: int | None = None) -> DecodeBuffers:
+        views = {name: getattr(self, name)[:batch] for name in self.names}
+        if pages is not None:
+            views["block_tables"] = views["block_tables"][:, :pages]
+        return DecodeBuffers(**views)
+
+    def params(self) -> SamplingBatch:
+        return SamplingBatch(self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed)
+
+
+class HostBatch:
+    """Fills host buffers (pinned on a GPU) for a list of decoding requests."""
+
+    def __init__(self, runner, max_batch: int) -> None:
+        self.runner = runner
+        self.max_batch = max_batch
+        pin = runner.device.type == "cuda"
+        self.host = DecodeBuffers.allocate(
+            max_batch, runner.max_pages, runner.window_size, runner.num_rows, "cpu", pin=pin
+        )
+        self.np = {name: getattr(self.host, name).numpy() for name in self.host.names}
+        self.rows: list[Request] = []  # requests of the last fill, in row order
+        self.device_current = False  # the device buffers hold the last fill's per-request fields
+        self._pad(0, max_batch)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows [start, end) harmless padding: the scratch page, one key, top_k 1."""
+        if start >= end:
+            return
+        a, kv = self.np, self.runner.kv
+        for name in ("tokens", "positions", "window", "frame_index", "seed", "frames"):
+            a[name][start:end] = 0
+        a["slots"][start:end] = kv.scratch_page * kv.page_size
+        a["block_tables"][start:end] = kv.scratch_page
+        a["kv_lens"][start:end] = 1
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            a[name][start:end] = 1.0
+        a["top_k"][start:end] = 1
+
+    def fill(self, requests: list[Request]) -> tuple[str, ...]:
+        """Write `requests`' step inputs into rows 0..n-1 (padding after them); returns the
+        fields that changed and must reach the device."""
+        a, n = self.np, len(requests)
+        same = (
+            self.device_current
+            and len(self.rows) == n
+            and all(x is y for x, y in zip(self.rows, requests, strict=True))
+        )
+        if n < len(self.rows):
+            self._pad(n, len(self.rows))
+        seq = np.fromiter((r.seq_len for r in requests), dtype=np.int64, count=n)
+        a["positions"][:n] = seq - 1
+        a["kv_lens"][:n] = seq
+        a["frame_index"][:n] = np.fromiter((r.num_frames for r in requests), dtype=np.int64, count=n)
+        tables = a["block_tables"]
+        page = self.runner.kv.page_size
+        for i, r in enumerate(requests):
+            table = r.block_table
+            tables[i, : len(table)] = table
+            tables[i, len(table) :] = self.runner.kv.scratch_page
+            a["slots"][i] = table[(r.seq_len - 1) // page] * page + (r.seq_len - 1) % page
+        if same:
+            return METADATA
+        width = self.runner.window_size
+        for i, r in enumerate(requests):
+            frames = r.frames.numpy()
+            a["tokens"][i] = frames[r.num_frames - 1]
+            count = min(width, max(0, r.num_frames - 1))
+            a["window"][i, : width - count] = 0
+            if count:
+                a["window"][i, width - count :] = frames[r.num_frames - count : r.num_frames]
+        params = self.runner.params_for(requests, device="cpu")
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+            a[name][:n] = getattr(params, name).numpy()
+        self.rows = list(requests)
+        return METADATA + PER_REQUEST
+
+    def invalidate(self) -> None:
+        """The device buffers were overwritten (graph capture, a fallback step): resend all."""
+        self.device_current = False
+
+    def upload(self, device: DecodeBuffers, fields: tuple[str, ...], rows: int) -> None:
+        """Copy rows [0, rows) of `fields` to the device buffers (non-blocking from pinned)."""
+        for name in fields:
+            getattr(device, name)[:rows].copy_(getattr(self.host, name)[:rows], non_blocking=True)
+        self.device_current = True

@@ -1,0 +1,230 @@
+"""The synchronous engine core: one step = schedule, launch the decode, run prefill chunks,
+wait for the frames, deliver them.
+
+`EngineCore.step()` runs a whole step; `begin_step()` / `end_step()` split it at the one point
+where the host waits for the GPU, so a threaded caller (`engine.py`) can let other threads
+touch the engine state while the GPU computes. Between `launch_decode` and the wait, the host
+plans and launches the step's prefill chunks, overlapping the decode on the GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.config import EngineConfig
+from shoal.engine.api import EngineStats, FinishReason, InvalidRequest, Priority
+from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page
+from shoal.engine.request import Request, SamplingParams
+from shoal.engine.runner import ModelRunner, PendingDecode
+from shoal.engine.scheduler import Scheduler, StepPlan
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+def size_page_pool(model, config: EngineConfig, max_seq_len: int) -> int:
+    """Pages: the configured count, else a fraction of free GPU memory, else a CPU default."""
+    if config.num_pages is not None:
+        return config.num_pages
+    c = model.config
+    weight = model.embeddings.weight
+    per_page = kv_bytes_per_page(c.n_layer, config.page_size, c.n_local_heads, c.head_dim, weight.dtype)
+    if weight.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(weight.device)
+        return max(1, int(free * config.memory_fraction) // per_page)
+    return config.cpu_num_pages
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its plan, the decode in flight and the prefill's frames on the device."""
+
+    plan: StepPlan
+    decode: PendingDecode | None = None
+    completing: list[Request] = field(default_factory=list)
+    prefill_frames: torch.Tensor | None = None
+    decode_frames: torch.Tensor | list = field(default_factory=list)
+    prefill_frames_host: torch.Tensor | list = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Block until the step's frames are on the host (the only sync of a step)."""
+        if self.decode is not None:
+            self.decode_frames = self.decode.result()
+        if self.prefill_frames is not None:
+            self.prefill_frames_host = self.prefill_frames.cpu()
+
+
+class EngineCore:
+    """Scheduler + runner + the per-step bookkeeping; single-threaded."""
+
+    def __init__(self, model, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.max_seq_len = min(config.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
+        num_pages = size_page_pool(model, config, self.max_seq_len)
+        self.kv = KVCacheManager(num_pages, config.page_size)
+        self.scheduler = Scheduler(config, self.kv, self.max_seq_len)
+        self.runner = ModelRunner(model, config, num_pages, self.max_seq_len)
+        self.im_end_id = model.config.im_end_id
+        self.requests: dict[str, Request] = {}
+        self.steps = 0
+        self.frames_out = 0
+        self._rate_window: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, steps, frames)
+
+    def new_request(
+        self,
+        prompt: torch.Tensor,
+        params: SamplingParams,
+        *,
+        max_new_frames: int,
+        priority: Priority = Priority.STANDARD,
+        prefix_len: int = 0,
+        request_id: str | None = None,
+        sink=None,
+    ) -> Request:
+        """Validate and build a Request (max_new_frames clipped to the context, as the reference)."""
+        if prompt.shape[0] != self.runner.num_rows:
+            raise InvalidRequest(f"prompt has {prompt.shape[0]} rows, expected {self.runner.num_rows}")
+        room = self.max_seq_len - prompt.shape[1]
+        if room <= 0:
+            raise InvalidRequest(f"prompt of {prompt.shape[1]} tokens exceeds max_seq_len {self.max_seq_len}")
+        pages_needed = self.kv.pages_for(prompt.shape[1] + min(max_new_frames, room))
+        if pages_needed > self.kv.pool.num_pages:
+            raise InvalidRequest(
+                f"request needs {pages_needed} KV pages, the pool has {self.kv.pool.num_pages}"
+            )
+        return Request(
+            request_id or new_request_id(),
+            prompt,
+            params,
+            max_new_frames=min(max_new_frames, room),
+            priority=priority,
+            prefix_len=prefix_len,
+            sink=sink,
+        )
+
+    def add(self, request: Request, bypass_limit: bool = False) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"duplicate request id {request.request_id}")
+        self.scheduler.add(request, bypass_limit)
+        self.requests[request.request_id] = request
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, reason)
+        if request.sink is not None:
+            request.sink(request, None, reason)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that got a frame."""
+        pending = self.begin_step()
+        if pending is None:
+            return []
+        pending.wait()
+        return self.end_step(pending)
+
+    def begin_step(self) -> PendingStep | None:
+        """Schedule, launch the decode, run the prefill chunks (the host part overlaps the
+        decode on the GPU). Returns None when there is nothing to run."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return None
+        pending = PendingStep(plan)
+        if plan.decodes:
+            pending.decode = self.runner.launch_decode(plan.decodes)
+        if plan.prefills:
+            pending.completing, pending.prefill_frames = self.runner.prefill(plan.prefills)
+        return pending
+
+    def end_step(self, pending: PendingStep) -> list[Request]:
+        """Book the step's progress and deliver its frames (after `pending.wait()`)."""
+        plan = pending.plan
+        produced: list[tuple[Request, torch.Tensor]] = []
+        for request, frame in zip(plan.decodes, pending.decode_frames, strict=True):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed += 1
+            produced.append((request, frame))
+        completing = dict(zip(pending.completing, pending.prefill_frames_host, strict=True))
+        for request, count in plan.prefills:
+            if request.is_finished:
+                continue
+            request.num_computed += count
+            self.kv.register_prefix(request)
+            if request in completing:
+                produced.append((request, completing[request]))
+        for request, frame in produced:
+            self._deliver(request, frame)
+        self.steps += 1
+        self.frames_out += len(produced)
+        self._rate_window.append((time.monotonic(), self.steps, self.frames_out))
+        return [r for r, _ in produced]
+
+    def _deliver(self, request: Request, frame: torch.Tensor) -> None:
+        request.append_frame(frame)
+        reason = None
+        if int(frame[0]) == self.im_end_id and not self.config.ignore_eos:
+            reason = FinishReason.STOP
+        elif request.num_frames >= request.max_new_frames:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.requests.pop(request.request_id, None)
+            self.scheduler.finish(request, reason)
+        if request.sink is not None:
+            request.sink(request, frame[None], reason)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work:
+                return
+            self.step()
+
+    def stats(self) -> EngineStats:
+        window = self._rate_window
+        steps_ps = frames_ps = 0.0
+        if len(window) >= 2 and window[-1][0] > window[0][0]:
+            dt = window[-1][0] - window[0][0]
+            steps_ps = (window[-1][1] - window[0][1]) / dt
+            frames_ps = (window[-1][2] - window[0][2]) / dt
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting={p.name.lower(): len(q) for p, q in self.scheduler.waiting.items()},
+            pages_used=self.kv.pool.num_used,
+            pages_free=self.kv.pool.num_free,
+            steps_per_second=steps_ps,
+            frames_per_second=frames_ps,
+            prefix_cache_pages=self.kv.prefix_cache_pages,
+        )
+
+    def prefill_voice(self, prefix: torch.Tensor) -> bool:
+        """Compute a voice prefix's whole pages now and keep them in the prefix cache."""
+        key = self.kv.prefix_key(prefix, prefix.shape[1])
+        if key is None or self.kv.has_prefix(key):
+            return False
+        shared = (prefix.shape[1] // self.config.page_size) * self.config.page_size
+        warm = Request("voice-prefill", prefix[:, :shared], SamplingParams(), max_new_frames=1)
+        self.kv.grow(warm, shared)
+        self.runner.prefill([(warm, shared)])  # the frame it samples is not wanted
+        if self.runner.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.kv.prefill_prefix_entry(key, warm.block_table, shared)
+        warm.block_table = []
+        return True
+
+
+__all__ = ["EngineCore", "PendingStep", "new_request_id", "size_page_pool"]

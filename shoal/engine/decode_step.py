@@ -1,0 +1,313 @@
+"""The decode step the engine replays as a CUDA graph: slow model, restricted head, sampling,
+fast loop over the codebooks and window update, for every row of static buffers at once.
+
+Graph-safe by construction: every constant tensor (the S2 head slice and its vocabulary ids,
+fast-transformer positions, slots, lengths and block tables, RAS parameters) is built once in
+`__init__`; the step only reads and writes its buffers in place; there is no `.item()`, no
+host copy and no Python branch on a tensor value. The fast loop is unrolled over the
+codebooks, positions 0 and 1 (slow hidden state and code 0) share one 2-token pass.
+
+Two implementations of the same math, chosen per op:
+- kernels (CUDA, or the Triton interpreter in tests): `kernels/norm_rope.py` fused RMSNorm
+  with residual add and QK-norm + RoPE + paged KV write, `kernels/attention.py` paged
+  attention (the fast transformer's per-frame cache is a page per row), `kernels/sample.py`
+  for the S2 main token (restricted row + RAS) and the codebooks, `kernels/window.py`;
+- torch ops (CPU): the model's own modules and a graph-safe copy of `models/sampling.py`'s
+  rules over the restricted row (`counter_uniform_columns` draws the full row's numbers).
+
+S2's main token can only be a semantic id or `<|im_end|>`, so only those 4,097 rows of the
+output head are computed (a gathered weight slice, ids in ascending order so ties break as
+in the full row).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from shoal.models.sampling import (
+    MAIN_SLOT,
+    RAS_SLOT,
+    apply_repetition_penalty,
+    codebook_slot,
+    counter_uniform_columns,
+    exponential_race,
+    oldest_window_frame,
+    round_to_bf16,
+    rules_for,
+)
+
+FAST_PAGE = 16  # one page per row holds a frame's fast positions (num_codebooks <= 16)
+
+
+def sampling_probs(
+    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, ranks: Tensor
+) -> Tensor:
+    """`models.sampling.logits_to_probs` without the in-place scalar write (graph-safe):
+    identical arithmetic, rank 0 always kept."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    remove_sorted = (cumulative > top_p[:, None]) | (ranks[None, :] >= top_k[:, None])
+    remove_sorted = remove_sorted & (ranks[None, :] > 0)
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    logits = logits.masked_fill(remove, float("-inf"))
+    logits = logits / torch.clamp(temperature, min=1e-5)[:, None]
+    return torch.softmax(logits, dim=-1)
+
+
+class DecodeStep:
+    """One frame per row of a `DecodeBuffers` (runner.py), in place."""
+
+    def __init__(self, model, kv, max_batch: int, use_kernels: bool, max_top_k: int | None = 64) -> None:
+        mc = model.config
+        self.model, self.kv, self.config = model, kv, mc
+        self.rules = rules_for(mc.family)
+        weight = model.embeddings.weight
+        device, self.dtype = weight.device, weight.dtype
+        self.device = device
+        self.use_kernels = use_kernels
+        self.max_batch = max_batch
+        self.max_top_k = max_top_k if self.rules.use_top_k else None
+        self.num_codebooks = mc.num_codebooks
+        # Output head: S2 needs only the semantic rows and <|im_end|>.
+        head = weight if mc.tie_word_embeddings else model.output.weight
+        if self.rules.constrain_to_semantic:
+            ids = torch.arange(mc.semantic_begin_id, mc.semantic_end_id + 1)
+            ids = torch.unique(torch.cat([ids, torch.tensor([mc.im_end_id])]))  # sorted ascending
+            self.column_ids = ids.to(device)
+            self.head_weight = head.detach()[self.column_ids].contiguous()
+        else:
+            self.column_ids = torch.arange(mc.vocab_size, device=device)
+            self.head_weight = head.detach()
+        self.column_ids32 = self.column_ids.to(torch.int32)
+        self.main_ranks = torch.arange(self.column_ids.numel(), device=device)
+        limit = self.rules.codebook_logit_limit or mc.codebook_size
+        self.codebook_columns = min(limit, mc.codebook_size)
+        self.codebook_ranks = torch.arange(self.codebook_columns, device=device)
+        high_t = torch.full((max_batch,), self.rules.ras_temperature, device=device)
+        high_p = torch.full((max_batch,), self.rules.ras_top_p, device=device)
+        if self.rules.bf16_parameters:
+            high_t, high_p = round_to_bf16(high_t), round_to_bf16(high_p)
+        self.ras_temperature, self.ras_top_p = high_t, high_p
+        self.kernel_main = (
+            use_kernels and self.rules.constrain_to_semantic and self.rules.main_penalty == "none"
+        )
+        self.kernel_codebooks = use_kernels and not self.rules.penalize_codebooks
+        if use_kernels:
+            self._init_fast_pages(max_batch)
+
+    # Constants of the fast transformer's paged per-frame cache (kernel path) -----------------
+
+    def _init_fast_pages(self, max_batch: int) -> None:
+        mc, device = self.config, self.device
+        if mc.num_codebooks > FAST_PAGE:
+            raise ValueError(f"at most {FAST_PAGE} codebooks supported by the fused fast loop")
+        shape = (max_batch, FAST_PAGE, mc.fast_n_local_heads, mc.fast_head_dim)
+        self.fast_k = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(mc.n_fast_layer)]
+        self.fast_v = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(mc.n_fast_layer)]
+        rows = torch.arange(max_batch, device=device)
+        self.fast_tables = rows.to(torch.int32)[:, None].contiguous()
+        # Pass 0: two tokens per row (positions 0 and 1), flattened row-major.
+        self.pass0_positions = torch.tensor([0, 1], device=device).repeat(max_batch)
+        self.pass0_slots = (rows[:, None] * FAST_PAGE + torch.arange(2, device=device)).flatten()
+        self.pass0_lens = torch.full((max_batch,), 2, dtype=torch.int32, device=device)
+        self.pass0_starts = torch.arange(0, 2 * max_batch + 1, 2, dtype=torch.int32, device=device)
+        # Pass k >= 2: one token per row at position k.
+        self.pass_positions = {
+            k: torch.full((max_batch,), k, device=device) for k in range(2, mc.num_codebooks)
+        }
+        self.pass_slots = {k: rows * FAST_PAGE + k for k in range(2, mc.num_codebooks)}
+        self.pass_lens = {
+            k: torch.full((max_batch,), k + 1, dtype=torch.int32, device=device)
+            for k in range(2, mc.num_codebooks)
+        }
+
+    # The step -------------------------------------------------------------------------------
+
+    def __call__(self, buffers, capped: bool = True) -> None:
+        """Frames for every row of `buffers` into `buffers.frames`; the window is shifted and
+        `buffers.tokens` set to the frames (the next step's input). `capped`: the sampling
+        kernels extract only `max_top_k` candidates (every row's top_k must be <= it)."""
+        residual, normed = self.slow(buffers)
+        self.frames_from_hidden(residual, normed, buffers, capped)
+        if self.use_kernels:
+            from shoal.kernels.window import window_shift
+
+            window_shift(buffers.window, buffers.frames, buffers.frame_index)
+        else:
+            keep = (buffers.frame_index >= 1)[:, None, None]
+            shifted = torch.cat([buffers.window[:, 1:], buffers.frames[:, None, :]], dim=1)
+            buffers.window.copy_(torch.where(keep, shifted, buffers.window))
+        buffers.tokens.copy_(buffers.frames)
+
+    def frames_from_hidden(self, residual: Tensor, normed: Tensor, buffers, capped: bool = True) -> None:
+        """Head, main-token sampling and the fast loop for slow hidden states (`residual`
+        before, `normed` after the final norm) of `buffers`' rows; writes `buffers.frames`."""
+        mc, frames = self.config, buffers.frames
+        logits = F.linear(normed, self.head_weight)
+        self.sample_main(logits, buffers, capped)
+        fast_input = normed if mc.norm_fastlayer_input else residual
+        code0 = torch.clamp(frames[:, 0].long() - mc.semantic_begin_id, 0, mc.codebook_size - 1)
+        frames[:, 1].copy_(code0)
+        x = torch.stack([self.model.fast_project_in(fast_input), self.model.fast_embed(code0)], dim=1)
+        if self.use_kernels:
+            fast_logits = self._fast_kernels(x.reshape(-1, x.shape[-1]), 0)
+        else:
+            cache = self.model.new_fast_cache(x.shape[0])
+            fast_logits = self.model.forward_fast(x, 0, cache)[:, 1]
+        for k in range(1, mc.num_codebooks):
+            if k >= 2:
+                x = self.model.fast_embed(frames[:, k].long())
+                if self.use_kernels:
+                    fast_logits = self._fast_kernels(x, k)
+                else:
+                    fast_logits = self.model.forward_fast(x[:, None], k, cache)[:, 0]
+            self.sample_codebook(fast_logits, k, buffers, capped)
+
+    # Slow transformer -------------------------------------------------------------------------
+
+    def slow(self, buffers) -> tuple[Tensor, Tensor]:
+        """(last layer's output, final-normed hidden) [B, dim] of the rows' next token."""
+        model = self.model
+        self.kv.set_decode(buffers.slots, buffers.block_tables, buffers.kv_lens)
+        tokens = buffers.tokens.long()
+        if not self.use_kernels:
+            hidden = model.forward_slow(tokens, buffers.positions, self.kv)
+            return hidden, model.norm(hidden)
+        from shoal.kernels.attention import paged_decode_attention
+
+        residual = model.embed(tokens)
+        return self._layers(
+            model.layers, residual, model.norm.weight, buffers.positions, model.rope,
+            lambda i: (self.kv.k[i], self.kv.v[i]), buffers.slots,
+            lambda q, k, v: paged_decode_attention(q, k, v, buffers.block_tables, buffers.kv_lens),
+        )  # fmt: skip
+
+    def _layers(self, layers, residual, final_weight, positions, rope, pages, slots, attend):
+        """Pre-norm blocks with the fused kernels; `residual` is updated in place."""
+        from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm
+
+        eps = self.config.norm_eps
+        tokens = residual.shape[0]
+        normed, _ = rms_norm(residual, layers[0].attention_norm.weight, eps)
+        for i, layer in enumerate(layers):
+            attn = layer.attention
+            qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
+            k_pages, v_pages = pages(i)
+            q = qk_norm_rope_kv_write(
+                qkv, positions, rope, k_pages, v_pages, slots, attn.n_head, attn.n_local_heads,
+                attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
+                attn.q_norm.eps if attn.qk_norm else 1e-6,
+            )  # fmt: skip
+            out = F.linear(attend(q, k_pages, v_pages).reshape(tokens, -1), attn.wo.weight, attn.wo.bias)
+            normed, residual = rms_norm(out, layer.ffn_norm.weight, eps, residual=residual)
+            ff = layer.feed_forward
+            out = F.linear(
+                F.silu(F.linear(normed, ff.w1.weight)) * F.linear(normed, ff.w3.weight), ff.w2.weight
+            )
+            following = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else final_weight
+            normed, residual = rms_norm(out, following, eps, residual=residual)
+        return residual, normed
+
+    # Fast transformer (kernel path) -------------------------------------------------------------
+
+    def _fast_kernels(self, x: Tensor, k: int) -> Tensor:
+        """Fast pass `k` (0: the 2-token pass over positions 0 and 1) -> logits predicting code k
+        (k = 1 for pass 0), [B, codebook_size]."""
+        from shoal.kernels.attention import paged_decode_attention, paged_prefill_attention
+
+        model = self.model
+        if k == 0:
+            batch = x.shape[0] // 2
+            positions, slots = self.pass0_positions[: 2 * batch], self.pass0_slots[: 2 * batch]
+            tables, lens, starts = (
+                self.fast_tables[:batch],
+                self.pass0_lens[:batch],
+                self.pass0_starts[: batch + 1],
+            )
+
+            def attend(q, kp, vp):
+                return paged_prefill_attention(q, kp, vp, tables, lens, starts, 2)
+        else:
+            batch = x.shape[0]
+            positions, slots = self.pass_positions[k][:batch], self.pass_slots[k][:batch]
+            tables, lens = self.fast_tables[:batch], self.pass_lens[k][:batch]
+
+            def attend(q, kp, vp):
+                return paged_decode_attention(q, kp, vp, tables, lens)
+
+        residual = x.contiguous()
+        residual, normed = self._layers(
+            model.fast_layers, residual, model.fast_norm.weight, positions, model.fast_rope,
+            lambda i: (self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend,
+        )  # fmt: skip
+        if k == 0:
+            normed = normed[1::2]
+        return F.linear(normed, model.fast_output.weight)
+
+    # Sampling ---------------------------------------------------------------------------------
+
+    def sample_main(self, logits: Tensor, buffers, capped: bool) -> None:
+        """Main token ids (vocabulary ids) into `buffers.frames[:, 0]`."""
+        rules, mc = self.rules, self.config
+        if self.kernel_main:
+            from shoal.kernels.sample import sample_tokens
+
+            sample_tokens(
+                logits, buffers.temperature, buffers.top_p, buffers.top_k, buffers.seed,
+                buffers.frame_index, MAIN_SLOT, token_ids=self.column_ids32,
+                window=buffers.window if rules.use_ras else None,
+                semantic_range=(mc.semantic_begin_id, mc.semantic_end_id) if rules.use_ras else None,
+                max_top_k=self.max_top_k if capped else None, out=buffers.frames[:, 0],
+            )  # fmt: skip
+            return
+        logits = logits.float()
+        window, frame_index = buffers.window, buffers.frame_index
+        if rules.main_penalty != "none":
+            previous = (
+                oldest_window_frame(window, frame_index)
+                if rules.main_penalty == "oldest_frame"
+                else window[:, :, 0]
+            )
+            logits = apply_repetition_penalty(logits, previous, self._active_penalty(buffers))
+        probs = sampling_probs(logits, buffers.temperature, buffers.top_p, buffers.top_k, self.main_ranks)
+        uniforms = counter_uniform_columns(buffers.seed, frame_index, MAIN_SLOT, self.column_ids)
+        token = self.column_ids[exponential_race(probs, uniforms)]
+        if rules.use_ras:
+            batch = logits.shape[0]
+            high_probs = sampling_probs(
+                logits, self.ras_temperature[:batch], self.ras_top_p[:batch], buffers.top_k, self.main_ranks
+            )
+            uniforms = counter_uniform_columns(buffers.seed, frame_index, RAS_SLOT, self.column_ids)
+            high = self.column_ids[exponential_race(high_probs, uniforms)]
+            repeated = (window[:, :, 0].long() == token[:, None]).any(dim=1)
+            semantic = (token >= mc.semantic_begin_id) & (token <= mc.semantic_end_id)
+            token = torch.where(repeated & semantic & (frame_index >= 1), high, token)
+        buffers.frames[:, 0].copy_(token)
+
+    def sample_codebook(self, logits: Tensor, k: int, buffers, capped: bool) -> None:
+        """Codebook k >= 1 into `buffers.frames[:, k + 1]`."""
+        logits = logits[:, : self.codebook_columns]
+        if self.kernel_codebooks:
+            from shoal.kernels.sample import sample_tokens
+
+            sample_tokens(
+                logits, buffers.temperature, buffers.top_p, buffers.top_k, buffers.seed,
+                buffers.frame_index, codebook_slot(k), max_top_k=self.max_top_k if capped else None,
+                out=buffers.frames[:, k + 1],
+            )  # fmt: skip
+            return
+        logits = logits.float()
+        if self.rules.penalize_codebooks:
+            previous = buffers.window[:, :, k + 1]
+            logits = apply_repetition_penalty(logits, previous, self._active_penalty(buffers))
+        probs = sampling_probs(logits, buffers.temperature, buffers.top_p, buffers.top_k, self.codebook_ranks)
+        uniforms = counter_uniform_columns(
+            buffers.seed, buffers.frame_index, codebook_slot(k), self.codebook_ranks
+        )
+        buffers.frames[:, k + 1].copy_(exponential_race(probs, uniforms))
+
+    def _active_penalty(self, buffers) -> Tensor:
+        penalty = buffers.repetition_penalty
+        return torch.where(buffers.frame_index >= 1, penalty, torch.ones_like(penalty))

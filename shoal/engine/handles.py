@@ -1,0 +1,163 @@
+"""Per-request handles on the asyncio side: `FrameStream` (frames of one engine request) and
+`SynthesisHandle` (a whole SynthesisRequest: text batches in turn, audio through the vocoder).
+
+Sinks run on the engine thread and hand results to the event loop with
+`loop.call_soon_threadsafe`; audio callbacks run on the vocoder thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from shoal.engine.api import AudioChunk, FinishReason, InvalidRequest, RequestHandle, SynthesisRequest
+from shoal.engine.request import Request, SamplingParams
+from shoal.engine.vocoder import VocoderStream
+from shoal.models.prompt import Reference, Turn, build_prompt, split_text, voice_prefix_length
+from shoal.models.reference import batch_seed
+
+if TYPE_CHECKING:
+    from shoal.engine.engine import LocalEngine
+
+
+class FrameStream:
+    """Frames of one request as an async iterator (the internal, codec-free API)."""
+
+    def __init__(self, engine: LocalEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finish_reason: FinishReason | None = None
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def sink(self, request: Request, frames: torch.Tensor | None, reason: FinishReason | None) -> None:
+        """Engine thread -> event loop."""
+        item = (frames.clone() if frames is not None else None, reason)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        try:
+            while self.finish_reason is None:
+                frames, reason = await self._queue.get()
+                if frames is not None:
+                    yield frames
+                if reason is not None:
+                    self.finish_reason = reason
+        finally:
+            if self.finish_reason is None:
+                self._engine.abort(self.request_id)
+
+    async def collect(self) -> torch.Tensor:
+        """All frames as int32 [N+1, F], the layout `reference.generate` returns."""
+        chunks = [f async for f in self]
+        return torch.cat(chunks).t().contiguous() if chunks else torch.zeros(0, 0, dtype=torch.int32)
+
+
+class SynthesisHandle(RequestHandle):
+    """One SynthesisRequest: its text batches run one after another (S2 long text), each as an
+    engine Request whose prompt carries the earlier batches' frames; audio comes out through
+    the vocoder (or frames only, with an empty waveform, when the engine has no codec)."""
+
+    def __init__(self, engine: LocalEngine, spec: SynthesisRequest, request_id: str, seed: int) -> None:
+        self.request_id = request_id
+        self.spec = spec
+        self.seed = seed
+        self.references = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in spec.references)
+        self.texts = split_text(spec.text, spec.chunk_length, engine.core.model.config.family) or [spec.text]
+        self.batch = 0
+        self.history: list[Turn] = []
+        self.current: Request | None = None
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._finish: FinishReason | None = None
+        self._stream: VocoderStream | None = None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish
+
+    def next_request(self) -> Request:
+        """The engine Request of the current text batch."""
+        engine = self._engine
+        config, tokenizer = engine.core.model.config, engine.core.model.tokenizer
+        text = self.texts[self.batch]
+        prompt = build_prompt(config, tokenizer, text, self.references, self.history)
+        sampling = self.spec.sampling
+        params = SamplingParams(
+            sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty,
+            batch_seed(self.seed, self.batch),
+        )  # fmt: skip
+        self.current = engine.core.new_request(
+            prompt,
+            params,
+            max_new_frames=self.spec.max_new_frames,
+            priority=self.spec.priority,
+            prefix_len=voice_prefix_length(config, tokenizer, self.references),
+            request_id=f"{self.request_id}/{self.batch}",
+            sink=self._on_frames,
+        )
+        if engine.vocoder is not None:
+            self._stream = engine.vocoder.open(self._on_audio)
+        return self.current
+
+    # Engine thread
+    def _on_frames(self, request: Request, frames: torch.Tensor | None, reason: FinishReason | None) -> None:
+        vocoder = self._engine.vocoder
+        if frames is not None:
+            if vocoder is not None:
+                vocoder.push(self._stream, frames)
+            else:
+                self._on_audio(np.zeros(0, dtype=np.float32), frames.numpy())
+        if reason is None:
+            return
+        more = reason in (FinishReason.STOP, FinishReason.LENGTH) and self.batch + 1 < len(self.texts)
+        previous_stream, following = self._stream, None
+        if more:
+            self.history.append(
+                Turn(self.texts[self.batch], request.frames[: request.num_frames].t().clone())
+            )
+            self.batch += 1
+            try:
+                following = self.next_request()
+            except (InvalidRequest, ValueError):  # the history outgrew the context: end as an error
+                more, reason = False, FinishReason.ERROR
+        done = (lambda: None) if more else (lambda: self._finished(reason))
+        if vocoder is not None:
+            vocoder.end(previous_stream, done, drop=reason in (FinishReason.ABORTED, FinishReason.ERROR))
+        else:
+            done()
+        if following is not None and more:
+            self._engine.core.add(following, bypass_limit=True)
+
+    # Vocoder thread (or engine thread without a codec)
+    def _on_audio(self, samples: np.ndarray, frames: np.ndarray) -> None:
+        chunk = AudioChunk(samples, self._engine.sample_rate, frames)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    def _finished(self, reason: FinishReason) -> None:
+        self._engine._handles.pop(self.request_id, None)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, reason)
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        try:
+            while self._finish is None:
+                item = await self._queue.get()
+                if isinstance(item, FinishReason):
+                    self._finish = item
+                else:
+                    yield item
+        finally:
+            if self._finish is None:
+                await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._finish is None:
+            self._engine.abort(self.request_id)
+
+
+__all__ = ["FrameStream", "SynthesisHandle"]

@@ -1,0 +1,145 @@
+"""The graph-safe decode step (`engine/decode_step.py`) on the CPU.
+
+- torch-ops path, float64: the engine with `decode_step="fast"` (restricted S2 head, compacted
+  sampling, 2-token first fast pass, prefill frames too) equals `reference.generate`;
+- kernel path (Triton interpreter, float32): the same step with the fused kernels (RMSNorm +
+  residual, QK-norm + RoPE + paged KV write, paged attention, sampling, window shift) gives the
+  torch path's hidden states and frames, with and without the top-k candidate bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+
+from shoal.config import EngineConfig  # noqa: E402
+from shoal.engine.batch import DecodeBuffers  # noqa: E402
+from shoal.engine.core import EngineCore  # noqa: E402
+from shoal.engine.decode_step import DecodeStep, sampling_probs  # noqa: E402
+from shoal.engine.request import SamplingParams  # noqa: E402
+from shoal.models import load_model  # noqa: E402
+from shoal.models.prompt import Reference, build_prompt, voice_prefix_length  # noqa: E402
+from shoal.models.reference import generate  # noqa: E402
+from shoal.models.sampling import logits_to_probs  # noqa: E402
+
+
+def tiny(golden_dir, dtype):
+    model = load_model(golden_dir / "s2_tiny", dtype=dtype)
+    model.config = model.config.replace(max_seq_len=256)
+    model.build_rope_tables("cpu")
+    return model
+
+
+def add(core, model, name, text, params, max_frames, refs=()):
+    prompt = build_prompt(model.config, model.tokenizer, text, list(refs))
+    request = core.new_request(
+        prompt,
+        params,
+        max_new_frames=max_frames,
+        prefix_len=voice_prefix_length(model.config, model.tokenizer, list(refs)),
+        request_id=name,
+    )
+    core.add(request)
+    return request, prompt
+
+
+def test_sampling_probs_equals_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g)
+    temperature = torch.tensor([0.7, 1.0, 0.3, 1.2, 0.9])
+    top_p = torch.tensor([0.8, 1.0, 0.1, 0.5, 0.0])
+    top_k = torch.tensor([30, 1000, 5, 1, 64])
+    ranks = torch.arange(300)
+    got = sampling_probs(logits, temperature, top_p, top_k, ranks)
+    assert torch.equal(got, logits_to_probs(logits, temperature, top_p, top_k))
+
+
+def test_fast_step_engine_equals_reference(golden_dir) -> None:
+    model = tiny(golden_dir, torch.float64)
+    config = EngineConfig(
+        device="cpu", dtype="float64", num_pages=128, page_size=4, max_prefill_tokens=40, decode_step="fast"
+    )
+    core = EngineCore(model, config)
+    assert core.runner.step is not None and not core.runner.step.use_kernels
+    assert (
+        core.runner.step.head_weight.shape[0]
+        == model.config.semantic_end_id - model.config.semantic_begin_id + 2
+    )
+    g = torch.Generator().manual_seed(3)
+    refs = [Reference("voice", torch.randint(0, 64, (4, 9), generator=g))]
+    jobs = []
+    for i, text in enumerate(["hello there", "a b c d e", "short", "numbers 1 2 3 4", "ok"]):
+        params = SamplingParams(
+            temperature=0.5 + 0.1 * i, top_p=0.6 + 0.08 * i, top_k=(3, 30, 100, 1, 64)[i], seed=7 + i
+        )
+        jobs.append((f"r{i}", text, params, 6 + 5 * i, refs if i % 2 else ()))
+    requests, prompts = {}, {}
+    pending = list(jobs)
+    while pending or core.has_work:
+        if pending:  # one arrival per step: batches change composition and stay steady
+            name, text, params, frames, voice = pending.pop(0)
+            requests[name], prompts[name] = add(core, model, name, text, params, frames, voice)
+        core.step()
+    for name, _, params, frames, _ in jobs:
+        want = generate(
+            model,
+            prompts[name],
+            max_frames=frames,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+        )
+        request = requests[name]
+        got = request.frames[: request.num_frames].t()
+        assert torch.equal(got, want), name
+
+
+def decoding_core(golden_dir, count: int):
+    model = tiny(golden_dir, torch.float32)
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=64, page_size=16, decode_step="fast")
+    core = EngineCore(model, config)
+    requests = []
+    for i in range(count):
+        params = SamplingParams(temperature=0.6 + 0.1 * i, top_p=0.9, top_k=(5, 40, 2)[i % 3], seed=i)
+        requests.append(add(core, model, f"k{i}", "text " * (1 + i), params, 40)[0])
+    while not all(r.num_frames >= 3 for r in requests):  # RAS windows hold frames
+        core.step()
+    return core, requests
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_kernel_step_equals_torch_step(golden_dir, capped: bool) -> None:
+    core, requests = decoding_core(golden_dir, 3)
+    runner = core.runner
+    kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
+    torch_step = runner.step
+    fields = runner.host.fill(requests)
+    n = len(requests)
+
+    def copy() -> DecodeBuffers:
+        buffers = DecodeBuffers.allocate(n, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
+        for name in fields:
+            getattr(buffers, name).copy_(getattr(runner.host.host, name)[:n])
+        buffers.frames.fill_(-7)  # poison: every element must be written
+        return buffers
+
+    a, b = copy(), copy()
+    with torch.no_grad():
+        hidden_t, normed_t = torch_step.slow(a)
+        hidden_k, normed_k = kernel_step.slow(b)
+        torch.testing.assert_close(hidden_k, hidden_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(normed_k, normed_t, rtol=1e-5, atol=1e-5)
+        a, b = copy(), copy()
+        torch_step(a, capped)
+        kernel_step(b, capped)
+    assert (b.frames >= 0).all()
+    assert torch.equal(b.frames, a.frames)
+    assert torch.equal(b.window, a.window)
+    assert torch.equal(b.tokens, b.frames)
