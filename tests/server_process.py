@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_MB = 4
 MAX_UPLOAD_MB = 2
 MAX_NEW_FRAMES = 24  # keeps every synthesis short on a CPU
+# The engine refuses batch-priority work outright: its real overload path (503) on demand.
+BATCH_QUEUE_LIMIT = 0
 
 
 def free_port() -> int:
@@ -62,6 +64,7 @@ class ShoalServer:
     key_a: str
     key_b: str
     key_limited: str
+    key_batch: str  # a key whose requests run at batch priority
     max_body_bytes: int = MAX_BODY_MB * 1024 * 1024
     max_upload_bytes: int = MAX_UPLOAD_MB * 1024 * 1024
 
@@ -71,6 +74,7 @@ class ShoalServer:
         data_dir = workdir / "data"
         keys = [create_key(data_dir, "tenant-a"), create_key(data_dir, "tenant-b")]
         keys.append(create_key(data_dir, "tenant-c", "--max-streams", "1"))
+        keys.append(create_key(data_dir, "tenant-a", "--priority", "batch"))
         port = free_port()
         # SHOAL_TEST_SERVE replaces `shoal serve ...` (e.g. to point the suite at another build).
         command = shlex.split(os.environ.get("SHOAL_TEST_SERVE", "")) or [
@@ -78,7 +82,8 @@ class ShoalServer:
         ]  # fmt: skip
         command += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)]
         command += ["--max-new-frames", str(MAX_NEW_FRAMES), "--max-body-mb", str(MAX_BODY_MB)]
-        command += ["--max-upload-mb", str(MAX_UPLOAD_MB), *extra_args]
+        command += ["--max-upload-mb", str(MAX_UPLOAD_MB), "--queue-limit", f"batch={BATCH_QUEUE_LIMIT}"]
+        command += extra_args
         log = (workdir / "server.log").open("w")
         process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         server = cls(f"http://127.0.0.1:{port}", process, *keys)

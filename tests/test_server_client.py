@@ -14,6 +14,7 @@ import numpy as np
 import ormsgpack
 import pytest
 from fishaudio import AsyncFishAudio, FishAudio
+from fishaudio.core.request_options import RequestOptions
 from fishaudio.exceptions import (
     APIError,
     AuthenticationError,
@@ -238,6 +239,15 @@ def test_error_classes(client, server):
     assert invalid.value.status == 400 and "sample_rate" in invalid.value.message
     with pytest.raises(ServerError):  # /v1/asr is not served: 501, which the client maps to ServerError
         client.asr.transcribe(audio=wav_clip())
+    # The engine's batch queue holds BATCH_QUEUE_LIMIT = 0 requests: a batch request overloads it.
+    batch = RequestOptions(additional_headers={"x-shoal-priority": "batch"})
+    with pytest.raises(ServerError) as overloaded:
+        client.tts.convert(text="Bulk work.", config=SHORT, request_options=batch)
+    assert overloaded.value.status == 503 and "queue is full" in overloaded.value.message
+    with pytest.raises(legacy.HttpCodeErr) as legacy_overloaded:
+        b"".join(legacy.Session(server.key_batch, base_url=server.url).tts(legacy.TTSRequest(text="Bulk.")))
+    assert legacy_overloaded.value.status == 503
+    assert client.tts.convert(text="Standard work still runs.", config=SHORT)
     with pytest.raises(WebSocketError):  # a synthesis error inside a live session: finish/error
         list(client.tts.stream_websocket(iter(["x"]), config=SHORT.model_copy(update={"sample_rate": 12345})))
 
@@ -323,7 +333,8 @@ def test_disconnect_mid_stream_frees_pages(client, server):
     headers = {"Authorization": f"Bearer {server.key_a}", "Content-Type": "application/msgpack"}
     with httpx.stream("POST", f"{server.url}/v1/tts", content=body, headers=headers) as response:
         assert response.status_code == 200
-        next(response.iter_raw())
+        chunks = response.iter_raw()  # (a dropped iterator would close the response at once)
+        assert next(chunks)
         frames_per_second = wait_until_generating(server)
     assert_aborted_early(server, frames_per_second, baseline)
     assert client.tts.convert(text="After the disconnect.", config=SHORT)

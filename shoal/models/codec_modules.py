@@ -172,9 +172,24 @@ class CausalConv1d(nn.Module):
         if self.context > 0:
             x = ctx.extend(key, x, valid, dim=1)
         conv = self.conv
+        if conv.groups > 1:  # depthwise (ConvNeXt): see `_depthwise`
+            return self._depthwise(x, bias)
         weight, bias_ = conv.weight.unsqueeze(2), conv.bias if bias else None
         y = F.conv2d(channels_last_2d(x), weight, bias_, 1, 0, (1, *conv.dilation), conv.groups)
         return y.squeeze(2).transpose(1, 2)
+
+    def _depthwise(self, x: Tensor, bias: bool) -> Tensor:
+        """Depthwise conv of time-major x (context included) as K shifted products summed in fp32.
+
+        Not cuDNN: for this channels-last depthwise shape its heuristic (no algorithm search)
+        picks a direct kernel that took 0.41 s of a 0.45 s eager step on an H200. The data is
+        small (1024 channels at 43/86 Hz), so a plain unfold is cheap."""
+        conv = self.conv
+        windows = x.unfold(1, self.receptive, 1)[..., :: conv.dilation[0]]  # [B, T, C, K]
+        y = (windows.float() * conv.weight[:, 0].float()).sum(-1)
+        if bias and conv.bias is not None:
+            y = y + conv.bias.float()
+        return y.to(x.dtype)
 
 
 class CausalConvTranspose1d(nn.Module):

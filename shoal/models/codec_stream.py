@@ -149,7 +149,7 @@ class CodecStreamPool:
                 done[i] += take[i]
                 streams[i].frames += take[i]
         empty = torch.zeros(0, device=self.codec.device, dtype=self.codec.dtype)
-        return [torch.cat(parts) if parts else empty for parts in outputs]
+        return [(parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else empty for parts in outputs]
 
     def _chunk_for(self, frames: int) -> int:
         captured = sorted({t for _, t in self._graphs})
@@ -167,8 +167,11 @@ class CodecStreamPool:
         valid = torch.zeros(rows, dtype=torch.long)
         valid[:batch] = torch.tensor([c.shape[-1] for c in codes])
         packed = torch.zeros(rows, self.codec.num_codebooks, chunk, dtype=torch.long, device=device)
-        for row, c in enumerate(codes):
-            packed[row, :, : c.shape[-1]] = c
+        if all(c.shape[-1] == chunk for c in codes):  # the usual case: one copy, not one per row
+            packed[:batch] = torch.stack([c.to(device) for c in codes])
+        else:
+            for row, c in enumerate(codes):
+                packed[row, :, : c.shape[-1]] = c
         if graph_batch is None:
             return self.run(slots.to(device), packed, valid.to(device))
         graph, static, out = self._graphs[(graph_batch, chunk)]

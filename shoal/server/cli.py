@@ -79,20 +79,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="longest audio upload, seconds (SHOAL_MAX_UPLOAD_SECONDS)",
     )
     parser.add_argument(
+        "--queue-limit",
+        action="append",
+        type=queue_limit,
+        default=[queue_limit(item) for item in (env("QUEUE_LIMITS") or "").split(",") if item.strip()],
+        metavar="PRIORITY=N",
+        help="most requests waiting per priority (realtime, standard, batch) before 503; repeatable "
+        "(SHOAL_QUEUE_LIMITS=standard=256,batch=0); defaults in shoal.config.EngineConfig",
+    )
+    parser.add_argument(
         "--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning (SHOAL_LOG_LEVEL)"
     )
 
 
+PRIORITY_NAMES = ("realtime", "standard", "batch")
+
+
+def queue_limit(text: str) -> tuple[str, int]:
+    """`standard=256` -> ("standard", 256), for --queue-limit."""
+    name, _, count = text.strip().partition("=")
+    name = name.strip().lower()
+    if name not in PRIORITY_NAMES or not count.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected PRIORITY=N with PRIORITY in {PRIORITY_NAMES}: {text!r}")
+    return name, int(count)
+
+
 def build_engine(args: argparse.Namespace):
-    """The real engine for the checkpoint (imported here so `--help` stays fast). The engine
-    package provides `load_engine(checkpoint, *, codec, device, dtype) -> shoal.engine.api.Engine`."""
-    try:
-        from shoal.engine import load_engine
-    except ImportError as error:
-        raise SystemExit(
-            f"shoal serve: this build has no engine factory (shoal.engine.load_engine): {error}"
-        ) from error
-    return load_engine(args.checkpoint, codec=args.codec, device=args.device, dtype=args.dtype)
+    """The real engine for the checkpoint (imported here so `--help` stays fast):
+    `shoal.engine.load_engine(checkpoint, *, codec, device, dtype, config) -> Engine`."""
+    from shoal.engine import load_engine
+
+    if not args.queue_limit:
+        return load_engine(args.checkpoint, codec=args.codec, device=args.device, dtype=args.dtype)
+    import torch
+
+    from shoal.config import EngineConfig
+
+    # A config replaces load_engine's own device/dtype defaults: resolve them the same way.
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    config = EngineConfig(device=device, dtype=dtype)
+    config.queue_limits = {**config.queue_limits, **dict(args.queue_limit)}
+    return load_engine(args.checkpoint, codec=args.codec, device=device, dtype=dtype, config=config)
 
 
 def run(args: argparse.Namespace) -> int:
