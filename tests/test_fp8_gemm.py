@@ -175,3 +175,12 @@ def test_cuda_graph_replay_gpu() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert _rel_err(out, ref.fp8_linear(x, w_q, w_s, True)) < 4e-3
+
+
+def test_tuned_configs_are_launchable() -> None:
+    """Every table entry: a tile width dividing the scale block, >= 2 K steps per split."""
+    for table in (gemm.TUNED_CONFIGS, gemm.TUNED_CONFIGS_FP8):
+        for (n, k, bucket), config in table.items():
+            assert bucket in gemm.M_BUCKETS and 128 % config.block_n == 0, (n, k, bucket, config)
+            assert -(-k // 128) // config.split_k >= 2, (n, k, bucket, config)
+            assert gemm.pick_config(n, k, bucket, fp8_activations=table is gemm.TUNED_CONFIGS_FP8) is config

@@ -149,16 +149,16 @@ def test_inline_references_and_voice_lifecycle(client, server):
 
 def test_legacy_session_streams_incrementally(server):
     session = legacy.Session(server.key_a, base_url=server.url)
-    request = legacy.TTSRequest(
-        text="A longer sentence for the legacy client.", format="pcm", chunk_length=100
-    )
+    turns = "".join(f"<|speaker:{i % 2}|>Turn {i} for the legacy client. " for i in range(3))
+    request = legacy.TTSRequest(text=turns, format="pcm", chunk_length=100)  # 3 batches
     arrivals, chunks = [], []
     started = time.monotonic()
     for chunk in session.tts(request, backend="s1"):
         arrivals.append(time.monotonic() - started)
         chunks.append(chunk)
-    assert len([c for c in chunks if c]) >= 2, "audio should arrive in several chunks"
-    assert arrivals[0] < arrivals[-1]
+    assert len([c for c in chunks if c]) >= 3, "audio should arrive in several chunks"
+    # Streamed while generated, not buffered: the first audio comes long before the last.
+    assert arrivals[-1] - arrivals[0] > 0.5 * arrivals[-1], arrivals
 
     async def awaitable() -> bytes:
         return b"".join([c async for c in session.tts.awaitable(legacy.TTSRequest(text="Legacy async."))])
@@ -243,7 +243,7 @@ def test_error_classes(client, server):
     batch = RequestOptions(additional_headers={"x-shoal-priority": "batch"})
     with pytest.raises(ServerError) as overloaded:
         client.tts.convert(text="Bulk work.", config=SHORT, request_options=batch)
-    assert overloaded.value.status == 503 and "queue is full" in overloaded.value.message
+    assert overloaded.value.status == 503 and "at capacity" in overloaded.value.message
     with pytest.raises(legacy.HttpCodeErr) as legacy_overloaded:
         b"".join(legacy.Session(server.key_batch, base_url=server.url).tts(legacy.TTSRequest(text="Bulk.")))
     assert legacy_overloaded.value.status == 503
@@ -287,6 +287,17 @@ def test_malformed_and_oversized_bodies_keep_serving(client, server):
     big = [("voices", ("upload", b"\0" * (server.max_upload_bytes + 1), "application/octet-stream"))]
     response = httpx.post(f"{server.url}/model", data={"title": "big"}, files=big, headers=headers)
     assert response.status_code == 413 and set(response.json()) == {"status", "message"}
+    url = server.url.replace("http://", "ws://") + "/v1/tts/live"
+    for message in (
+        b"\xc1\xc1",
+        ormsgpack.packb(["no", "event"]),
+        ormsgpack.packb({"event": "start", "request": 5}),
+    ):
+        with connect(url, additional_headers=headers) as session:
+            session.send(message)
+            finish = ormsgpack.unpackb(session.recv())
+            assert finish["event"] == "finish" and finish["reason"] == "error" and finish["message"]
+    wait_for_idle(server)
     assert client.tts.convert(text="Still serving.", config=SHORT)
 
 
