@@ -24,7 +24,7 @@ class EngineConfig:
 
     # Batching
     max_running_requests: int = 256  # requests in the decode batch at once ("running slots")
-    max_prefill_tokens: int = 2048  # prompt tokens prefilled per step, after the step's decodes
+    max_prefill_tokens: int = 8192  # prompt tokens per step after its decodes (sglang's H200 value)
     queue_limits: dict[str, int] = field(default_factory=_default_queue_limits)
     # A waiting request is treated as one class more urgent for every `aging_seconds` it waits,
     # so batch work is never starved by a steady stream of live traffic.

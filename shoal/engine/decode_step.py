@@ -184,6 +184,21 @@ class DecodeStep:
             lambda q, k, v: paged_decode_attention(q, k, v, buffers.block_tables, buffers.kv_lens),
         )  # fmt: skip
 
+    def prefill(self, tokens: Tensor, positions: Tensor, slots: Tensor, meta: tuple) -> tuple[Tensor, Tensor]:
+        """Varlen prefill through the fused kernels (far fewer launches than the modules):
+        tokens Long[T, N+1], positions/slots Long[T], meta = (block_tables, seq_lens,
+        query_start_loc, max_query_len) of `kernels.attention.paged_prefill_attention`.
+        Returns (last layer's output, final-normed hidden), [T, dim]."""
+        from shoal.kernels.attention import paged_prefill_attention
+
+        model = self.model
+        tables, seq_lens, starts, max_query = meta
+        return self._layers(
+            model.layers, model.embed(tokens), model.norm.weight, positions, model.rope,
+            lambda i: (self.kv.k[i], self.kv.v[i]), slots,
+            lambda q, k, v: paged_prefill_attention(q, k, v, tables, seq_lens, starts, max_query),
+        )  # fmt: skip
+
     def _layers(self, layers, residual, final_weight, positions, rope, pages, slots, attend):
         """Pre-norm blocks with the fused kernels; `residual` is updated in place."""
         from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm

@@ -224,6 +224,7 @@ class PagedKV:
         self._block_tables: torch.Tensor | None = None
         self._kv_lens: torch.Tensor | None = None
         self._prefill_meta: tuple | None = None
+        self.force_kernel_prefill = False  # build the kernels' metadata off CUDA too (interpreter tests)
 
     def slot_of(self, pages: list[int], position: int) -> int:
         return pages[position // self.page_size] * self.page_size + position % self.page_size
@@ -233,20 +234,20 @@ class PagedKV:
         slots = []
         for _, count, kv_len, pages in segments:
             slots.extend(self.slot_of(pages, p) for p in range(kv_len - count, kv_len))
-        self._slots = torch.tensor(slots, dtype=torch.long, device=self.k.device)
+        self._slots = _upload(torch.tensor(slots, dtype=torch.long), self.k.device)
         self._segments = segments
         self._mode = "varlen"
         self._prefill_meta = None
-        if _triton_prefill is not None and self.k.is_cuda:
+        if (_triton_prefill is not None and self.k.is_cuda) or self.force_kernel_prefill:
             width = max(len(pages) for _, _, _, pages in segments)
             tables = torch.full((len(segments), width), self.scratch_page, dtype=torch.int32)
             for i, (_, _, _, pages) in enumerate(segments):
                 tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
             starts = [offset for offset, _, _, _ in segments] + [sum(c for _, c, _, _ in segments)]
             self._prefill_meta = (
-                tables.to(self.k.device),
-                torch.tensor([kv for _, _, kv, _ in segments], dtype=torch.int32, device=self.k.device),
-                torch.tensor(starts, dtype=torch.int32, device=self.k.device),
+                _upload(tables, self.k.device),
+                _upload(torch.tensor([kv for _, _, kv, _ in segments], dtype=torch.int32), self.k.device),
+                _upload(torch.tensor(starts, dtype=torch.int32), self.k.device),
                 max(c for _, c, _, _ in segments),
             )
 
@@ -267,7 +268,7 @@ class PagedKV:
             return self._attend_decode(layer, q)
         if self._mode != "varlen":
             raise RuntimeError("PagedKV.attend before set_varlen/set_decode")
-        if self._prefill_meta is not None:
+        if self._prefill_meta is not None and _triton_prefill is not None:
             tables, seq_lens, starts, max_query = self._prefill_meta
             return _triton_prefill(q, self.k[layer], self.v[layer], tables, seq_lens, starts, max_query)
         out = torch.empty_like(q)
@@ -304,6 +305,13 @@ class PagedKV:
             enable_gqa=True,
         )
         return attended[:, :, 0, :]
+
+
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a stream sync (through pinned memory on a GPU)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _load_triton_kernel(name: str):

@@ -113,12 +113,18 @@ class ModelRunner:
                 completing.append(request)
                 last_rows.append(offset - 1)
         self.kv.set_varlen(segments)
-        hidden = self.model.forward_slow(
-            _to_device(torch.cat(tokens), self.device), _to_device(torch.cat(positions), self.device), self.kv
-        )
+        tokens = _to_device(torch.cat(tokens), self.device)
+        positions = _to_device(torch.cat(positions), self.device)
+        fused = self.step is not None and self.step.use_kernels and self.kv._prefill_meta is not None
+        if fused:
+            hidden, normed = self.step.prefill(tokens, positions, self.kv._slots, self.kv._prefill_meta)
+        else:
+            hidden = self.model.forward_slow(tokens, positions, self.kv)
         if not completing:
             return [], None
-        hidden = hidden[_to_device(torch.tensor(last_rows), self.device)]
+        rows = _to_device(torch.tensor(last_rows), self.device)
+        hidden = hidden[rows]
+        normed = normed[rows] if fused else self.model.norm(hidden)
         window = torch.stack([r.window(self.window_size) for r in completing])
         frame_index = torch.tensor([r.num_frames for r in completing])
         if self.step is not None:
@@ -131,7 +137,7 @@ class ModelRunner:
             buffers = DecodeBuffers(
                 **{n: _to_device(getattr(buffers, n), self.device) for n in buffers.names}
             )
-            self.step.frames_from_hidden(hidden, self.model.norm(hidden), buffers, capped=False)
+            self.step.frames_from_hidden(hidden, normed, buffers, capped=False)
             return completing, buffers.frames
         logits, fast_input = self.model.slow_head(hidden)
         params = self.params_for(completing)
