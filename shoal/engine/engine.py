@@ -1,18 +1,24 @@
 """The threaded, asyncio-facing engine: `LocalEngine` runs an `EngineCore` (core.py) on its
-own thread; the event loop queues requests and aborts and receives frames and audio through
-the handles (handles.py).
+own thread, and only that thread touches the engine state.
 
-The engine thread holds the state lock while it plans and launches a step and while it
-delivers the step's frames, but not while the GPU computes: `submit`/`abort` wait for at
-most the host part of a step.
+Callers (the event loop, executor threads) never wait for a step. `submit` and `abort` put a
+command into a thread-safe inbox (`queue.SimpleQueue`) that the engine thread drains at every
+step boundary, and blocks on while idle, so a command wakes it at once. `stats` reads a
+snapshot the engine thread publishes at every boundary. Queue limits are checked in `submit`
+against per-class counts (the published waiting counts plus the submitted requests not yet
+drained, reserved under a lock held for a few instructions, never across a step), so
+`EngineOverloaded` is still raised synchronously.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import queue
 import secrets
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -20,6 +26,7 @@ import torch
 from shoal.config import EngineConfig
 from shoal.engine.api import (
     Engine,
+    EngineOverloaded,
     EngineStats,
     FinishReason,
     InvalidRequest,
@@ -30,16 +37,59 @@ from shoal.engine.api import (
 )
 from shoal.engine.core import EngineCore, new_request_id
 from shoal.engine.handles import FrameStream, SynthesisHandle
-from shoal.engine.request import SamplingParams
+from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
+
+_STOP = object()
+
+
+class Admission:
+    """Waiting requests per class as `submit` sees them: the scheduler's waiting lists as of
+    the engine thread's last snapshot, plus requests submitted but not yet drained from the
+    inbox. The lock guards a few integer updates only."""
+
+    def __init__(self, limits: Callable[[], dict[str, int]]) -> None:
+        self._limits = limits
+        self._lock = threading.Lock()
+        self.waiting = {p: 0 for p in Priority}  # as of the last snapshot
+        self.undrained = {p: 0 for p in Priority}
+        self.stats: EngineStats | None = None
+
+    def reserve(self, priority: Priority) -> None:
+        """Count one more waiting request of `priority`, or raise EngineOverloaded."""
+        name = priority.name.lower()
+        limit = self._limits().get(name)
+        with self._lock:
+            if limit is not None and self.waiting[priority] + self.undrained[priority] >= limit:
+                raise EngineOverloaded(f"{name} queue is full ({limit} waiting)")
+            self.undrained[priority] += 1
+
+    def release(self, priority: Priority) -> None:
+        """Undo a reservation whose request never reached the inbox."""
+        with self._lock:
+            self.undrained[priority] -= 1
+
+    def publish(self, stats: EngineStats, waiting: dict[Priority, int], drained: dict[Priority, int]) -> None:
+        """Engine thread: the state after a boundary; `drained` requests moved from the inbox
+        into the scheduler since the last call (and are counted in `waiting` now)."""
+        with self._lock:
+            self.stats = stats
+            self.waiting = waiting
+            for priority, count in drained.items():
+                self.undrained[priority] -= count
+
+    def snapshot(self) -> EngineStats:
+        with self._lock:
+            stats, undrained = self.stats, dict(self.undrained)
+        waiting = {p.name.lower(): stats.waiting.get(p.name.lower(), 0) + undrained[p] for p in Priority}
+        return dataclasses.replace(stats, waiting=waiting)
 
 
 class LocalEngine(Engine):
     """The Engine the server drives: an EngineCore on its own thread, plus the vocoder."""
 
     def __init__(self, model, config: EngineConfig, codec=None, model_name: str = "s2-pro") -> None:
-        self.core = EngineCore(model, config)
         self.config = config
         self.codec = codec
         self.vocoder = None
@@ -48,14 +98,20 @@ class LocalEngine(Engine):
             self.vocoder = Vocoder(
                 codec, streams, config.vocoder_chunk_frames, config.vocoder_first_chunk_frames
             )
+            # Before the KV pool is sized from free memory, so the codec's graphs are counted.
+            if config.use_cuda_graphs and self.vocoder.capture_graphs():
+                torch.cuda.empty_cache()
+        self.core = EngineCore(model, config)
         self.sample_rate = codec.sample_rate if codec is not None else 44100
         self.frame_rate = self.sample_rate / (codec.frame_length if codec is not None else 2048)
         self.model_name = model_name
         self._handles: dict[str, SynthesisHandle] = {}
-        self._wake = threading.Condition()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._admission = Admission(lambda: self.config.queue_limits)
+        self._drained = {p: 0 for p in Priority}
         self._thread: threading.Thread | None = None
-        self._stopping = False
         self.last_error: BaseException | None = None
+        self._publish()
 
     # Thread --------------------------------------------------------------------------------
 
@@ -69,15 +125,12 @@ class LocalEngine(Engine):
         if self.vocoder is not None:
             self.vocoder.start()
         if self._thread is None:
-            self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
             self._thread.start()
 
     def stop_thread(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify_all()
         if self._thread is not None:
+            self._inbox.put(_STOP)
             self._thread.join()
             self._thread = None
         if self.vocoder is not None:
@@ -85,22 +138,40 @@ class LocalEngine(Engine):
 
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                while not self._stopping and not self.core.has_work:
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                pending = self._guarded(self.core.begin_step)
+            self._publish()
+            if not self._drain(block=not self.core.has_work):
+                return
+            pending = self._guarded(self.core.begin_step)
+            self._publish()  # admissions; the GPU computes meanwhile
             if pending is None:
                 continue
             try:
-                pending.wait()  # the GPU computes; submit/abort may run meanwhile
+                pending.wait()
             except Exception as error:
-                with self._wake:
-                    self._fail(error)
+                self._fail(error)
                 continue
-            with self._wake:
-                self._guarded(self.core.end_step, pending)
+            self._guarded(self.core.end_step, pending)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply the inbox's commands in order (waiting for the first one if `block`).
+        Returns False when asked to stop."""
+        try:
+            command = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while command is not _STOP:
+            fn, args = command
+            self._guarded(fn, *args)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _publish(self) -> None:
+        waiting = {p: len(q) for p, q in self.core.scheduler.waiting.items()}
+        self._admission.publish(self.core.stats(), waiting, self._drained)
+        self._drained = {p: 0 for p in Priority}
 
     def _guarded(self, fn, *args):
         try:
@@ -115,14 +186,44 @@ class LocalEngine(Engine):
             self.core.abort(request.request_id, FinishReason.ERROR)
         self.core.runner.host.invalidate()
 
-    def call(self, fn: Callable, *args, **kwargs):
-        """Run `fn` on the engine state between steps, then wake the loop."""
-        with self._wake:
-            result = fn(*args, **kwargs)
-            self._wake.notify_all()
-            return result
+    def _post(self, fn: Callable, *args) -> None:
+        self._inbox.put((fn, args))
 
-    # Engine API ----------------------------------------------------------------------------
+    def call(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` on the engine thread at the next step boundary; the returned
+        future holds its result (run here at once when the thread is not running)."""
+        future: Future = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:
+                    future.set_exception(error)
+
+        if self._thread is None or threading.current_thread() is self._thread:
+            run()
+        else:
+            self._post(run)
+        return future
+
+    # Engine thread: the commands -----------------------------------------------------------
+
+    def _add(self, request: Request) -> None:
+        self._drained[request.priority] += 1
+        try:
+            self.core.add(request, bypass_limit=True)  # the limit was checked in submit
+        except Exception as error:
+            self.last_error = error
+            if request.sink is not None:
+                request.sink(request, None, FinishReason.ERROR)
+
+    def _abort(self, request_id: str, handle: SynthesisHandle | None) -> None:
+        if handle is not None and handle.current is not None:
+            request_id = handle.current.request_id  # the text batch running now
+        self.core.abort(request_id)
+
+    # Engine API (any thread; never waits for the engine thread) ------------------------------
 
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         if not request.text.strip():
@@ -131,33 +232,36 @@ class LocalEngine(Engine):
         if request_id in self._handles:
             raise InvalidRequest(f"duplicate request id {request_id}")
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
-        handle = SynthesisHandle(self, request, request_id, seed)
+        self._admission.reserve(request.priority)
         try:
+            handle = SynthesisHandle(self, request, request_id, seed)
             first = handle.next_request()
-        except ValueError as error:  # bad reference codes and the like
+        except ValueError as error:  # bad reference codes and the like (InvalidRequest too)
+            self._admission.release(request.priority)
+            if isinstance(error, InvalidRequest):
+                raise
             raise InvalidRequest(str(error)) from error
-        try:
-            self.call(self.core.add, first)
-        except Exception:
-            if self.vocoder is not None:
-                self.vocoder.end(handle._stream, lambda: None, drop=True)
+        except BaseException:
+            self._admission.release(request.priority)
             raise
         self._handles[request_id] = handle
+        self._post(self._add, first)
         return handle
 
     def abort(self, request_id: str) -> None:
+        """Queue the abort; the engine thread frees the request's pages at its next step
+        boundary (at once when idle)."""
         handle = self._handles.pop(request_id, None)
-        if handle is not None and handle.current is not None:
-            self.call(self.core.abort, handle.current.request_id)
-        else:
-            self.call(self.core.abort, request_id)
+        if handle is not None:
+            handle.aborted = True  # no further text batch starts
+        self._post(self._abort, request_id, handle)
 
     async def prefill_voice(self, references: tuple[VoiceReference, ...], voice_key: str) -> None:
         model = self.core.model
         refs = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in references)
         prefix = build_prompt(model.config, model.tokenizer, "", refs)
         prefix = prefix[:, : voice_prefix_length(model.config, model.tokenizer, refs)]
-        await asyncio.get_running_loop().run_in_executor(None, self.call, self.core.prefill_voice, prefix)
+        await asyncio.wrap_future(self.call(self.core.prefill_voice, prefix))
 
     async def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
         if self.codec is None:
@@ -173,7 +277,9 @@ class LocalEngine(Engine):
         return await asyncio.get_running_loop().run_in_executor(None, encode)
 
     def stats(self) -> EngineStats:
-        return self.call(self.core.stats)
+        """The engine thread's last snapshot (at most one step old), submitted requests not
+        yet drained counted as waiting."""
+        return self._admission.snapshot()
 
     # Frame-level API (tests, benchmarks) ---------------------------------------------------
 
@@ -198,8 +304,9 @@ class LocalEngine(Engine):
             request_id=stream.request_id,
             sink=stream.sink,
         )
-        self.call(self.core.add, request)
+        self._admission.reserve(priority)
+        self._post(self._add, request)
         return stream
 
 
-__all__ = ["EngineCore", "FrameStream", "LocalEngine", "SynthesisHandle", "new_request_id"]
+__all__ = ["Admission", "EngineCore", "FrameStream", "LocalEngine", "SynthesisHandle", "new_request_id"]

@@ -1,23 +1,88 @@
 """Batched streaming codec decode across requests, on its own thread.
 
-The engine thread pushes each request's new frames; the vocoder thread decodes the pending
-frames of every stream that has enough of them (`chunk_frames`, or `first_chunk_frames` for a
-stream's first audio, or whatever is left at its end) in one `CodecStreamPool.step`, and hands
-the audio to the stream's callback. Each stream holds back its latest frame: the reference
-hands the codec every frame of a text batch but the last (the `<|im_end|>` frame, or the
-final one at max length), so a frame is released only once the next one exists.
+The engine thread pushes each request's new frames; the vocoder thread decodes, in one
+`CodecStreamPool.step`, the frames that `ChunkPolicy` says are due, and hands the audio to
+each stream's callback. Each stream holds back its latest frame: the reference hands the codec
+every frame of a text batch but the last (the `<|im_end|>` frame, or the final one at max
+length), so a frame is released only once the next one exists.
+
+On CUDA the pool's CUDA graphs are captured once (`capture_graphs`, called by the engine
+before it sizes its KV pool) for batch buckets 1, 2, 4, .. `max_batch` and the chunk lengths
+`first_chunk_frames` and `chunk_frames`; the policy then feeds the pool only chunks that fit
+a captured shape (a stream's first chunk and the tail of a text batch pad up to one), and at
+most `max_batch` streams per call. On the CPU nothing is captured and a ready stream's whole
+backlog is decoded at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 AudioCallback = Callable[[np.ndarray, np.ndarray], None]  # (samples float32 [n], frames int32 [f, N+1])
 DoneCallback = Callable[[], None]
+
+
+def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """Batch buckets to capture: powers of two below `max_batch`, then `max_batch`."""
+    sizes, size = {max_batch}, 1
+    while size < max_batch:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """How many of a stream's released frames to decode now (pure; the vocoder applies it).
+
+    A stream is due once it holds `chunk_frames` frames (`first_chunk_frames` until its first
+    audio went out, so the first audio stays prompt), or as soon as its text batch has ended
+    (the tail is flushed). Without captured graphs (`graph_chunks` empty) a due stream's whole
+    backlog is taken. With graphs a due stream gives the largest captured chunk that it fills,
+    and an ending stream its tail up to the largest captured chunk (the pool pads it up to the
+    next captured length); the rest waits for the next call. At most `max_batch` streams are
+    taken per call, streams whose first audio is waiting first, then in opening order."""
+
+    chunk_frames: int = 8
+    first_chunk_frames: int = 4
+    graph_chunks: tuple[int, ...] = ()  # captured chunk lengths, ascending
+    max_batch: int | None = None  # streams per codec call; None: unbounded
+
+    def __post_init__(self) -> None:
+        if self.chunk_frames < 1 or self.first_chunk_frames < 1:
+            raise ValueError("chunk sizes must be >= 1")
+        if list(self.graph_chunks) != sorted(set(self.graph_chunks)) or any(c < 1 for c in self.graph_chunks):
+            raise ValueError("graph_chunks must be ascending, distinct and >= 1")
+
+    @staticmethod
+    def graph_chunk_sizes(chunk_frames: int, first_chunk_frames: int) -> tuple[int, ...]:
+        """The chunk lengths worth capturing: the first chunk and the steady chunk."""
+        return tuple(sorted({chunk_frames, first_chunk_frames}))
+
+    def take(self, pending: int, emitted: bool, ending: bool) -> int:
+        """Frames to decode now from `pending` released frames (0: keep holding them)."""
+        need = self.chunk_frames if emitted else self.first_chunk_frames
+        if pending <= 0 or (pending < need and not ending):
+            return 0
+        if not self.graph_chunks:
+            return pending
+        limit = min(pending, self.graph_chunks[-1])
+        if ending:
+            return limit
+        return max((c for c in self.graph_chunks if c <= limit), default=limit)
+
+    def plan(self, streams: Sequence[tuple[int, bool, bool]]) -> dict[int, int]:
+        """`streams`: (pending, emitted, ending) per stream -> {index: frames to take now}."""
+        due = [(i, n) for i, (p, e, end) in enumerate(streams) if (n := self.take(p, e, end)) > 0]
+        if self.max_batch is not None and len(due) > self.max_batch:
+            due.sort(key=lambda item: streams[item[0]][1])  # stable: first audio waiting first
+            due = due[: self.max_batch]
+        return dict(due)
 
 
 class VocoderStream:
@@ -33,12 +98,18 @@ class VocoderStream:
         self.codec_stream = None
 
 
+Work = list[tuple[VocoderStream, list[torch.Tensor], DoneCallback | None]]
+
+
 class Vocoder:
-    def __init__(self, codec, max_streams: int, chunk_frames: int = 8, first_chunk_frames: int = 4) -> None:
+    def __init__(
+        self, codec, max_streams: int, chunk_frames: int = 8, first_chunk_frames: int = 4, max_batch: int = 64
+    ) -> None:
         self.codec = codec
+        self.max_streams = max_streams
         self.pool = codec.stream_pool(max_streams)
-        self.chunk_frames = chunk_frames
-        self.first_chunk_frames = first_chunk_frames
+        self.policy = ChunkPolicy(chunk_frames, first_chunk_frames)
+        self.max_batch = max(1, min(max_batch, max_streams))
         self._streams: list[VocoderStream] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -47,6 +118,27 @@ class Vocoder:
     @property
     def sample_rate(self) -> int:
         return self.codec.sample_rate
+
+    @property
+    def chunk_frames(self) -> int:
+        return self.policy.chunk_frames
+
+    @property
+    def first_chunk_frames(self) -> int:
+        return self.policy.first_chunk_frames
+
+    def capture_graphs(self) -> bool:
+        """On CUDA: capture the pool's graphs for the policy's shapes and switch the policy to
+        them. Call before the vocoder thread starts (capture must not race other GPU work).
+        Returns whether graphs were captured."""
+        if self.codec.device.type != "cuda" or self.policy.graph_chunks:
+            return bool(self.policy.graph_chunks)
+        chunks = ChunkPolicy.graph_chunk_sizes(self.policy.chunk_frames, self.policy.first_chunk_frames)
+        self.pool.capture_cuda_graphs(list(graph_batch_sizes(self.max_batch)), list(chunks))
+        self.policy = ChunkPolicy(
+            self.policy.chunk_frames, self.policy.first_chunk_frames, chunks, self.max_batch
+        )
+        return True
 
     # Engine thread -------------------------------------------------------------------------
 
@@ -91,26 +183,34 @@ class Vocoder:
             self._thread.join()
             self._thread = None
 
-    def _ready(self, stream: VocoderStream) -> bool:
-        need = self.chunk_frames if stream.emitted else self.first_chunk_frames
-        return len(stream.pending) >= need or stream.ending is not None
+    def collect(self) -> Work:
+        """Take the frames due now (`policy.plan`) and the streams that are done, as
+        (stream, frames, done callback or None); finished streams leave the list. Caller holds
+        `_wake` (or owns the vocoder, as tests do)."""
+        plan = self.policy.plan([(len(s.pending), s.emitted, s.ending is not None) for s in self._streams])
+        work: Work = []
+        for index, stream in enumerate(self._streams):
+            count = plan.get(index, 0)
+            frames, stream.pending = stream.pending[:count], stream.pending[count:]
+            done = stream.ending if stream.ending is not None and not stream.pending else None
+            if frames or done is not None:
+                work.append((stream, frames, done))
+        for stream, _, done in work:
+            if done is not None:
+                self._streams.remove(stream)
+        return work
 
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not any(self._ready(s) for s in self._streams):
+                work: Work = []
+                while not self._stopping and not (work := self.collect()):
                     self._wake.wait()
                 if self._stopping:
                     return
-                batch = [s for s in self._streams if self._ready(s)]
-                work = [(s, s.pending, s.ending) for s in batch]
-                for s in batch:
-                    s.pending = []
-                    if s.ending is not None:
-                        self._streams.remove(s)
             self.decode(work)
 
-    def decode(self, work: list[tuple[VocoderStream, list[torch.Tensor], DoneCallback | None]]) -> None:
+    def decode(self, work: Work) -> None:
         """Decode one batch of streams' frames in one codec call and deliver the audio."""
         with_frames = [(s, frames) for s, frames, _ in work if frames]
         if with_frames:
@@ -129,3 +229,6 @@ class Vocoder:
                     stream.codec_stream.close()
                     stream.codec_stream = None
                 done()
+
+
+__all__ = ["ChunkPolicy", "Vocoder", "VocoderStream", "graph_batch_sizes"]

@@ -1,0 +1,378 @@
+"""FP8 weights in the engine: preparing a model, and the projections of the fused decode step.
+
+`prepare_model` makes a loaded model the engine's FP8 model: it quantizes every transformer-block
+projection (`fp8_linear.QUANTIZED_MODULES`) unless the model came from an FP8 checkpoint, sets the
+activation mode, and checks every layer's layout with its probe. Embeddings, norms, the S2 head
+slice and the fast head stay in the model dtype: embeddings are gathers (a step reads B rows, not
+the matrix), norms are vectors, and the two heads are 2 x 10.5 M parameters (about 1.4% of the
+bytes a frame reads) whose logits decide every sampled token directly, so they keep full precision.
+
+`Fp8Projections` runs those projections for `engine/decode_step.py`'s kernel path. Per call the
+kernel variant is chosen from the GEMM shape (N, K) and the row count M (`variant_for`):
+
+- `"w8a8"`: activations quantized per token per 128 columns by one `kernels/quant.py` launch (for
+  the down projection fused with SwiGLU: `swiglu_quantize`), then the W8A8 GEMM; measured fastest
+  at M <= 16 (docs/performance.md run 6);
+- `"w8a8_inline"`: the GEMM quantizes its activation tiles itself (no extra launch);
+- `"w8a16"`: bf16 activations, weights dequantized in registers;
+- `"bf16"`: cuBLAS on a resident bf16 copy dequantized from the FP8 weights once at load (more
+  memory, kept only for shapes whose table entry uses it); faster at M >= 64 in run 2.
+
+`VARIANT_TABLE` holds measured winners (`shoal bench engine --fp8-sweep` prints it);
+`default_variant` decides the rest. M buckets are the GEMM's (1, 2, ..., 128) plus `LARGE_M` for
+eager prefill.
+
+CUDA-graph safety: `reserve(ms)` allocates, before capture, the outputs, activation buffers and one
+split-K workspace for every M the graphs use; a call with a reserved M allocates nothing. A call with
+another M allocates (eager prefill) and is refused while a graph is being captured.
+
+Gate and up projections run as one GEMM over [w1; w3] when the intermediate size is a multiple of
+128: then no 128-row weight block straddles the two, so concatenating weights and scales is exact.
+Otherwise the two GEMMs write the two halves of one [M, 2I] buffer. Either way SwiGLU is applied
+by the down projection's activation load (`swiglu_quantize` or the GEMM's SWIGLU input).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shoal.kernels import reference
+from shoal.quant.fp8_linear import Fp8Linear, fp8_layers, quantize_model_, verify_model_layout
+
+logger = logging.getLogger(__name__)
+
+VARIANTS = ("w8a8", "w8a8_inline", "w8a16", "bf16")
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # the buckets of `kernels/fp8_gemm.py`'s tuned tables
+LARGE_M = 1 << 30  # bucket of every M above 128 (eager prefill)
+# Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
+DEFAULT_QUANTIZE_ACTIVATIONS = True
+
+# (N, K, M bucket) -> variant, measured on the H200 with `shoal bench engine --fp8-sweep`.
+# S2-Pro shapes: qkv (6144, 2560), o (2560, 4096), gate+up (19456, 2560), down (2560, 9728).
+# Empty until that run; `default_variant` decides meanwhile.
+VARIANT_TABLE: dict[tuple[int, int, int], str] = {}
+
+
+def m_bucket(m: int) -> int:
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return LARGE_M
+
+
+def default_variant(bucket: int, quantize_activations: bool = DEFAULT_QUANTIZE_ACTIVATIONS) -> str:
+    """Before measurement: the FP8 kernel where it was measured to win (M <= 16 in run 6, assumed up
+    to 32), bf16 cuBLAS from M = 64 (run 2: gate+up 30.1 vs 40.3 us, down 21.4 vs 25.2 at M = 128)."""
+    if bucket >= 64:
+        return "bf16"
+    return "w8a8" if quantize_activations else "w8a16"
+
+
+def variant_for(
+    n: int,
+    k: int,
+    m: int,
+    quantize_activations: bool = DEFAULT_QUANTIZE_ACTIVATIONS,
+    table: dict[tuple[int, int, int], str] | None = None,
+) -> str:
+    bucket = m_bucket(m)
+    chosen = (VARIANT_TABLE if table is None else table).get((n, k, bucket))
+    return chosen or default_variant(bucket, quantize_activations)
+
+
+# ---- preparing the model --------------------------------------------------------------------------
+
+
+def has_fp8_layers(model: nn.Module) -> bool:
+    return any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+@torch.no_grad()
+def prepare_model(model: nn.Module, quantize_activations: bool = DEFAULT_QUANTIZE_ACTIVATIONS) -> int:
+    """Make `model` (in place) the engine's FP8 model: quantize its projections unless they already
+    are FP8 (a `shoal quantize` checkpoint), set every layer's activation mode, verify the layouts.
+    Returns the number of FP8 layers."""
+    if not fp8_layers(model):
+        names = quantize_model_(model, quantize_activations)
+        if not names:
+            raise ValueError("the model has no projection that fp8_linear.QUANTIZED_MODULES matches")
+        logger.info("quantized %d projections to FP8 at load", len(names))
+    for _, layer in fp8_layers(model):
+        layer.quantize_input = quantize_activations
+    return verify_model_layout(model)
+
+
+# ---- the projections of the fused step ------------------------------------------------------------
+
+
+@dataclass
+class Fp8Weight:
+    """One GEMM's weight: e4m3 [N, K], fp32 block scales, optional bias, optional resident bf16 copy."""
+
+    q: Tensor
+    scale: Tensor
+    bias: Tensor | None = None
+    dense: Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1]
+
+    @classmethod
+    def of(cls, layer: Fp8Linear) -> Fp8Weight:
+        return cls(layer.weight, layer.weight_scale, layer.bias)
+
+
+@dataclass
+class _Block:
+    qkv: Fp8Weight
+    wo: Fp8Weight
+    gate_up: Fp8Weight | None  # [w1; w3] when exact (intermediate % 128 == 0)
+    w1: Fp8Weight
+    w3: Fp8Weight
+    w2: Fp8Weight
+
+
+def _concatenate_gate_up(w1: Fp8Linear, w3: Fp8Linear) -> Fp8Weight | None:
+    """[w1; w3] with its scales, or None when a weight block would straddle the two. The layers'
+    buffers become views of the concatenation, so the weights are held once."""
+    if w1.out_features % 128 or w1.bias is not None or w3.bias is not None:
+        return None
+    q = torch.cat([w1.weight, w3.weight])
+    scale = torch.cat([w1.weight_scale, w3.weight_scale])
+    rows, blocks = w1.out_features, w1.out_features // 128
+    w1.weight, w3.weight = q[:rows], q[rows:]
+    w1.weight_scale, w3.weight_scale = scale[:blocks], scale[blocks:]
+    return Fp8Weight(q, scale)
+
+
+class Fp8Projections:
+    """qkv / o / SwiGLU MLP of every block of a prepared FP8 model, one variant per (N, K, M).
+
+    `backend="triton"` calls the kernels (CUDA, or the Triton interpreter in tests); `"reference"`
+    the torch references of the same ops, output in the activation dtype, for testing the plan
+    (concatenation, halves, buffers, variants) on the CPU."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: str = "triton",
+        table: dict[tuple[int, int, int], str] | None = None,
+    ) -> None:
+        if backend not in ("triton", "reference"):
+            raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+        self.backend = backend
+        self.table = VARIANT_TABLE if table is None else table
+        self.dense_dtype = model.embeddings.weight.dtype
+        layers = fp8_layers(model)
+        if not layers:
+            raise ValueError("the model has no Fp8Linear layers (prepare_model first)")
+        self.quantize_activations = all(layer.quantize_input for _, layer in layers)
+        self.blocks: dict[int, _Block] = {}
+        for block in [*model.layers, *model.fast_layers]:
+            attn, ff = block.attention, block.feed_forward
+            modules = (attn.wqkv, attn.wo, ff.w1, ff.w3, ff.w2)
+            if not all(isinstance(m, Fp8Linear) for m in modules):
+                raise ValueError("every block projection must be an Fp8Linear for the FP8 step")
+            gate_up = _concatenate_gate_up(ff.w1, ff.w3)
+            self.blocks[id(block)] = _Block(
+                Fp8Weight.of(attn.wqkv), Fp8Weight.of(attn.wo), gate_up,
+                Fp8Weight.of(ff.w1), Fp8Weight.of(ff.w3), Fp8Weight.of(ff.w2),
+            )  # fmt: skip
+        self._dense_copies()
+        self.reserved: set[int] = set()
+        self._buffers: dict[tuple, Tensor] = {}
+        self.workspace = None
+
+    def variant(self, n: int, k: int, m: int) -> str:
+        return variant_for(n, k, m, self.quantize_activations, self.table)
+
+    def weights(self):
+        for block in self.blocks.values():
+            yield from (block.qkv, block.wo, block.w2)
+            yield from ([block.gate_up] if block.gate_up is not None else [block.w1, block.w3])
+
+    def _dense_copies(self) -> None:
+        """bf16 copies (dequantized from FP8) for the shapes some bucket runs on cuBLAS."""
+        buckets = (*M_BUCKETS, LARGE_M)
+        for w in self.weights():
+            if any(self.variant(w.n, w.k, b) == "bf16" for b in buckets):
+                w.dense = reference.dequantize_weight(w.q, w.scale).to(self.dense_dtype)
+
+    # Buffers ----------------------------------------------------------------------------------
+
+    def reserve(self, ms) -> None:
+        """Allocate every output, activation buffer and the split-K workspace the calls with these
+        row counts need (call before CUDA-graph capture). Never reallocated afterwards."""
+        if self.reserved:
+            raise RuntimeError("Fp8Projections.reserve may be called once (graphs hold its buffers)")
+        ms = sorted(set(ms))
+        partials, tiles = 0, 0
+        for m in ms:
+            for w in self.weights():
+                self._plan_buffers(w, m, swiglu=False)
+            for block in self.blocks.values():
+                self._plan_buffers(block.w2, m, swiglu=True)
+            if self.backend == "triton":
+                p, t = self._workspace_need(m)
+                partials, tiles = max(partials, p), max(tiles, t)
+        if self.backend == "triton":
+            from shoal.kernels.fp8_gemm import SplitKWorkspace
+
+            device = next(iter(self.weights())).q.device
+            self.workspace = SplitKWorkspace(partials, tiles, device)
+        self.reserved = set(ms)
+
+    def _workspace_need(self, m: int) -> tuple[int, int]:
+        from shoal.kernels.fp8_gemm import SplitKWorkspace, pick_config
+
+        partials, tiles = 0, 0
+        for w in [*self.weights(), *(b.w2 for b in self.blocks.values())]:
+            variant = self.variant(w.n, w.k, m)
+            if variant == "bf16":
+                continue
+            config = pick_config(w.n, w.k, m, w.q.device, fp8_activations=variant != "w8a16")
+            p, t = SplitKWorkspace.required(m, w.n, config)
+            partials, tiles = max(partials, p), max(tiles, t)
+        return partials, tiles
+
+    def _plan_buffers(self, w: Fp8Weight, m: int, swiglu: bool) -> None:
+        device = w.q.device
+        self._buffer(("out", w.n, m), lambda: torch.empty(m, w.n, dtype=torch.bfloat16, device=device))
+        if self.variant(w.n, w.k, m) == "w8a8":
+            self._act_buffers(m, w.k, device)
+
+    def _buffer(self, key: tuple, make) -> Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = make()
+        return buffer
+
+    def _act_buffers(self, m: int, k: int, device) -> tuple[Tensor, Tensor]:
+        from shoal.kernels.quant import new_activation_scales
+
+        q = self._buffer(("act", k, m), lambda: torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device))
+        scales = self._buffer(("scale", k, m), lambda: new_activation_scales(m, k, device))
+        return q, scales
+
+    def _static(self, m: int) -> bool:
+        """Whether this M runs on reserved buffers; other M values allocate (never in a capture)."""
+        if m in self.reserved:
+            return True
+        if self.backend == "triton" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"FP8 projections: M = {m} was not reserved before CUDA-graph capture")
+        return False
+
+    def _out(self, m: int, n: int, device, static: bool) -> Tensor:
+        if static:
+            return self._buffers[("out", n, m)]
+        return torch.empty(m, n, dtype=torch.bfloat16, device=device)
+
+    # The projections --------------------------------------------------------------------------
+
+    def qkv(self, block: nn.Module, x: Tensor) -> Tensor:
+        return self._linear(self.blocks[id(block)].qkv, x)
+
+    def out_proj(self, block: nn.Module, x: Tensor) -> Tensor:
+        return self._linear(self.blocks[id(block)].wo, x)
+
+    def mlp(self, block: nn.Module, x: Tensor) -> Tensor:
+        """w2(silu(w1 x) * w3 x) with SwiGLU fused into the down projection's activation load."""
+        b = self.blocks[id(block)]
+        if b.gate_up is not None:
+            gate_up = self._linear(b.gate_up, x, keep_bf16=True)
+        else:
+            m, inter = x.shape[0], b.w1.n
+            static = self._static(m)
+            gate_up = self._buffer(("halves", inter, m), lambda: self._halves(m, inter, x.device)) if static else (
+                torch.empty(m, 2 * inter, dtype=torch.bfloat16, device=x.device)
+            )  # fmt: skip
+            self._linear(b.w1, x, keep_bf16=True, out=gate_up[:, :inter])
+            self._linear(b.w3, x, keep_bf16=True, out=gate_up[:, inter:])
+        return self._linear(b.w2, gate_up, swiglu=True, out_dtype=x.dtype)
+
+    @staticmethod
+    def _halves(m: int, inter: int, device) -> Tensor:
+        return torch.empty(m, 2 * inter, dtype=torch.bfloat16, device=device)
+
+    def _linear(
+        self,
+        w: Fp8Weight,
+        x: Tensor,
+        *,
+        swiglu: bool = False,
+        keep_bf16: bool = False,
+        out: Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """x [M, K] (gate | up [M, 2K] with `swiglu`) -> [M, N]: bf16 with `keep_bf16` (an
+        intermediate), else the input's dtype (`out_dtype` when given)."""
+        m = x.shape[0]
+        out_dtype = out_dtype or x.dtype
+        variant = self.variant(w.n, w.k, m)
+        if self.backend == "reference":
+            y = self._reference(w, x, variant, swiglu)
+            y = y.to(torch.bfloat16) if keep_bf16 else y.to(out_dtype)
+            if out is not None:
+                out.copy_(y)
+                return out
+            return y
+        static = self._static(m)
+        if out is None:
+            out = self._out(m, w.n, x.device, static)
+        a = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        workspace = self.workspace if static else None
+        if variant == "bf16":
+            a = reference.swiglu(a).to(torch.bfloat16) if swiglu else a
+            if static or swiglu:  # graph buffers stay put; the product is a new tensor anyway
+                torch.mm(a, w.dense.t(), out=out)
+            else:
+                out = torch.mm(a, w.dense.t()) if out.shape[0] != m else torch.mm(a, w.dense.t(), out=out)
+        elif variant == "w8a8":
+            from shoal.kernels.fp8_gemm import fp8_gemm
+            from shoal.kernels.quant import quantize_activations, swiglu_quantize
+
+            q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
+            quantize = swiglu_quantize if swiglu else quantize_activations
+            q, s = quantize(a, out=q_out, scales=scales)
+            fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace)
+        else:
+            from shoal.kernels.fp8_gemm import fp8_linear
+
+            fp8_linear(a, w.q, w.scale, variant == "w8a8_inline", swiglu, out=out, workspace=workspace)
+        if w.bias is not None:
+            out.add_(w.bias.to(out.dtype))
+        if keep_bf16 or out_dtype == torch.bfloat16:
+            return out
+        return out.to(out_dtype)
+
+    def _reference(self, w: Fp8Weight, x: Tensor, variant: str, swiglu: bool) -> Tensor:
+        """The same variant with `kernels/reference.py`, fp32 arithmetic, unrounded output."""
+        if variant == "bf16":
+            a = reference.swiglu(x) if swiglu else x.float()
+            y = a.to(w.dense.dtype) @ w.dense.t()
+        else:
+            y = reference.fp8_linear(
+                x, w.q, w.scale, variant in ("w8a8", "w8a8_inline"), swiglu, out_dtype=torch.float32
+            )
+        return y + w.bias.float() if w.bias is not None else y
+
+
+def graph_row_counts(buckets) -> set[int]:
+    """The M values the decode step's GEMMs see for these batch buckets: B rows in the slow model
+    and in fast passes 2.., 2B in the 2-token first fast pass."""
+    return {m for b in buckets for m in (b, 2 * b)}
+
+
+def dense_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """The bf16 path's projection (what `decode_step` calls when FP8 is off)."""
+    return F.linear(x, weight)
