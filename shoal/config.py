@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+WEIGHT_FORMATS = ("bf16", "fp8")
+
 
 def _default_queue_limits() -> dict[str, int]:
     # Keyed by Priority name (lower case). Realtime traffic should never queue deeply: if it
@@ -21,6 +23,11 @@ class EngineConfig:
 
     device: str = "cuda"
     dtype: str = "bfloat16"  # model and KV dtype: "bfloat16" | "float16" | "float32" | "float64"
+    # Transformer-block projections: "bf16" (the model dtype, as loaded) or "fp8" (block-scaled
+    # e4m3 weights, docs/quantization.md; a bf16 model is quantized in place when the engine starts).
+    weight_format: str = "bf16"
+    # FP8 only: quantize activations per token per 128 columns (W8A8) instead of W8A16.
+    fp8_quantize_activations: bool = True
 
     # Batching
     max_running_requests: int = 256  # requests in the decode batch at once ("running slots")
@@ -68,6 +75,8 @@ class EngineConfig:
             raise ValueError("memory_fraction must be in (0, 1]")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.decode_step not in (None, "fast", "reference"):
             raise ValueError("decode_step must be 'fast', 'reference' or None")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import numpy as np
 import pytest
@@ -11,10 +12,13 @@ import torch
 from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason, SamplingOptions, SynthesisRequest, VoiceReference
 from shoal.engine.engine import LocalEngine
+from shoal.engine.handles import V15_MAX_LENGTH
+from shoal.engine.vocoder import ChunkPolicy, Vocoder, graph_batch_sizes
 from shoal.models import load_model
 from shoal.models.codec import load_codec
-from shoal.models.prompt import Reference
+from shoal.models.prompt import Reference, Turn, build_prompt, voice_prefix_length
 from shoal.models.reference import generate_long
+from shoal.models.writer import tiny_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +129,99 @@ def test_load_engine_on_a_demo_checkpoint(tmp_path):
     assert np.isfinite(audio).all()
     with pytest.raises(FileNotFoundError):
         load_engine(directory, codec=tmp_path / "missing.pth", device="cpu")
+
+
+def test_chunk_policy_feeds_captured_chunks():
+    eager = ChunkPolicy(chunk_frames=8, first_chunk_frames=4)  # CPU: the whole backlog once due
+    assert [eager.take(n, False, False) for n in (3, 4, 6)] == [0, 4, 6]
+    assert [eager.take(n, True, False) for n in (7, 8, 13)] == [0, 8, 13]
+    assert eager.take(3, True, True) == 3 and eager.take(0, True, True) == 0
+    chunks = ChunkPolicy.graph_chunk_sizes(8, 4)
+    assert chunks == (4, 8) and graph_batch_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert graph_batch_sizes(48)[-2:] == (32, 48)
+    graphs = ChunkPolicy(8, 4, chunks, max_batch=2)
+    assert [graphs.take(n, False, False) for n in (3, 4, 7, 9)] == [0, 4, 4, 8]  # first audio: prompt
+    assert [graphs.take(n, True, False) for n in (7, 8, 15, 20)] == [0, 8, 8, 8]  # steady: full chunks
+    assert [graphs.take(n, True, True) for n in (1, 5, 8, 13)] == [1, 5, 8, 8]  # tail: pads to a graph
+    # At most max_batch streams per call, first audio before steady chunks, then in order.
+    assert graphs.plan([(8, True, False), (9, True, False), (4, False, False), (2, True, False)]) == {
+        2: 4,
+        0: 8,
+    }
+
+
+def test_vocoder_decodes_due_chunks_and_equals_full_decode(codec):
+    vocoder = Vocoder(codec, 4, chunk_frames=8, first_chunk_frames=4, max_batch=2)
+    assert not vocoder.capture_graphs() and not vocoder.policy.graph_chunks  # CPU: nothing changes
+    vocoder.policy = ChunkPolicy(8, 4, (4, 8), max_batch=2)  # as after a capture on CUDA
+    calls: list[list[int]] = []
+    step = vocoder.pool.step
+
+    def recording_step(streams, codes):
+        calls.append([c.shape[-1] for c in codes])
+        return step(streams, codes)
+
+    vocoder.pool.step = recording_step
+    g = torch.Generator().manual_seed(5)
+    frames = {
+        k: torch.randint(0, 32, (n, 5), generator=g, dtype=torch.int32)
+        for k, n in {"a": 15, "b": 10, "c": 3}.items()
+    }
+    audio = {k: [] for k in frames}
+    done: list[str] = []
+    streams = {k: vocoder.open(lambda samples, _, k=k: audio[k].append(samples)) for k in frames}
+
+    def run() -> None:
+        while work := vocoder.collect():
+            vocoder.decode(work)
+
+    vocoder.push(streams["a"], frames["a"][:6])  # 5 released: its first chunk (4) is due
+    vocoder.push(streams["b"], frames["b"])  # 9 released: a first chunk of 8
+    vocoder.push(streams["c"], frames["c"])  # 2 released: wait
+    run()
+    vocoder.push(streams["a"], frames["a"][6:])  # 1 + 9 released: one full chunk
+    vocoder.end(streams["c"], lambda: done.append("c"))  # its tail of 2, then done
+    run()
+    vocoder.end(streams["a"], lambda: done.append("a"))
+    vocoder.end(streams["b"], lambda: done.append("b"))
+    run()
+    assert calls == [[4, 8], [8, 2], [2, 1]]
+    assert sorted(done) == ["a", "b", "c"] and not vocoder._streams
+    for key, sent in frames.items():
+        codes = sent[:-1, 1:].t().long()  # every frame but the held-back last one
+        expected = codec.decode(codes)[0, 0]
+        np.testing.assert_allclose(np.concatenate(audio[key]), expected.numpy(), atol=1e-4)
+
+
+def test_v15_long_text_slides_the_history_as_the_reference(tmp_path):
+    assert inspect.signature(generate_long).parameters["max_length"].default == V15_MAX_LENGTH
+    write_checkpoint(tmp_path, tiny_config("1.5"), dtype=torch.float32)
+    model = load_model(tmp_path, dtype=torch.float64)
+    assert model.config.family == "1.5"
+    text = "One two. Three four. Five six. Seven eight. Nine ten."
+    # Room for about two turns of history besides batch 0 (as in test_reference).
+    max_length = 1024 + voice_prefix_length(model.config, model.tokenizer) + 150
+    options = SamplingOptions(temperature=0.7, top_p=0.8, repetition_penalty=1.2, seed=3)
+    request = SynthesisRequest(text, sampling=options, max_new_frames=6, chunk_length=12)
+    engine = LocalEngine(model, EngineConfig(device="cpu", dtype="float64", num_pages=256, page_size=4))
+    engine.v15_max_length = max_length
+
+    async def scenario():
+        engine.start_thread()
+        try:
+            return await asyncio.wait_for(synthesize(engine, request), 120)
+        finally:
+            engine.stop_thread()
+
+    handle, chunks = asyncio.run(scenario())
+    assert handle.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    oracle = generate_long(
+        model, text, chunk_length=12, max_frames=6, temperature=0.7, top_p=0.8, seed=3,
+        repetition_penalty=1.2, max_length=max_length,
+    )  # fmt: skip
+    assert len(oracle) == 5
+    every = [Turn(b.text, b.frames) for b in oracle[:-1]]
+    unslid = build_prompt(model.config, model.tokenizer, oracle[-1].text, (), every)
+    assert oracle[-1].prompt.shape[1] < unslid.shape[1]  # the window did drop middle batches
+    frames = np.concatenate([c.frames for c in chunks])  # no codec: every frame of every batch
+    assert np.array_equal(frames, torch.cat([b.frames for b in oracle], dim=1).t().numpy())

@@ -4,6 +4,8 @@ single-request oracle `reference.generate`, whatever the batch and whenever it a
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -233,3 +235,58 @@ def test_overload_then_keeps_serving(model):
     assert torch.equal(got, expected(model, prompt, SamplingParams(seed=3), 8))
     assert torch.equal(got_again, expected(model, prompt, SamplingParams(seed=4), 8))
     assert stats.running == 0 and stats.pages_used == 0
+
+
+def test_submit_abort_and_stats_do_not_wait_for_a_step(model):
+    """The caller's thread never waits for the engine thread: with a step held open, submit,
+    abort and stats return at once; the late request joins the next step, the abort frees
+    the aborted request's pages at that boundary."""
+    config = EngineConfig(device="cpu", dtype="float64", num_pages=128, page_size=4, ignore_eos=True)
+    engine = LocalEngine(model, config)
+    prompt = build_prompt(model.config, model.tokenizer, "hello", [])
+    in_step, release = threading.Event(), threading.Event()
+    steps: list[set[str]] = []
+    pages_after: list[int] = []
+    end_step = engine.core.end_step
+
+    def held_end_step(pending):
+        plan = pending.plan
+        steps.append({r.request_id for r in plan.decodes} | {r.request_id for r, _ in plan.prefills})
+        if len(steps) == 3:  # hold the third step open (the old engine held its lock here)
+            in_step.set()
+            release.wait(3)
+        result = end_step(pending)
+        pages_after.append(engine.core.kv.pool.num_used)
+        return result
+
+    engine.core.end_step = held_end_step
+
+    async def scenario():
+        engine.start_thread()
+        try:
+            first = engine.submit_frames(
+                prompt, SamplingParams(seed=1), max_new_frames=40, request_id="first"
+            )
+            assert await asyncio.to_thread(in_step.wait, 60)
+            start = time.perf_counter()
+            late = engine.submit_frames(prompt, SamplingParams(seed=2), max_new_frames=6, request_id="late")
+            engine.abort("first")
+            stats = engine.stats()
+            elapsed = time.perf_counter() - start
+            release.set()
+            first_frames = await asyncio.wait_for(first.collect(), 60)
+            late_frames = await asyncio.wait_for(late.collect(), 60)
+        finally:
+            release.set()
+            engine.stop_thread()
+        return elapsed, stats, first, first_frames, late_frames
+
+    elapsed, stats, first, first_frames, late_frames = asyncio.run(scenario())
+    assert elapsed < 0.5, f"submit/abort/stats waited {elapsed:.2f} s for the engine thread"
+    assert stats.running == 1 and stats.waiting["standard"] == 1  # "late" counted before it is drained
+    assert steps[3] == {"late"}  # joined the very next step; "first" was aborted at that boundary
+    assert first.finish_reason is FinishReason.ABORTED and first_frames.shape[1] == 3
+    assert pages_after[3] == engine.core.kv.pages_for(prompt.shape[1])  # only "late"'s prompt pages
+    oracle = expected(model, prompt, SamplingParams(seed=2), 6)
+    assert torch.equal(late_frames[:, : oracle.shape[1]], oracle)
+    assert engine.core.kv.pool.num_used == 0

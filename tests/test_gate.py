@@ -72,3 +72,63 @@ def test_performance_gate(tmp_path: Path, capsys, measured: dict[int, float], ex
 def test_repo_baseline_file_is_readable() -> None:
     baseline = gate.load_baseline(gate.BASELINE)
     assert sorted(baseline) == [1, 16, 64] and all(v > 0 for v in baseline.values())
+
+
+def _rows(weight_format: str, agg1: float, agg64: float, ttff: float, prefix: int = 0) -> list[dict]:
+    return [
+        {"weight_format": weight_format, "shared_prefix": prefix, "concurrency": 1, "prompt_tokens": 300,
+         "aggregate_frames_per_s": agg1, "per_request_frames_per_s": agg1 * 1.05, "ttff_p50_ms": ttff},
+        {"weight_format": weight_format, "shared_prefix": prefix, "concurrency": 64, "prompt_tokens": 300,
+         "aggregate_frames_per_s": agg64, "per_request_frames_per_s": agg64 / 50, "ttff_p50_ms": 200.0},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "agg1,agg64,ttff,expected_rc",
+    [
+        (340.0, 12500.0, 28.0, 0),
+        (320.0, 12500.0, 28.0, 1),
+        (340.0, 11000.0, 28.0, 1),
+        (340.0, 12500.0, 31.0, 1),
+    ],
+)
+def test_performance_gate_reads_bench_output_and_checks_fp8_targets(
+    tmp_path: Path, capsys, agg1: float, agg64: float, ttff: float, expected_rc: int
+) -> None:
+    # bf16 rows and a shared-prefix fp8 row that would pass must not be the ones read
+    rows = (
+        _rows("bf16", 999.0, 99999.0, 1.0)
+        + _rows("fp8", agg1, agg64, ttff)
+        + _rows("fp8", 999, 99999, 1, 200)
+    )
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps({"results": rows, "fp8_sweep": None}))
+
+    def no_bench(*_args, **_kwargs):
+        raise AssertionError("--results must not benchmark again")
+
+    args = argparse.Namespace(
+        baseline=str(_baseline_file(tmp_path)), checkpoint=None, tolerance=0.05,
+        weight_format="fp8", results=str(results), targets=True,
+    )  # fmt: skip
+    assert gate.run_performance(args, bench=no_bench) == expected_rc
+    out = capsys.readouterr().out
+    assert "fp8 aggregate frames/s at concurrency 1" in out and "performance (fp8)" in out
+
+
+def test_fp8_without_baseline_entry_needs_targets(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        baseline=str(_baseline_file(tmp_path)), checkpoint=None, tolerance=0.05,
+        weight_format="fp8", results=None, targets=False,
+    )  # fmt: skip
+    assert gate.load_baseline(args.baseline, "fp8") is None
+    assert gate.run_performance(args, bench=lambda *a, **k: []) == 1
+
+
+def test_bench_ratio_lines() -> None:
+    from shoal.bench.engine import ratio_lines
+
+    rows = _rows("bf16", 150.0, 5000.0, 40.0) + _rows("fp8", 300.0, 12500.0, 20.0)
+    lines = ratio_lines(rows)
+    assert len(lines) == 2
+    assert "aggregate 2.00x" in lines[0] and "ttff p50 2.00x" in lines[0] and "aggregate 2.50x" in lines[1]

@@ -6,11 +6,18 @@ all different or sharing a voice prefix (`--shared-prefix` tokens). Output lengt
 (`ignore_eos`). Per concurrency it reports aggregate frames/s, per-request decode frames/s,
 time to first frame (p50/p95) and peak GPU memory, plus a naive batch-1 loop
 (`models.reference.generate`) on the same model for comparison.
+
+`--weight-format bf16 fp8` runs both engines in one call, one after the other on the same random
+weights (FP8: quantized at engine start, `quant/engine_fp8.py`), prints fp8/bf16 ratios and checks
+the issue's targets (`bench/gate.py: TARGETS`). `--fp8-sweep` times every FP8 projection variant
+per S2-Pro GEMM shape and M as CUDA-graph replays and prints `VARIANT_TABLE` entries to paste.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import statistics
 import time
@@ -221,6 +228,7 @@ def run_engine_bench(
     use_cuda_graphs: bool = True,
     naive: bool = False,
     breakdown_batches: list[int] | None = None,
+    weight_format: str = "bf16",
 ) -> list[dict]:
     """One result dict per concurrency (the performance gate reads `per_request_frames_per_s`)."""
     concurrencies = concurrencies or [1, 4, 16, 64]
@@ -239,20 +247,76 @@ def run_engine_bench(
         memory_fraction=0.6,
         use_cuda_graphs=use_cuda_graphs,
         ignore_eos=True,
+        weight_format=weight_format,
     )
-    core = EngineCore(model, config)
+    core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
     for concurrency in concurrencies:
         prompts = make_prompts(model, concurrency, prompt_tokens, shared_prefix, seed=concurrency)
         run_level(core, prompts[:1], 4, shared_prefix)  # warm the prefill path
         result = run_level(core, prompts, frames, shared_prefix)
         result["shared_prefix"] = shared_prefix
+        result["weight_format"] = weight_format
+        result["prompt_tokens"] = prompt_tokens
         results.append(result)
     if breakdown_batches and core.runner.step is not None and torch.cuda.is_available():
         results[0]["breakdown"] = breakdown(core, breakdown_batches, prompt_tokens + frames // 2)
     if naive:
         results[0].update(naive_batch1(model, make_prompts(model, 1, prompt_tokens, 0, 0)[0], frames))
     return results
+
+
+def free_gpu() -> None:
+    """Return the previous engine's memory (its KV pool is sized from free memory)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def fp8_sweep(ms: list[int], device: str = "cuda") -> list[dict]:
+    """µs per call of each FP8 projection variant for the S2-Pro GEMM shapes (block 0 of a random
+    model), as CUDA-graph replays on reserved buffers: the numbers `VARIANT_TABLE` is filled from."""
+    from shoal.quant.engine_fp8 import VARIANTS, Fp8Projections, m_bucket, prepare_model
+
+    model = build_random_s2(device, torch.bfloat16)
+    prepare_model(model)
+    projections = Fp8Projections(model, table={})
+    block = projections.blocks[id(model.layers[0])]
+    gate_up = ("gate_up", block.gate_up, False) if block.gate_up is not None else ("w1", block.w1, False)
+    shapes = [("qkv", block.qkv, False), ("o", block.wo, False), gate_up, ("down+swiglu", block.w2, True)]
+    for _, w, _ in shapes:
+        if w.dense is None:
+            from shoal.kernels.reference import dequantize_weight
+
+            w.dense = dequantize_weight(w.q, w.scale).to(torch.bfloat16)
+    projections.reserve(ms)
+    rows = []
+    for name, w, swiglu in shapes:
+        for m in ms:
+            x = torch.randn(m, 2 * w.k if swiglu else w.k, device=device, dtype=torch.bfloat16)
+            timings = {}
+            for variant in VARIANTS:
+                projections.table.clear()
+                projections.table[(w.n, w.k, m_bucket(m))] = variant
+                call = functools.partial(projections._linear, w, x, swiglu=swiglu)
+                timings[variant] = 1000 * _time_graph(call)
+            best = min(timings, key=timings.get)
+            rows.append({"shape": name, "n": w.n, "k": w.k, "m": m, "us": timings, "best": best})
+    return rows
+
+
+def print_sweep(rows: list[dict]) -> None:
+    from shoal.quant.engine_fp8 import VARIANTS, m_bucket
+
+    print(f"{'shape':>12} {'m':>5} " + " ".join(f"{v:>12}" for v in VARIANTS) + "  best")
+    for r in rows:
+        cells = " ".join(f"{r['us'][v]:>12.1f}" for v in VARIANTS)
+        print(f"{r['shape']:>12} {r['m']:>5} {cells}  {r['best']}")
+    print("VARIANT_TABLE entries (shoal/quant/engine_fp8.py):")
+    for r in rows:
+        key = f"({r['n']}, {r['k']}, {m_bucket(r['m'])})"
+        print(f"    {key}: {r['best']!r},  # {r['shape']} {r['us'][r['best']]:.1f} us")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -269,30 +333,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--breakdown", type=int, nargs="*", default=[1, 64], help="batches timed part by part (graphs)"
     )
+    parser.add_argument(
+        "--weight-format",
+        nargs="+",
+        choices=("bf16", "fp8"),
+        default=["bf16"],
+        help="one or more, run one after the other (`bf16 fp8`: ratios side by side)",
+    )
+    parser.add_argument(
+        "--fp8-sweep",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="M",
+        help="first time every FP8 projection variant at these M (default 1 2 4 8 16 32 64 128 300 2048)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    sweep = None
+    if args.fp8_sweep is not None:
+        sweep = fp8_sweep(args.fp8_sweep or [1, 2, 4, 8, 16, 32, 64, 128, 300, 2048], args.device)
+        free_gpu()
+        print_sweep(sweep)
     all_results = []
-    for shared in args.shared_prefix:
-        all_results += run_engine_bench(
-            args.checkpoint,
-            args.concurrency,
-            frames=args.frames,
-            prompt_tokens=args.prompt_tokens,
-            shared_prefix=shared,
-            device=args.device,
-            dtype=args.dtype,
-            use_cuda_graphs=not args.no_graphs,
-            naive=not args.no_naive and shared == args.shared_prefix[0],
-            breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
-        )
-    header = f"{'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6}"
+    for weight_format in args.weight_format:
+        for shared in args.shared_prefix:
+            all_results += run_engine_bench(
+                args.checkpoint,
+                args.concurrency,
+                frames=args.frames,
+                prompt_tokens=args.prompt_tokens,
+                shared_prefix=shared,
+                device=args.device,
+                dtype=args.dtype,
+                use_cuda_graphs=not args.no_graphs,
+                naive=not args.no_naive and shared == args.shared_prefix[0],
+                breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
+                weight_format=weight_format,
+            )
+            free_gpu()
+    print_results(all_results)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"results": all_results, "fp8_sweep": sweep}, f, indent=2)
+    return 0
+
+
+def print_results(all_results: list[dict]) -> None:
+    from shoal.bench.gate import check_targets, select_results
+
+    header = (
+        f"{'format':>6} {'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} "
+        f"{'ttff p50':>9} {'p95':>8} {'GiB':>6}"
+    )
     print(header)
     for r in all_results:
         print(
-            f"{r['concurrency']:>5} {r['shared_prefix']:>6} {r['aggregate_frames_per_s']:>9.1f} "
-            f"{r['per_request_frames_per_s']:>8.1f} {r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m "
-            f"{r['gpu_memory_gib']:>6.1f}"
+            f"{r['weight_format']:>6} {r['concurrency']:>5} {r['shared_prefix']:>6} "
+            f"{r['aggregate_frames_per_s']:>9.1f} {r['per_request_frames_per_s']:>8.1f} "
+            f"{r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m {r['gpu_memory_gib']:>6.1f}"
         )
         for b in r.get("breakdown", []):
             print(
@@ -303,7 +403,29 @@ def run(args: argparse.Namespace) -> int:
             )
         if "naive_batch1_frames_per_s" in r:
             print(f"naive batch-1 loop: {r['naive_batch1_frames_per_s']:.1f} frames/s")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(all_results, f, indent=2)
-    return 0
+    for line in ratio_lines(all_results):
+        print(line)
+    for weight_format in sorted({r["weight_format"] for r in all_results}):
+        _, lines = check_targets(select_results(all_results, weight_format), weight_format)
+        print("\n".join(lines))
+
+
+def ratio_lines(all_results: list[dict]) -> list[str]:
+    """fp8 / bf16 per (concurrency, shared prefix) measured in this run (ttff: bf16 / fp8)."""
+    bf16 = {(r["concurrency"], r["shared_prefix"]): r for r in all_results if r["weight_format"] == "bf16"}
+    lines = []
+    for r in all_results:
+        base = bf16.get((r["concurrency"], r["shared_prefix"]))
+        if r["weight_format"] != "fp8" or base is None:
+            continue
+        agg = r["aggregate_frames_per_s"] / base["aggregate_frames_per_s"]
+        req = r["per_request_frames_per_s"] / base["per_request_frames_per_s"]
+        ttff = base["ttff_p50_ms"] / r["ttff_p50_ms"]
+        line = (
+            f"fp8/bf16 conc {r['concurrency']} prefix {r['shared_prefix']}: aggregate {agg:.2f}x, "
+            f"per-request {req:.2f}x, ttff p50 {ttff:.2f}x faster"
+        )
+        for b, bb in zip(r.get("breakdown", []), base.get("breakdown", []), strict=False):
+            line += f"; step bs={b['batch']} {bb['step_ms'] / b['step_ms']:.2f}x"
+        lines.append(line)
+    return lines

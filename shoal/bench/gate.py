@@ -1,8 +1,12 @@
 """`shoal gate correctness|performance`: the checks a release must pass.
 
-correctness: for a fixed prompt, greedy decoding (`models.reference.generate`, top_k=1) with FP8
-weights must give the bf16 model's frames token for token for the first `--frames` frames, and
-the relative error of the prompt's logits must stay under `--max-logit-error`.
+correctness: for a fixed prompt, greedy decoding (top_k=1) with FP8 weights must give the bf16
+model's frames (`models.reference.generate`) token for token for the first `--frames` frames, and
+the relative error of the prompt's logits must stay under `--max-logit-error`. The FP8 frames come
+from the batching engine (`--path engine`, the default: `EngineCore` with `weight_format="fp8"`,
+i.e. the fused step, FP8 GEMM kernels and CUDA graphs on a GPU) or from the reference generator on
+the quantized model (`--path reference`). The logit error is the FP8 model's own forward
+(`Fp8Linear`, same activation mode) on the prompt.
 
 Random weights make poor gate models: their logits are nearly flat, so any perturbation flips ties
 and the gate would fail on correct code. Without `--checkpoint` the gate builds a small S2-layout
@@ -15,7 +19,9 @@ per-input-channel spread, as trained weights have, so block scales differ and a 
 really changes the product.
 
 performance: per-request decode frames/s at concurrency 1, 16 and 64 (`bench/engine.py`) must stay
-within `--tolerance` of the frozen baseline file (`bench/baselines/perf_h200.json`).
+within `--tolerance` of the frozen baseline file (`bench/baselines/perf_h200.json`), per weight
+format (`--weight-format`). `--results FILE` reads a `shoal bench engine --json FILE` run instead of
+benchmarking again; `--targets` also checks the issue's absolute targets (`TARGETS`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from shoal.quant.fp8_linear import DEFAULT_QUANTIZE_INPUT
 
 BASELINE = Path(__file__).parent / "baselines" / "perf_h200.json"
 CONCURRENCIES = (1, 16, 64)
@@ -118,6 +126,40 @@ def _top1_margin(logits: Tensor, begin: int, end: int) -> float:
     return float(top2[0] - top2[1])
 
 
+GREEDY = dict(temperature=1.0, top_p=1.0, top_k=1, seed=0)
+
+
+@torch.no_grad()
+def engine_greedy(
+    model: nn.Module, prompt: Tensor, frames: int, weight_format: str, quantize_activations: bool = True
+) -> Tensor:
+    """Greedy frames int32 [N+1, F] of one request through the batching engine (`EngineCore`): the
+    fused decode step with FP8 kernels and a CUDA graph on a GPU, the reference step on the CPU."""
+    from shoal.config import EngineConfig
+    from shoal.engine.core import EngineCore
+    from shoal.engine.request import SamplingParams
+
+    weight = model.embeddings.weight
+    page_size = 16
+    config = EngineConfig(
+        device=weight.device.type,
+        dtype=str(weight.dtype).removeprefix("torch."),
+        weight_format=weight_format,
+        fp8_quantize_activations=quantize_activations,
+        max_running_requests=1,
+        page_size=page_size,
+        num_pages=-(-(prompt.shape[1] + frames) // page_size) + 2,
+        graph_buckets=(1,),
+    )
+    core = EngineCore(model, config)
+    params = SamplingParams(repetition_penalty=1.0, **GREEDY)
+    request = core.new_request(prompt, params, max_new_frames=frames)
+    core.add(request)
+    while core.has_work:
+        core.step()
+    return request.frames[: request.num_frames].t().to(torch.int32)
+
+
 @torch.no_grad()
 def check_correctness(
     reference_model: nn.Module,
@@ -125,14 +167,17 @@ def check_correctness(
     prompt: Tensor,
     frames: int = 5,
     max_logit_error: float = 0.1,
+    fp8_frames: Callable[[Tensor, int], Tensor] | None = None,
 ) -> CorrectnessResult:
-    """Greedy frames and prompt logits of `fp8_model` against `reference_model`."""
+    """Greedy frames and prompt logits of `fp8_model` against `reference_model`. `fp8_frames(prompt,
+    frames)` produces the FP8 side's frames (e.g. `engine_greedy`); default the reference generator."""
     from shoal.models.reference import generate
 
     def greedy(model: nn.Module) -> Tensor:
-        return generate(model, prompt, max_frames=frames, temperature=1.0, top_p=1.0, top_k=1, seed=0)
+        return generate(model, prompt, max_frames=frames, **GREEDY)
 
-    expected, actual = greedy(reference_model), greedy(fp8_model)
+    expected = greedy(reference_model)
+    actual = greedy(fp8_model) if fp8_frames is None else fp8_frames(prompt, frames)
     first_mismatch = None
     for f in range(max(expected.shape[1], actual.shape[1])):
         if f >= expected.shape[1] or f >= actual.shape[1] or not torch.equal(expected[:, f], actual[:, f]):
@@ -160,9 +205,21 @@ def run_correctness(args: argparse.Namespace) -> int:
     fp8_model = copy.deepcopy(reference_model)
     quantize_model_(fp8_model, args.quantize_activations)
     verify_model_layout(fp8_model)
+    fp8_frames = None
+    if args.path == "engine":
+
+        def fp8_frames(prompt: Tensor, frames: int) -> Tensor:
+            return engine_greedy(fp8_model, prompt, frames, "fp8", args.quantize_activations)
+
     result = check_correctness(
-        reference_model, fp8_model, gate_prompt(reference_model.config), args.frames, args.max_logit_error
+        reference_model,
+        fp8_model,
+        gate_prompt(reference_model.config),
+        args.frames,
+        args.max_logit_error,
+        fp8_frames,
     )
+    print(f"FP8 frames through the {args.path} path")
     print(result.report())
     return 0 if result.passed else 1
 
@@ -186,10 +243,41 @@ class PerfRow:
         return self.ratio is not None and self.ratio >= 1.0 - self.tolerance
 
 
-def load_baseline(path: str | Path) -> dict[int, float]:
-    """{concurrency: per-request decode frames/s} from a baseline file."""
+# The issue's absolute targets per weight format, on `shoal bench engine` rows without a shared voice
+# prefix: (what, concurrency, result key, "min" | "max", bound).
+TARGETS: dict[str, list[tuple[str, int, str, str, float]]] = {
+    "bf16": [
+        ("aggregate frames/s", 1, "aggregate_frames_per_s", "min", 120.0),
+        ("aggregate frames/s", 64, "aggregate_frames_per_s", "min", 4000.0),
+    ],
+    "fp8": [
+        ("aggregate frames/s", 1, "aggregate_frames_per_s", "min", 330.0),
+        ("aggregate frames/s", 64, "aggregate_frames_per_s", "min", 12000.0),
+        ("time to first frame p50 ms (300-token prompt)", 1, "ttff_p50_ms", "max", 30.0),
+    ],
+}
+
+
+def baseline_key(weight_format: str) -> str:
+    suffix = "" if weight_format == "bf16" else f"_{weight_format}"
+    return f"per_request_frames_per_s{suffix}"
+
+
+def load_baseline(path: str | Path, weight_format: str = "bf16") -> dict[int, float] | None:
+    """{concurrency: per-request decode frames/s} from a baseline file; None when the file has no
+    entry for this weight format."""
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    return {int(c): float(v) for c, v in raw["per_request_frames_per_s"].items()}
+    values = raw.get(baseline_key(weight_format))
+    return None if values is None else {int(c): float(v) for c, v in values.items()}
+
+
+def select_results(results: Sequence[dict], weight_format: str) -> list[dict]:
+    """The rows of one weight format (rows without the key are bf16) and no shared voice prefix."""
+    return [
+        r
+        for r in results
+        if r.get("weight_format", "bf16") == weight_format and int(r.get("shared_prefix", 0)) == 0
+    ]
 
 
 def compare_to_baseline(
@@ -213,19 +301,72 @@ def format_table(rows: Sequence[PerfRow]) -> str:
     return "\n".join(lines)
 
 
-def engine_results(checkpoint: str | None, concurrencies: Sequence[int]) -> list[dict]:
+def check_targets(results: Sequence[dict], weight_format: str) -> tuple[bool, list[str]]:
+    """The issue's absolute targets (`TARGETS`) on rows of `select_results`; a missing row fails."""
+    by_concurrency = {int(r["concurrency"]): r for r in results}
+    lines, passed = [], True
+    for what, concurrency, key, kind, bound in TARGETS[weight_format]:
+        row = by_concurrency.get(concurrency)
+        value = None if row is None or key not in row else float(row[key])
+        ok = value is not None and (value >= bound if kind == "min" else value <= bound)
+        if key == "ttff_p50_ms" and row is not None and row.get("prompt_tokens", 300) != 300:
+            ok = False  # the target is stated for a 300-token prompt
+        passed &= ok
+        shown = "-" if value is None else f"{value:.1f}"
+        sign = ">=" if kind == "min" else "<="
+        lines.append(
+            f"{weight_format} {what} at concurrency {concurrency}: {shown} "
+            f"(target {sign} {bound:g})  {'ok' if ok else 'FAIL'}"
+        )
+    return passed, lines
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """Rows of a `shoal bench engine --json` file."""
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    return raw["results"] if isinstance(raw, dict) else raw
+
+
+def engine_results(
+    checkpoint: str | None, concurrencies: Sequence[int], weight_format: str = "bf16"
+) -> list[dict]:
     """Run the engine benchmark (bench/engine.py) at the gate's concurrencies."""
     from shoal.bench.engine import run_engine_bench
 
-    return run_engine_bench(checkpoint=checkpoint, concurrencies=list(concurrencies))
+    return run_engine_bench(
+        checkpoint=checkpoint, concurrencies=list(concurrencies), weight_format=weight_format
+    )
 
 
 def run_performance(args: argparse.Namespace, bench: Callable[..., list[dict]] = engine_results) -> int:
-    baseline = load_baseline(args.baseline)
-    rows = compare_to_baseline(bench(args.checkpoint, sorted(baseline)), baseline, args.tolerance)
-    print(format_table(rows))
-    passed = all(row.passed for row in rows)
-    print(f"performance: {'PASS' if passed else 'FAIL'} (tolerance {args.tolerance:.0%})")
+    weight_format = getattr(args, "weight_format", "bf16")
+    targets = getattr(args, "targets", False)
+    results_file = getattr(args, "results", None)
+    baseline = load_baseline(args.baseline, weight_format)
+    if baseline is None and not targets:
+        print(f"performance: FAIL: {args.baseline} has no {baseline_key(weight_format)} (use --targets)")
+        return 1
+    concurrencies = set(baseline or {})
+    if targets:
+        concurrencies |= {target[1] for target in TARGETS[weight_format]}
+    concurrencies = sorted(concurrencies)
+    if results_file:
+        results = read_results(results_file)
+    elif weight_format == "bf16":
+        results = bench(args.checkpoint, concurrencies)
+    else:
+        results = bench(args.checkpoint, concurrencies, weight_format=weight_format)
+    results = select_results(results, weight_format)
+    passed = True
+    if baseline is not None:
+        rows = compare_to_baseline(results, baseline, args.tolerance)
+        print(format_table(rows))
+        passed = all(row.passed for row in rows)
+    if targets:
+        targets_passed, lines = check_targets(results, weight_format)
+        print("\n".join(lines))
+        passed &= targets_passed
+    print(f"performance ({weight_format}): {'PASS' if passed else 'FAIL'} (tolerance {args.tolerance:.0%})")
     return 0 if passed else 1
 
 
@@ -239,12 +380,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     correctness.add_argument("--frames", type=int, default=5)
     correctness.add_argument("--max-logit-error", type=float, default=0.1)
     correctness.add_argument("--block-share", type=float, default=0.5)
-    correctness.add_argument("--quantize-activations", action="store_true", help="gate W8A8 instead of W8A16")
+    correctness.add_argument(
+        "--quantize-activations",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_QUANTIZE_INPUT,
+        help="W8A8 (the engine's default) or, with --no-quantize-activations, W8A16",
+    )
+    correctness.add_argument(
+        "--path", choices=("engine", "reference"), default="engine", help="where the FP8 frames come from"
+    )
     correctness.add_argument("--device", default=None)
     performance = sub.add_parser("performance", help="decode frames/s within tolerance of a frozen baseline")
     performance.add_argument("--baseline", default=str(BASELINE))
     performance.add_argument("--checkpoint", default=None)
     performance.add_argument("--tolerance", type=float, default=0.05)
+    performance.add_argument("--weight-format", choices=("bf16", "fp8"), default="bf16")
+    performance.add_argument("--results", default=None, help="a `shoal bench engine --json` file to read")
+    performance.add_argument("--targets", action="store_true", help="also check the issue's absolute targets")
 
 
 def run(args: argparse.Namespace) -> int:

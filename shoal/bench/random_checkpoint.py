@@ -224,6 +224,16 @@ def write_weights(
 # ---- the checkpoint ---------------------------------------------------------------------------
 
 
+def write_metadata(directory: Path, config: ModelConfig, size: str) -> dict:
+    """`tokenizer.json` (+ `tokenizer_config.json`) and `config.json`; returns the config dict."""
+    extra = special_ids(config, size)
+    write_s2_tokenizer(directory, config, extra)
+    official = to_official_dict(config, {"pad_token_id": extra["<|pad|>"]})
+    official["audio_pad_token_id"] = extra["<|audio_pad|>"]
+    (directory / "config.json").write_text(json.dumps(official, indent=2), encoding="utf-8")
+    return official
+
+
 def write_random_checkpoint(
     directory: str | Path,
     size: str = "s2-pro",
@@ -254,11 +264,7 @@ def write_random_checkpoint(
 
         codec_thread = threading.Thread(target=write_codec, name="random-codec")
         codec_thread.start()
-    extra = special_ids(config, size)
-    write_s2_tokenizer(directory, config, extra)
-    official = to_official_dict(config, {"pad_token_id": extra["<|pad|>"]})
-    official["audio_pad_token_id"] = extra["<|audio_pad|>"]
-    (directory / "config.json").write_text(json.dumps(official, indent=2), encoding="utf-8")
+    write_metadata(directory, config, size)
     shards = num_shards or (8 if size == "s2-pro" else 2)
     total = write_weights(directory, config, device=device, num_shards=shards, seed=seed)
     if device.type == "cuda":

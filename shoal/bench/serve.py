@@ -2,8 +2,12 @@
 server. For each concurrency level it keeps that many requests in flight and reports time to
 first audio byte (p50/p95), audio seconds delivered per wall second, and errors.
 
-TTFA is measured from sending the request (HTTP) or the first `text` event (WebSocket) to the
-first audio bytes. Audio is requested as pcm so its duration is exact: bytes / 2 / sample_rate.
+Time to first audio (TTFA): HTTP, from sending `POST /v1/tts` to the first audio bytes of the
+reply; WebSocket (`/v1/tts/live`), from sending the first `text` event to the first `audio`
+event (the server's `shoal_time_to_first_audio_seconds{route="live"}` starts at the same event).
+Audio is requested as pcm so its duration is exact: bytes / 2 / sample_rate. Each level runs
+max(--requests-per-level, --rounds x concurrency) requests; `--warmup` requests per mode run
+first and are not counted (the first requests compile kernels and fill caches).
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog. Shoal streams speech while it is generated."
+HEADER = (
+    "mode  conc. requests errors  TTFA p50  TTFA p95  audio s/s  audio s/req   wall s\n"
+    "                                    (ms)      (ms)"
+)
 
 
 @dataclass
@@ -37,11 +44,13 @@ class LevelResult:
     ttfa_p50_ms: float | None
     ttfa_p95_ms: float | None
     audio_seconds_per_second: float
+    audio_seconds_per_request: float  # mean over the requests without error
     wall_seconds: float
     error_examples: list[str] = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..1) of `values`; None when empty."""
     if not values:
         return None
     ordered = sorted(values)
@@ -55,11 +64,15 @@ def tts_body(args: argparse.Namespace) -> dict:
         "format": "pcm",
         "sample_rate": args.sample_rate,
         "chunk_length": args.chunk_length,
+        "max_new_tokens": args.max_new_tokens,
     }
-    body["max_new_tokens"] = args.max_new_tokens
     if args.reference_id:
         body["reference_id"] = args.reference_id
     return body
+
+
+def pcm_seconds(received: int, args: argparse.Namespace) -> float:
+    return received / 2 / args.sample_rate
 
 
 async def one_http(client, args: argparse.Namespace) -> Sample:
@@ -74,22 +87,27 @@ async def one_http(client, args: argparse.Namespace) -> Sample:
         ) as reply:
             if reply.status_code != 200:
                 await reply.aread()
-                return Sample(
-                    None, time.perf_counter() - started, 0.0, f"HTTP {reply.status_code}: {reply.text[:200]}"
-                )
+                message = f"HTTP {reply.status_code}: {reply.text[:200]}"
+                return Sample(None, time.perf_counter() - started, 0.0, message)
             async for chunk in reply.aiter_raw():
                 if chunk and ttfa is None:
                     ttfa = time.perf_counter() - started
                 received += len(chunk)
     except Exception as error:  # a benchmark reports failures, it does not stop on them
-        return Sample(ttfa, time.perf_counter() - started, received / 2 / args.sample_rate, repr(error))
-    return Sample(ttfa, time.perf_counter() - started, received / 2 / args.sample_rate)
+        return Sample(ttfa, time.perf_counter() - started, pcm_seconds(received, args), describe(error))
+    return Sample(ttfa, time.perf_counter() - started, pcm_seconds(received, args))
 
 
 def websocket_url(base_url: str) -> str:
     parts = urlsplit(base_url)
     scheme = "wss" if parts.scheme == "https" else "ws"
     return urlunsplit((scheme, parts.netloc, parts.path.rstrip("/") + "/v1/tts/live", "", ""))
+
+
+def text_events(text: str) -> list[str]:
+    """The text as a client streams it: word by word (each with its trailing space)."""
+    words = text.split(" ")
+    return [word + " " for word in words[:-1]] + [words[-1]]
 
 
 async def one_websocket(args: argparse.Namespace) -> Sample:
@@ -101,34 +119,67 @@ async def one_websocket(args: argparse.Namespace) -> Sample:
     started = time.perf_counter()
     ttfa, received, first_text_at = None, 0, None
     try:
-        async with connect(websocket_url(args.url), additional_headers=headers, max_size=None) as socket:
+        async with connect(
+            websocket_url(args.url), additional_headers=headers, max_size=None, open_timeout=args.timeout
+        ) as socket:
             await socket.send(ormsgpack.packb({"event": "start", "request": request}))
-            first_text_at = time.perf_counter()
-            for word in args.text.split(" "):
-                await socket.send(ormsgpack.packb({"event": "text", "text": word + " "}))
+            for text in text_events(args.text):
+                if first_text_at is None:
+                    first_text_at = time.perf_counter()  # TTFA starts at the first `text` event
+                await socket.send(ormsgpack.packb({"event": "text", "text": text}))
             await socket.send(ormsgpack.packb({"event": "stop"}))
             while True:
                 event = ormsgpack.unpackb(await socket.recv())
-                if event.get("event") == "audio":
-                    if ttfa is None:
+                kind = event.get("event")
+                if kind == "audio":
+                    if ttfa is None and event.get("audio"):
                         ttfa = time.perf_counter() - first_text_at
-                    received += len(event["audio"])
-                elif event.get("event") == "finish":
+                    received += len(event.get("audio") or b"")
+                elif kind == "finish":
                     if event.get("reason") != "stop":
                         raise RuntimeError(f"finish/{event.get('reason')}: {event.get('message', '')}")
                     break
     except Exception as error:
-        return Sample(ttfa, time.perf_counter() - started, received / 2 / args.sample_rate, repr(error))
-    return Sample(ttfa, time.perf_counter() - started, received / 2 / args.sample_rate)
+        return Sample(ttfa, time.perf_counter() - started, pcm_seconds(received, args), describe(error))
+    return Sample(ttfa, time.perf_counter() - started, pcm_seconds(received, args))
 
 
-async def run_level(mode: str, concurrency: int, args: argparse.Namespace) -> LevelResult:
+def describe(error: BaseException) -> str:
+    """A short, groupable description (refused WebSocket handshakes carry the HTTP status)."""
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    if status is not None:
+        body = getattr(response, "body", b"") or b""
+        return f"{type(error).__name__}: HTTP {status} {body[:200].decode('utf-8', 'replace')}".strip()
+    return f"{type(error).__name__}: {error}"[:300]
+
+
+def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -> LevelResult:
+    ttfas = [s.ttfa for s in samples if s.ttfa is not None and s.error is None]
+    errors = [s.error for s in samples if s.error]
+    complete = [s.audio_seconds for s in samples if s.error is None]
+    p50, p95 = percentile(ttfas, 0.5), percentile(ttfas, 0.95)
+    return LevelResult(
+        mode=mode,
+        concurrency=concurrency,
+        requests=len(samples),
+        errors=len(errors),
+        ttfa_p50_ms=None if p50 is None else round(p50 * 1000, 1),
+        ttfa_p95_ms=None if p95 is None else round(p95 * 1000, 1),
+        audio_seconds_per_second=round(sum(s.audio_seconds for s in samples) / wall, 3) if wall > 0 else 0.0,
+        audio_seconds_per_request=round(sum(complete) / len(complete), 3) if complete else 0.0,
+        wall_seconds=round(wall, 2),
+        error_examples=sorted(set(errors))[:3],
+    )
+
+
+async def run_requests(mode: str, concurrency: int, total: int, args: argparse.Namespace):
+    """`total` requests, `concurrency` in flight; returns (samples, wall seconds)."""
     import httpx
 
-    total = max(args.requests_per_level, concurrency)
     pending = iter(range(total))
     samples: list[Sample] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     headers = {"Authorization": f"Bearer {args.api_key}"}
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=args.timeout, limits=limits
@@ -142,20 +193,13 @@ async def run_level(mode: str, concurrency: int, args: argparse.Namespace) -> Le
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    ttfas = [s.ttfa for s in samples if s.ttfa is not None and s.error is None]
-    errors = [s.error for s in samples if s.error]
-    p50, p95 = percentile(ttfas, 0.5), percentile(ttfas, 0.95)
-    return LevelResult(
-        mode=mode,
-        concurrency=concurrency,
-        requests=len(samples),
-        errors=len(errors),
-        ttfa_p50_ms=None if p50 is None else round(p50 * 1000, 1),
-        ttfa_p95_ms=None if p95 is None else round(p95 * 1000, 1),
-        audio_seconds_per_second=round(sum(s.audio_seconds for s in samples) / wall, 3),
-        wall_seconds=round(wall, 2),
-        error_examples=sorted(set(errors))[:3],
-    )
+    return samples, wall
+
+
+async def run_level(mode: str, concurrency: int, args: argparse.Namespace) -> LevelResult:
+    total = max(args.requests_per_level, args.rounds * concurrency, concurrency)
+    samples, wall = await run_requests(mode, concurrency, total, args)
+    return summarize(mode, concurrency, samples, wall)
 
 
 def format_row(result: LevelResult) -> str:
@@ -165,22 +209,63 @@ def format_row(result: LevelResult) -> str:
     return (
         f"{result.mode:5} {result.concurrency:>5} {result.requests:>8} {result.errors:>6} "
         f"{ms(result.ttfa_p50_ms):>9} {ms(result.ttfa_p95_ms):>9} {result.audio_seconds_per_second:>10.2f} "
-        f"{result.wall_seconds:>8.1f}"
+        f"{result.audio_seconds_per_request:>12.2f} {result.wall_seconds:>8.1f}"
     )
 
 
-async def sweep(args: argparse.Namespace) -> list[LevelResult]:
+def levels(args: argparse.Namespace) -> list[tuple[str, int]]:
     modes = ["http", "ws"] if args.mode == "both" else [args.mode]
-    print("mode  conc. requests errors  TTFA p50  TTFA p95  audio s/s   wall s")
-    results = []
+    plan = []
     for mode in modes:
-        for concurrency in args.concurrency:
-            result = await run_level(mode, concurrency, args)
-            results.append(result)
-            print(format_row(result), flush=True)
-            for example in result.error_examples:
-                print(f"      error: {example}")
+        sweep = args.ws_concurrency if mode == "ws" and args.ws_concurrency else args.concurrency
+        plan += [(mode, concurrency) for concurrency in sweep]
+    return plan
+
+
+def write_json(path: str | None, results: list[LevelResult], args: argparse.Namespace) -> None:
+    if not path:
+        return
+    settings = {
+        key: getattr(args, key)
+        for key in ("url", "text", "max_new_tokens", "chunk_length", "sample_rate", "rounds", "warmup")
+    }
+    payload = {"settings": settings, "levels": [asdict(result) for result in results]}
+    with open(path, "w") as output:
+        json.dump(payload, output, indent=2)
+
+
+async def sweep(args: argparse.Namespace) -> list[LevelResult]:
+    started = time.perf_counter()
+    plan = levels(args)
+    results: list[LevelResult] = []
+    warmed: set[str] = set()
+    print(HEADER, flush=True)
+    for mode, concurrency in plan:
+        if args.time_budget and time.perf_counter() - started > args.time_budget:
+            print(
+                f"{mode:5} {concurrency:>5}  skipped: past --time-budget {args.time_budget:.0f} s", flush=True
+            )
+            continue
+        if mode not in warmed and args.warmup > 0:
+            warmed.add(mode)
+            samples, wall = await run_requests(mode, 1, args.warmup, args)
+            failed = [s.error for s in samples if s.error]
+            note = f", {len(failed)} failed: {failed[0]}" if failed else ""
+            print(f"{mode:5} warm-up: {args.warmup} request(s) in {wall:.1f} s{note}", flush=True)
+        result = await run_level(mode, concurrency, args)
+        results.append(result)
+        print(format_row(result), flush=True)
+        for example in result.error_examples:
+            print(f"      error: {example}", flush=True)
+        write_json(args.json_path, results, args)  # after every level: a cut-off run keeps its rows
     return results
+
+
+def concurrency_list(text: str) -> list[int]:
+    values = [int(v) for v in text.replace(" ", ",").split(",") if v.strip()]
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,11 +280,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("http", "ws", "both"), default="both")
     parser.add_argument(
         "--concurrency",
-        type=lambda text: [int(v) for v in text.split(",")],
+        type=concurrency_list,
         default=[1, 2, 4, 8],
         help="comma-separated levels (default 1,2,4,8)",
     )
-    parser.add_argument("--requests-per-level", type=int, default=16, help="at least the concurrency")
+    parser.add_argument(
+        "--ws-concurrency",
+        type=concurrency_list,
+        default=None,
+        help="levels for the WebSocket sweep (default: --concurrency)",
+    )
+    parser.add_argument("--requests-per-level", type=int, default=16, help="at least this many per level")
+    parser.add_argument("--rounds", type=int, default=1, help="and at least rounds x concurrency per level")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted requests per mode before its sweep")
+    parser.add_argument(
+        "--time-budget", type=float, default=0.0, help="seconds; later levels are skipped once past it"
+    )
     parser.add_argument("--text", default=DEFAULT_TEXT)
     parser.add_argument("--reference-id", help="a stored voice to speak with")
     parser.add_argument("--model", default="s2-pro", help="the `model` header")
@@ -212,10 +308,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     results = asyncio.run(sweep(args))
-    if args.json_path:
-        with open(args.json_path, "w") as output:
-            json.dump([asdict(result) for result in results], output, indent=2)
-    ttfas = [r.ttfa_p50_ms for r in results if r.ttfa_p50_ms is not None]
-    if ttfas:
-        print(f"median of TTFA p50 across levels: {statistics.median(ttfas):.0f} ms")
-    return 1 if all(r.errors == r.requests for r in results) else 0
+    requests = sum(r.requests for r in results)
+    errors = sum(r.errors for r in results)
+    print(f"{requests} requests, {errors} errors")
+    return 1 if not results or errors == requests else 0

@@ -15,6 +15,9 @@ Two implementations of the same math, chosen per op:
 - torch ops (CPU): the model's own modules and a graph-safe copy of `models/sampling.py`'s
   rules over the restricted row (`counter_uniform_columns` draws the full row's numbers).
 
+FP8 (`weight_format="fp8"`): on the kernel path the projections run through
+`quant/engine_fp8.Fp8Projections` (`self.fp8`, None for a bf16 model, whose lines are unchanged).
+
 S2's main token can only be a semantic id or `<|im_end|>`, so only those 4,097 rows of the
 output head are computed (a gathered weight slice, ids in ascending order so ties break as
 in the full row).
@@ -96,6 +99,14 @@ class DecodeStep:
         self.kernel_codebooks = use_kernels and not self.rules.penalize_codebooks
         if use_kernels:
             self._init_fast_pages(max_batch)
+        # FP8 projections (`quant/engine_fp8.py`) when the model holds Fp8Linear layers; the
+        # torch-ops path runs the layers' own forward instead.
+        self.fp8 = None
+        if use_kernels:
+            from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
+
+            if has_fp8_layers(model):
+                self.fp8 = Fp8Projections(model, backend="triton")
 
     # Constants of the fast transformer's paged per-frame cache (kernel path) -----------------
 
@@ -208,19 +219,28 @@ class DecodeStep:
         normed, _ = rms_norm(residual, layers[0].attention_norm.weight, eps)
         for i, layer in enumerate(layers):
             attn = layer.attention
-            qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
+            if self.fp8 is None:
+                qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
+            else:
+                qkv = self.fp8.qkv(layer, normed)
             k_pages, v_pages = pages(i)
             q = qk_norm_rope_kv_write(
                 qkv, positions, rope, k_pages, v_pages, slots, attn.n_head, attn.n_local_heads,
                 attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                 attn.q_norm.eps if attn.qk_norm else 1e-6,
             )  # fmt: skip
-            out = F.linear(attend(q, k_pages, v_pages).reshape(tokens, -1), attn.wo.weight, attn.wo.bias)
+            if self.fp8 is None:
+                out = F.linear(attend(q, k_pages, v_pages).reshape(tokens, -1), attn.wo.weight, attn.wo.bias)
+            else:
+                out = self.fp8.out_proj(layer, attend(q, k_pages, v_pages).reshape(tokens, -1))
             normed, residual = rms_norm(out, layer.ffn_norm.weight, eps, residual=residual)
             ff = layer.feed_forward
-            out = F.linear(
-                F.silu(F.linear(normed, ff.w1.weight)) * F.linear(normed, ff.w3.weight), ff.w2.weight
-            )
+            if self.fp8 is None:
+                out = F.linear(
+                    F.silu(F.linear(normed, ff.w1.weight)) * F.linear(normed, ff.w3.weight), ff.w2.weight
+                )
+            else:
+                out = self.fp8.mlp(layer, normed)
             following = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else final_weight
             normed, residual = rms_norm(out, following, eps, residual=residual)
         return residual, normed

@@ -36,7 +36,7 @@ from shoal.engine.api import (
     VoiceReference,
 )
 from shoal.engine.core import EngineCore, new_request_id
-from shoal.engine.handles import FrameStream, SynthesisHandle
+from shoal.engine.handles import V15_MAX_LENGTH, FrameStream, SynthesisHandle
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
@@ -105,6 +105,7 @@ class LocalEngine(Engine):
         self.sample_rate = codec.sample_rate if codec is not None else 44100
         self.frame_rate = self.sample_rate / (codec.frame_length if codec is not None else 2048)
         self.model_name = model_name
+        self.v15_max_length = V15_MAX_LENGTH  # 1.5 long text: `reference.generate_long`'s max_length
         self._handles: dict[str, SynthesisHandle] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._admission = Admission(lambda: self.config.queue_limits)
@@ -236,10 +237,8 @@ class LocalEngine(Engine):
         try:
             handle = SynthesisHandle(self, request, request_id, seed)
             first = handle.next_request()
-        except ValueError as error:  # bad reference codes and the like (InvalidRequest too)
+        except ValueError as error:  # bad reference codes and the like
             self._admission.release(request.priority)
-            if isinstance(error, InvalidRequest):
-                raise
             raise InvalidRequest(str(error)) from error
         except BaseException:
             self._admission.release(request.priority)

@@ -17,11 +17,23 @@ import torch
 from shoal.engine.api import AudioChunk, FinishReason, InvalidRequest, RequestHandle, SynthesisRequest
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import VocoderStream
-from shoal.models.prompt import Reference, Turn, build_prompt, split_text, voice_prefix_length
+from shoal.models.prompt import (
+    Reference,
+    Turn,
+    build_prompt,
+    split_text,
+    v15_history_window,
+    v15_user_turn_length,
+    voice_prefix_length,
+)
 from shoal.models.reference import batch_seed
 
 if TYPE_CHECKING:
     from shoal.engine.engine import LocalEngine
+
+# Fish Speech 1.5's `max_length` for long text (`reference.generate_long`'s default): the
+# sliding history keeps what fits in max_length - 1024 - voice prefix columns.
+V15_MAX_LENGTH = 2048
 
 
 class FrameStream:
@@ -58,9 +70,11 @@ class FrameStream:
 
 
 class SynthesisHandle(RequestHandle):
-    """One SynthesisRequest: its text batches run one after another (S2 long text), each as an
-    engine Request whose prompt carries the earlier batches' frames; audio comes out through
-    the vocoder (or frames only, with an empty waveform, when the engine has no codec)."""
+    """One SynthesisRequest: its text batches run one after another (long text), each as an
+    engine Request whose prompt carries earlier batches' text and frames as
+    `reference.generate_long` does (S2: all of them; 1.5: the sliding window of
+    `prompt.v15_history_window`); audio comes out through the vocoder (or frames only, with an
+    empty waveform, when the engine has no codec)."""
 
     def __init__(self, engine: LocalEngine, spec: SynthesisRequest, request_id: str, seed: int) -> None:
         self.request_id = request_id
@@ -71,6 +85,8 @@ class SynthesisHandle(RequestHandle):
         self.batch = 0
         self.history: list[Turn] = []
         self.current: Request | None = None
+        self.aborted = False  # set by LocalEngine.abort (any thread): start no further batch
+        self._segments: list[int] = []  # 1.5: columns of each history turn's user turn and frames
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -86,7 +102,7 @@ class SynthesisHandle(RequestHandle):
         engine = self._engine
         config, tokenizer = engine.core.model.config, engine.core.model.tokenizer
         text = self.texts[self.batch]
-        prompt = build_prompt(config, tokenizer, text, self.references, self.history)
+        prompt = build_prompt(config, tokenizer, text, self.references, self.context(text))
         sampling = self.spec.sampling
         params = SamplingParams(
             sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty,
@@ -105,6 +121,20 @@ class SynthesisHandle(RequestHandle):
             self._stream = engine.vocoder.open(self._on_audio)
         return self.current
 
+    def context(self, text: str) -> list[Turn]:
+        """The earlier batches that go into the prompt of the batch saying `text` (the rule of
+        `reference.generate_long`: 1.5 slides, the other families keep all)."""
+        config, tokenizer = self._engine.core.model.config, self._engine.core.model.tokenizer
+        if config.family != "1.5" or not self.history:
+            return list(self.history)
+        n = config.num_codebooks
+        for turn in self.history[len(self._segments) // 2 :]:
+            self._segments += [v15_user_turn_length(tokenizer, turn.text, n), turn.frames.shape[1]]
+        budget = self._engine.v15_max_length - 1024 - voice_prefix_length(config, tokenizer, self.references)
+        kept = v15_history_window([*self._segments, v15_user_turn_length(tokenizer, text, n)], budget)
+        # Kept segments come in (user turn, its frames) pairs plus the current turn last.
+        return [self.history[k // 2] for k in kept[:-1:2]]
+
     # Engine thread
     def _on_frames(self, request: Request, frames: torch.Tensor | None, reason: FinishReason | None) -> None:
         vocoder = self._engine.vocoder
@@ -116,6 +146,8 @@ class SynthesisHandle(RequestHandle):
         if reason is None:
             return
         more = reason in (FinishReason.STOP, FinishReason.LENGTH) and self.batch + 1 < len(self.texts)
+        if more and self.aborted:
+            more, reason = False, FinishReason.ABORTED
         previous_stream, following = self._stream, None
         if more:
             self.history.append(

@@ -2,9 +2,51 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from shoal.config import EngineConfig
+from shoal.config import WEIGHT_FORMATS, EngineConfig
+
+
+def is_fp8_checkpoint(checkpoint: str | Path) -> bool:
+    """Whether `checkpoint` is a local directory written by `shoal quantize`."""
+    import json
+
+    config = Path(checkpoint) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return isinstance(json.loads(config.read_text(encoding="utf-8")).get("quantization"), dict)
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def load_engine_model(checkpoint: str | Path, device: str, dtype: str, weight_format: str | None = None):
+    """(model, weight format) for the engine. An FP8 checkpoint (`shoal quantize`) loads through
+    `quant.fp8_linear.load_quantized`, which verifies every layer's scale layout; with
+    `weight_format="fp8"` a bf16 checkpoint is quantized in place (`quant.engine_fp8.prepare_model`,
+    same checks). None: "fp8" for an FP8 checkpoint, else "bf16"."""
+    import torch
+
+    fp8_checkpoint = is_fp8_checkpoint(checkpoint)
+    weight_format = weight_format or ("fp8" if fp8_checkpoint else "bf16")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    torch_dtype = getattr(torch, dtype)
+    if fp8_checkpoint:
+        if weight_format != "fp8":
+            raise ValueError(f"{checkpoint} is an FP8 checkpoint: weight_format must be 'fp8'")
+        from shoal.quant.fp8_linear import load_quantized
+
+        return load_quantized(checkpoint, device=device, dtype=torch_dtype, verify=True), weight_format
+    from shoal.models import load_model
+
+    model = load_model(str(checkpoint), device=device, dtype=torch_dtype)
+    if weight_format == "fp8":
+        from shoal.quant.engine_fp8 import prepare_model
+
+        prepare_model(model)
+    return model, weight_format
 
 
 def load_engine(
@@ -14,26 +56,31 @@ def load_engine(
     device: str | None = None,
     dtype: str | None = None,
     config: EngineConfig | None = None,
+    weight_format: str | None = None,
 ):
     """Load the model (`shoal.models.load_model`) and the codec (`codec.pth` inside the
     checkpoint directory unless `codec` names another file or directory) and return a
     `LocalEngine` ready for `start()`. Defaults: CUDA with bfloat16 when a GPU is present,
-    else the CPU with float32."""
+    else the CPU with float32. `weight_format` ("bf16" | "fp8"; default: the config's when a
+    config is given, else "fp8" for a `shoal quantize` checkpoint and "bf16" otherwise) sets
+    `EngineConfig.weight_format`; "fp8" on a bf16 checkpoint quantizes it at load."""
     import torch
 
     from shoal.engine.engine import LocalEngine
-    from shoal.models import load_model
     from shoal.models.codec import load_codec
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    torch_dtype = getattr(torch, dtype)
-    model = load_model(str(checkpoint), device=device, dtype=torch_dtype)
+    if weight_format is None and config is not None and config.weight_format != "bf16":
+        weight_format = config.weight_format
+    model, weight_format = load_engine_model(checkpoint, device, dtype, weight_format)
     codec_path = Path(codec) if codec is not None else Path(checkpoint) / "codec.pth"
     if not codec_path.exists():
         raise FileNotFoundError(f"no codec at {codec_path} (pass codec=...)")
-    codec_model = load_codec(codec_path, device=device, dtype=torch_dtype)
+    codec_model = load_codec(codec_path, device=device, dtype=getattr(torch, dtype))
     if config is None:
-        config = EngineConfig(device=device, dtype=dtype)
+        config = EngineConfig(device=device, dtype=dtype, weight_format=weight_format)
+    elif config.weight_format != weight_format:
+        config = dataclasses.replace(config, weight_format=weight_format)
     name = Path(str(checkpoint)).name or "s2-pro"
     return LocalEngine(model, config, codec=codec_model, model_name=name)

@@ -6,7 +6,9 @@ static `DecodeBuffers` (`batch.py`): with `decode_step="fast"` (the default on C
 graph-safe `DecodeStep` (`decode_step.py`), replayed as a CUDA graph per batch-size bucket
 (`graphs.py`); with `"reference"` (the default elsewhere) `models/reference.decode_frame`,
 the oracle's own code. Each row has its own parameters and counter-based randomness, so
-batching never changes a request's frames.
+batching never changes a request's frames. With `weight_format="fp8"` the model's projections are
+FP8 (`quant/engine_fp8.py`): the fused step runs them through `Fp8Projections`, whose GEMM buffers
+are reserved for every captured batch size before the graphs are captured.
 
 A decode is split in `launch_decode` (host fill, non-blocking copies, replay, non-blocking
 copy of the frames into pinned memory, an event) and `finish_decode` (wait for the event), so
@@ -61,6 +63,7 @@ class ModelRunner:
             mc.n_layer, num_pages, config.page_size, mc.n_local_heads, mc.head_dim, self.dtype, self.device
         )
         on_gpu = self.device.type == "cuda"
+        _prepare_weights(model, config)
         self.step = None
         if config.resolved_decode_step(self.device.type) == "fast":
             from shoal.engine.decode_step import DecodeStep
@@ -77,6 +80,12 @@ class ModelRunner:
         self.graphs = None
         if on_gpu and config.use_cuda_graphs:
             from shoal.engine.graphs import DecodeGraphs
+
+            if self.step is not None and self.step.fp8 is not None:
+                from shoal.quant.engine_fp8 import graph_row_counts
+
+                # FP8 GEMM outputs and workspaces for every captured M, allocated before capture.
+                self.step.fp8.reserve(graph_row_counts(config.resolved_graph_buckets()))
 
             self.graphs = DecodeGraphs(self, config.resolved_graph_buckets())
             self.host.invalidate()
@@ -214,6 +223,17 @@ class ModelRunner:
         if not requests:
             return torch.zeros(0, self.num_rows, dtype=torch.int32)
         return self.launch_decode(requests).result()
+
+
+def _prepare_weights(model, config: EngineConfig) -> None:
+    """weight_format="fp8": quantize (unless loaded FP8) and verify in place; "bf16": refuse a
+    model holding FP8 layers, which the bf16 step cannot multiply."""
+    from shoal.quant.engine_fp8 import has_fp8_layers, prepare_model
+
+    if config.weight_format == "fp8":
+        prepare_model(model, config.fp8_quantize_activations)
+    elif has_fp8_layers(model):
+        raise ValueError("the model holds FP8 layers: run it with weight_format='fp8'")
 
 
 def _to_device(tensor: Tensor, device: torch.device) -> Tensor:

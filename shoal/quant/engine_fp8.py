@@ -42,7 +42,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shoal.kernels import reference
-from shoal.quant.fp8_linear import Fp8Linear, fp8_layers, quantize_model_, verify_model_layout
+from shoal.quant.fp8_linear import (
+    DEFAULT_QUANTIZE_INPUT,
+    Fp8Linear,
+    fp8_layers,
+    quantize_model_,
+    verify_model_layout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +56,7 @@ VARIANTS = ("w8a8", "w8a8_inline", "w8a16", "bf16")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # the buckets of `kernels/fp8_gemm.py`'s tuned tables
 LARGE_M = 1 << 30  # bucket of every M above 128 (eager prefill)
 # Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
-DEFAULT_QUANTIZE_ACTIVATIONS = True
+DEFAULT_QUANTIZE_ACTIVATIONS = DEFAULT_QUANTIZE_INPUT
 
 # (N, K, M bucket) -> variant, measured on the H200 with `shoal bench engine --fp8-sweep`.
 # S2-Pro shapes: qkv (6144, 2560), o (2560, 4096), gate+up (19456, 2560), down (2560, 9728).
@@ -159,20 +165,26 @@ class Fp8Projections:
     """qkv / o / SwiGLU MLP of every block of a prepared FP8 model, one variant per (N, K, M).
 
     `backend="triton"` calls the kernels (CUDA, or the Triton interpreter in tests); `"reference"`
-    the torch references of the same ops, output in the activation dtype, for testing the plan
-    (concatenation, halves, buffers, variants) on the CPU."""
+    the torch references of the same ops (`kernels/reference.py`), for testing the plan
+    (concatenation, halves, buffers, variants) on the CPU. With `emulate_kernels` the reference
+    also rounds activations and outputs to bf16 as the kernels do, so it differs from them only in
+    fp32 summation order; without, it computes exactly what the Fp8Linear layers compute (no
+    rounding in between), which checks the wiring against the model's own modules."""
 
     def __init__(
         self,
         model: nn.Module,
         backend: str = "triton",
         table: dict[tuple[int, int, int], str] | None = None,
+        emulate_kernels: bool = True,
     ) -> None:
         if backend not in ("triton", "reference"):
             raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
         self.backend = backend
+        self.emulate_kernels = emulate_kernels
         self.table = VARIANT_TABLE if table is None else table
-        self.dense_dtype = model.embeddings.weight.dtype
+        # The kernels' activation dtype is bf16; the reference keeps the model's dtype.
+        self.dense_dtype = torch.bfloat16 if backend == "triton" else model.embeddings.weight.dtype
         layers = fp8_layers(model)
         if not layers:
             raise ValueError("the model has no Fp8Linear layers (prepare_model first)")
@@ -216,19 +228,20 @@ class Fp8Projections:
         if self.reserved:
             raise RuntimeError("Fp8Projections.reserve may be called once (graphs hold its buffers)")
         ms = sorted(set(ms))
+        device = next(iter(self.weights())).q.device
         partials, tiles = 0, 0
         for m in ms:
             for w in self.weights():
-                self._plan_buffers(w, m, swiglu=False)
+                self._plan_buffers(w, m)
             for block in self.blocks.values():
-                self._plan_buffers(block.w2, m, swiglu=True)
+                if block.gate_up is None and ("halves", block.w1.n, m) not in self._buffers:
+                    self._buffers[("halves", block.w1.n, m)] = self._halves(m, block.w1.n, device)
             if self.backend == "triton":
                 p, t = self._workspace_need(m)
                 partials, tiles = max(partials, p), max(tiles, t)
         if self.backend == "triton":
             from shoal.kernels.fp8_gemm import SplitKWorkspace
 
-            device = next(iter(self.weights())).q.device
             self.workspace = SplitKWorkspace(partials, tiles, device)
         self.reserved = set(ms)
 
@@ -236,20 +249,17 @@ class Fp8Projections:
         from shoal.kernels.fp8_gemm import SplitKWorkspace, pick_config
 
         partials, tiles = 0, 0
-        for w in [*self.weights(), *(b.w2 for b in self.blocks.values())]:
-            variant = self.variant(w.n, w.k, m)
-            if variant == "bf16":
-                continue
-            config = pick_config(w.n, w.k, m, w.q.device, fp8_activations=variant != "w8a16")
-            p, t = SplitKWorkspace.required(m, w.n, config)
-            partials, tiles = max(partials, p), max(tiles, t)
+        for w in self.weights():  # every FP8 variant, so that the table may change after reserve
+            for fp8_activations in (True, False):
+                config = pick_config(w.n, w.k, m, w.q.device, fp8_activations=fp8_activations)
+                p, t = SplitKWorkspace.required(m, w.n, config)
+                partials, tiles = max(partials, p), max(tiles, t)
         return partials, tiles
 
-    def _plan_buffers(self, w: Fp8Weight, m: int, swiglu: bool) -> None:
+    def _plan_buffers(self, w: Fp8Weight, m: int) -> None:
         device = w.q.device
-        self._buffer(("out", w.n, m), lambda: torch.empty(m, w.n, dtype=torch.bfloat16, device=device))
-        if self.variant(w.n, w.k, m) == "w8a8":
-            self._act_buffers(m, w.k, device)
+        self._buffer(("out", w.n, w.k, m), lambda: torch.empty(m, w.n, dtype=torch.bfloat16, device=device))
+        self._act_buffers(m, w.k, device)  # small (M x K bytes); lets the table change after reserve
 
     def _buffer(self, key: tuple, make) -> Tensor:
         buffer = self._buffers.get(key)
@@ -268,14 +278,15 @@ class Fp8Projections:
         """Whether this M runs on reserved buffers; other M values allocate (never in a capture)."""
         if m in self.reserved:
             return True
-        if self.backend == "triton" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self.backend == "triton" and capturing:
             raise RuntimeError(f"FP8 projections: M = {m} was not reserved before CUDA-graph capture")
         return False
 
-    def _out(self, m: int, n: int, device, static: bool) -> Tensor:
+    def _out(self, w: Fp8Weight, m: int, device, static: bool) -> Tensor:
         if static:
-            return self._buffers[("out", n, m)]
-        return torch.empty(m, n, dtype=torch.bfloat16, device=device)
+            return self._buffers[("out", w.n, w.k, m)]
+        return torch.empty(m, w.n, dtype=torch.bfloat16, device=device)
 
     # The projections --------------------------------------------------------------------------
 
@@ -292,10 +303,12 @@ class Fp8Projections:
             gate_up = self._linear(b.gate_up, x, keep_bf16=True)
         else:
             m, inter = x.shape[0], b.w1.n
-            static = self._static(m)
-            gate_up = self._buffer(("halves", inter, m), lambda: self._halves(m, inter, x.device)) if static else (
-                torch.empty(m, 2 * inter, dtype=torch.bfloat16, device=x.device)
-            )  # fmt: skip
+            if self.backend == "reference" and not self.emulate_kernels:
+                gate_up = torch.empty(m, 2 * inter, dtype=x.dtype, device=x.device)  # unrounded
+            elif self._static(m):
+                gate_up = self._buffers[("halves", inter, m)]
+            else:
+                gate_up = self._halves(m, inter, x.device)
             self._linear(b.w1, x, keep_bf16=True, out=gate_up[:, :inter])
             self._linear(b.w3, x, keep_bf16=True, out=gate_up[:, inter:])
         return self._linear(b.w2, gate_up, swiglu=True, out_dtype=x.dtype)
@@ -320,23 +333,24 @@ class Fp8Projections:
         out_dtype = out_dtype or x.dtype
         variant = self.variant(w.n, w.k, m)
         if self.backend == "reference":
-            y = self._reference(w, x, variant, swiglu)
-            y = y.to(torch.bfloat16) if keep_bf16 else y.to(out_dtype)
+            if self.emulate_kernels:
+                y = self._reference(w, x.to(torch.bfloat16), variant, swiglu).to(torch.bfloat16)
+                y = y if keep_bf16 else y.to(out_dtype)
+            else:
+                y = self._reference(w, x, variant, swiglu).to(x.dtype)
             if out is not None:
                 out.copy_(y)
                 return out
             return y
         static = self._static(m)
         if out is None:
-            out = self._out(m, w.n, x.device, static)
+            out = self._out(w, m, x.device, static)
         a = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         workspace = self.workspace if static else None
         if variant == "bf16":
-            a = reference.swiglu(a).to(torch.bfloat16) if swiglu else a
-            if static or swiglu:  # graph buffers stay put; the product is a new tensor anyway
-                torch.mm(a, w.dense.t(), out=out)
-            else:
-                out = torch.mm(a, w.dense.t()) if out.shape[0] != m else torch.mm(a, w.dense.t(), out=out)
+            if swiglu:  # as the bf16 model computes it: silu and product in bf16
+                a = F.silu(a[:, : w.k]) * a[:, w.k :]
+            torch.mm(a, w.dense.t(), out=out)
         elif variant == "w8a8":
             from shoal.kernels.fp8_gemm import fp8_gemm
             from shoal.kernels.quant import quantize_activations, swiglu_quantize
@@ -358,8 +372,9 @@ class Fp8Projections:
     def _reference(self, w: Fp8Weight, x: Tensor, variant: str, swiglu: bool) -> Tensor:
         """The same variant with `kernels/reference.py`, fp32 arithmetic, unrounded output."""
         if variant == "bf16":
-            a = reference.swiglu(x) if swiglu else x.float()
-            y = a.to(w.dense.dtype) @ w.dense.t()
+            a = x.to(w.dense.dtype)
+            a = F.silu(a[:, : w.k]) * a[:, w.k :] if swiglu else a
+            y = (a @ w.dense.t()).float()
         else:
             y = reference.fp8_linear(
                 x, w.q, w.scale, variant in ("w8a8", "w8a8_inline"), swiglu, out_dtype=torch.float32
@@ -371,8 +386,3 @@ def graph_row_counts(buckets) -> set[int]:
     """The M values the decode step's GEMMs see for these batch buckets: B rows in the slow model
     and in fast passes 2.., 2B in the 2-token first fast pass."""
     return {m for b in buckets for m in (b, 2 * b)}
-
-
-def dense_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """The bf16 path's projection (what `decode_step` calls when FP8 is off)."""
-    return F.linear(x, weight)

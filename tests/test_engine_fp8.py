@@ -1,0 +1,360 @@
+"""FP8 weights in the engine (`EngineConfig.weight_format="fp8"`, `quant/engine_fp8.py`) on the CPU.
+
+- the engine on an FP8-quantized tiny model gives exactly the frames of `reference.generate` on the
+  same model (both the reference and the torch-ops fast step: the dequantized arithmetic path);
+- loading: quantize at load, an FP8 checkpoint, and a broken scale layout refused;
+- `Fp8Projections` (the fused step's FP8 GEMMs): the reference backend equals the layers' own
+  forward, the Triton kernels (interpreter) equal the reference up to bf16 output rounding for
+  every variant, reserved buffers are reused, and the kernel decode step with FP8 tracks the
+  torch step;
+- the correctness gate through the engine path on the gate's planted-margin model.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+
+from shoal.bench import gate  # noqa: E402
+from shoal.config import EngineConfig  # noqa: E402
+from shoal.engine.batch import DecodeBuffers  # noqa: E402
+from shoal.engine.core import EngineCore  # noqa: E402
+from shoal.engine.decode_step import DecodeStep  # noqa: E402
+from shoal.engine.load import load_engine_model  # noqa: E402
+from shoal.engine.request import SamplingParams  # noqa: E402
+from shoal.models import load_model  # noqa: E402
+from shoal.models.reference import generate  # noqa: E402
+from shoal.models.writer import random_state_dict, tiny_config, write_checkpoint  # noqa: E402
+from shoal.quant import fp8  # noqa: E402
+from shoal.quant.engine_fp8 import (  # noqa: E402
+    VARIANTS,
+    Fp8Projections,
+    graph_row_counts,
+    m_bucket,
+    prepare_model,
+    variant_for,
+)
+from shoal.quant.fp8_linear import Fp8Linear, LayoutError, fp8_layers, quantize_model_  # noqa: E402
+
+
+def tiny(golden_dir, dtype=torch.float32):
+    model = load_model(golden_dir / "s2_tiny", dtype=dtype)
+    model.config = model.config.replace(max_seq_len=256)
+    model.build_rope_tables("cpu")
+    return model
+
+
+def prompt_for(model, length: int, seed: int) -> torch.Tensor:
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.zeros(c.num_codebooks + 1, length, dtype=torch.long)
+    prompt[0] = torch.randint(0, c.semantic_begin_id, (length,), generator=g)
+    codes = torch.randint(0, c.codebook_size, (c.num_codebooks, length - length // 2), generator=g)
+    prompt[1:, length // 2 :] = codes
+    prompt[0, length // 2 :] = c.semantic_begin_id + codes[0]
+    return prompt
+
+
+def test_weight_format_is_validated() -> None:
+    assert EngineConfig().weight_format == "bf16"
+    with pytest.raises(ValueError, match="weight_format"):
+        EngineConfig(weight_format="int4")
+
+
+@pytest.mark.parametrize("decode_step", ["reference", "fast"])
+def test_fp8_engine_equals_reference_generator_on_the_quantized_model(golden_dir, decode_step: str) -> None:
+    model = tiny(golden_dir)
+    config = EngineConfig(
+        device="cpu", dtype="float32", num_pages=128, page_size=4, max_prefill_tokens=24,
+        weight_format="fp8", decode_step=decode_step,
+    )  # fmt: skip
+    core = EngineCore(model, config)  # quantizes the model in place
+    layers = fp8_layers(model)
+    assert len(layers) == 5 * (model.config.n_layer + model.config.n_fast_layer)
+    assert all(layer.quantize_input for _, layer in layers)
+    assert model.embeddings.weight.dtype == torch.float32 and not isinstance(model.fast_output, Fp8Linear)
+    jobs = []
+    for i in range(4):
+        params = SamplingParams(
+            temperature=0.6 + 0.1 * i, top_p=0.7 + 0.07 * i, top_k=(3, 30, 1, 64)[i], seed=i
+        )
+        jobs.append((prompt_for(model, 10 + 3 * i, i), params, 6 + 3 * i))
+    requests, pending = [], list(jobs)
+    while pending or core.has_work:
+        if pending:  # one arrival per step: the batch changes composition
+            prompt, params, frames = pending.pop(0)
+            requests.append(core.new_request(prompt, params, max_new_frames=frames))
+            core.add(requests[-1])
+        core.step()
+    for request, (prompt, params, frames) in zip(requests, jobs, strict=True):
+        want = generate(
+            model, prompt, max_frames=frames, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k, seed=params.seed,
+        )  # fmt: skip
+        assert torch.equal(request.frames[: request.num_frames].t(), want)
+
+
+def test_bf16_engine_refuses_an_fp8_model(golden_dir) -> None:
+    model = tiny(golden_dir)
+    quantize_model_(model)
+    with pytest.raises(ValueError, match="weight_format='fp8'"):
+        EngineCore(model, EngineConfig(device="cpu", dtype="float32", num_pages=16))
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def _checkpoint(directory):
+    config = tiny_config("s2").replace(dim=256, n_head=4, n_local_heads=2, head_dim=64, intermediate_size=256)
+    config = config.replace(fast_dim=256, fast_head_dim=64, fast_intermediate_size=384)
+    write_checkpoint(directory, config, random_state_dict(config, seed=4))
+    return directory
+
+
+def test_load_engine_model_quantizes_or_reads_fp8(tmp_path) -> None:
+    from shoal.quant.fp8_linear import quantize_checkpoint
+
+    source = _checkpoint(tmp_path / "bf16")
+    model, weight_format = load_engine_model(source, "cpu", "float32")
+    assert weight_format == "bf16" and not fp8_layers(model)
+    model, weight_format = load_engine_model(source, "cpu", "float32", "fp8")  # quantized at load
+    assert weight_format == "fp8" and len(fp8_layers(model)) == 5 * (model.config.n_layer + 2)
+    out = quantize_checkpoint(source, tmp_path / "fp8")
+    loaded, weight_format = load_engine_model(out, "cpu", "float32")  # FP8 detected
+    assert weight_format == "fp8"
+    a, b = dict(fp8_layers(model)), dict(fp8_layers(loaded))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name].weight.view(torch.uint8), b[name].weight.view(torch.uint8)), name
+        assert torch.equal(a[name].weight_scale, b[name].weight_scale), name
+    with pytest.raises(ValueError, match="FP8 checkpoint"):
+        load_engine_model(out, "cpu", "float32", "bf16")
+
+
+def test_load_engine_model_refuses_a_transposed_scale(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = _checkpoint(tmp_path / "bf16")
+    model = load_model(source)
+    modules = quantize_model_(model)
+    out = fp8.write_quantized_checkpoint(source, tmp_path / "fp8", model.state_dict(), modules, True)
+    state = load_file(str(out / fp8.WEIGHTS_FILE))
+    name = "layers.0.attention.wo.weight_scale"  # 256 x 256: a square 2 x 2 grid
+    state[name] = state[name].t().contiguous()
+    save_file(state, str(out / fp8.WEIGHTS_FILE))
+    with pytest.raises(LayoutError, match="layers.0.attention.wo"):
+        load_engine_model(out, "cpu", "float32")
+
+
+# ---- the fused step's projections ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """The gate's model, FP8: intermediate sizes 512 and 384, so gate and up are one GEMM."""
+    model = gate.planted_margin_model()
+    prepare_model(model)
+    return model
+
+
+def _bf16_exact(shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+def test_variant_choice() -> None:
+    assert m_bucket(1) == 1 and m_bucket(3) == 4 and m_bucket(128) == 128 and m_bucket(129) > 128
+    assert variant_for(6144, 2560, 1, table={}) == "w8a8"
+    assert variant_for(6144, 2560, 1, quantize_activations=False, table={}) == "w8a16"
+    assert variant_for(6144, 2560, 300, table={}) == "bf16"
+    assert variant_for(6144, 2560, 3, table={(6144, 2560, 4): "w8a8_inline"}) == "w8a8_inline"
+    assert graph_row_counts((1, 4)) == {1, 2, 4, 8}
+
+
+def test_gate_up_concatenation_is_exact(planted, golden_dir) -> None:
+    projections = Fp8Projections(planted, backend="reference", emulate_kernels=False)
+    assert all(b.gate_up is not None for b in projections.blocks.values())
+    for block in (planted.layers[1], planted.fast_layers[0]):
+        b, ff = projections.blocks[id(block)], block.feed_forward
+        assert ff.w1.weight.data_ptr() == b.gate_up.q.data_ptr()  # the layers hold views: one copy
+        ff.w1.check_layout("w1")
+        ff.w3.check_layout("w3")
+        x = _bf16_exact((3, ff.w1.in_features), 1)
+        both = projections._linear(b.gate_up, x)
+        torch.testing.assert_close(both, torch.cat([ff.w1(x), ff.w3(x)], dim=1), rtol=1e-6, atol=1e-6)
+        attn = block.attention
+        assert torch.equal(projections.qkv(block, x), attn.wqkv(x))
+        y = _bf16_exact((3, attn.wo.in_features), 2)
+        assert torch.equal(projections.out_proj(block, y), attn.wo(y))
+    halves = Fp8Projections(_prepared_tiny(golden_dir), backend="reference")
+    assert all(b.gate_up is None for b in halves.blocks.values())  # intermediate 160, 96: not exact
+
+
+def _prepared_tiny(golden_dir):
+    model = tiny(golden_dir)
+    prepare_model(model)
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("which", ["planted", "golden"])
+def test_triton_projections_equal_reference(planted, golden_dir, variant: str, which: str) -> None:
+    model = planted if which == "planted" else _prepared_tiny(golden_dir)
+    table = {}
+    for block in [*model.layers, *model.fast_layers]:
+        for layer in (block.attention.wqkv, block.attention.wo, block.feed_forward.w2):
+            for m in (1, 2, 4):
+                table[(layer.out_features, layer.in_features, m)] = variant
+        ff = block.feed_forward
+        for n in (ff.w1.out_features, 2 * ff.w1.out_features):
+            for m in (1, 2, 4):
+                table[(n, ff.w1.in_features, m)] = variant
+    triton = Fp8Projections(model, backend="triton", table=table)
+    reference = Fp8Projections(model, backend="reference", table=table)
+    # bf16 output rounding (and, for bf16 weights, their rounding) is all that may differ
+    rtol = 2e-2 if variant == "bf16" else 2**-7 + 1e-4  # one bf16 ulp
+    for block in (model.layers[0], model.fast_layers[-1]):
+        for m in (1, 3):
+            x = _bf16_exact((m, block.attention.wqkv.in_features), m)
+            for op in ("qkv", "mlp"):
+                got, want = getattr(triton, op)(block, x), getattr(reference, op)(block, x)
+                assert got.dtype == x.dtype and got.shape == want.shape
+                if variant == "bf16":
+                    assert ((got - want).norm() / want.norm()) < rtol, op
+                else:
+                    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-5)
+
+
+def test_reserved_buffers_are_reused(planted) -> None:
+    projections = Fp8Projections(planted, backend="triton", table={})
+    projections.reserve({1, 2})
+    assert projections.workspace is not None
+    block = planted.layers[0]
+    x = _bf16_exact((2, planted.config.dim), 3).bfloat16()
+    first = projections.qkv(block, x)
+    expected = first.clone()
+    second = projections.qkv(block, x + 1)
+    assert first.data_ptr() == second.data_ptr()  # the reserved output, no allocation
+    assert first.data_ptr() == projections._buffers[("out", first.shape[1], x.shape[1], 2)].data_ptr()
+    mlp = projections.mlp(block, x)
+    assert mlp.data_ptr() == projections.mlp(planted.layers[1], x).data_ptr()
+    assert int(projections.workspace.counters.abs().sum()) == 0  # split-K counters left at zero
+    other = projections.qkv(block, torch.cat([x, x]))  # M = 4 was not reserved: its own tensor
+    assert other.data_ptr() != first.data_ptr()
+    torch.testing.assert_close(other[:2], expected, rtol=2**-7 + 1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="once"):
+        projections.reserve({4})
+
+
+def test_kernel_decode_step_with_fp8_tracks_the_torch_step(golden_dir) -> None:
+    model = tiny(golden_dir)
+    config = EngineConfig(
+        device="cpu", dtype="float32", num_pages=64, page_size=16, decode_step="fast", weight_format="fp8"
+    )
+    core = EngineCore(model, config)
+    requests = []
+    for i in range(2):
+        request = core.new_request(prompt_for(model, 12 + i, i), SamplingParams(seed=i), max_new_frames=20)
+        core.add(request)
+        requests.append(request)
+    while not all(r.num_frames >= 2 for r in requests):
+        core.step()
+    runner = core.runner
+    kernel_step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
+    assert kernel_step.fp8 is not None and runner.step.fp8 is None  # torch-ops step: the modules
+    fields = runner.host.fill(requests)
+    buffers = []
+    for _ in range(2):
+        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
+        for name in fields:
+            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
+        buffers.append(b)
+
+    def run(step, b):
+        with torch.no_grad():
+            hidden, normed = step.slow(b)
+            x = torch.stack([normed, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
+            return hidden, normed, step._fast_kernels(x.flatten(0, 1), 0)
+
+    def relative(a, b):
+        return float((a - b).norm() / b.norm())
+
+    # 1. The wiring: the fused step with the reference projections (no rounding) computes what the
+    #    model's own Fp8Linear modules compute in the torch-ops step.
+    hidden_t, normed_t = runner.step.slow(buffers[0])
+    with torch.no_grad():
+        cache = model.new_fast_cache(2)
+        x = torch.stack([normed_t, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
+        fast_t = model.forward_fast(x, 0, cache)[:, 1]
+    kernel_step.fp8 = Fp8Projections(model, backend="reference", emulate_kernels=False)
+    hidden_r, normed_r, fast_r = run(kernel_step, buffers[1])
+    assert relative(hidden_r, hidden_t) < 1e-4 and relative(normed_r, normed_t) < 1e-4
+    assert relative(fast_r, fast_t) < 1e-3
+    # 2. The kernels: Triton FP8 GEMMs against the reference with the kernels' bf16 rounding; only
+    #    the fp32 summation order differs (1 bf16 ulp per GEMM output at most).
+    kernel_step.fp8 = Fp8Projections(model, backend="reference", emulate_kernels=True)
+    emulated = run(kernel_step, buffers[0])
+    kernel_step.fp8 = Fp8Projections(model, backend="triton")
+    triton = run(kernel_step, buffers[1])
+    for got, want in zip(triton, emulated, strict=True):
+        assert relative(got, want) < 1e-2
+
+
+# ---- the correctness gate through the engine ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gate_models():
+    reference_model = gate.planted_margin_model()
+    fp8_model = copy.deepcopy(reference_model)
+    quantize_model_(fp8_model)
+    return reference_model, fp8_model
+
+
+def test_engine_greedy_is_the_reference_greedy_decode(gate_models) -> None:
+    reference_model, _ = gate_models
+    prompt = gate.gate_prompt(reference_model.config)
+    bf16 = gate.engine_greedy(copy.deepcopy(reference_model), prompt, 5, "bf16")
+    assert torch.equal(bf16, generate(reference_model, prompt, max_frames=5, **gate.GREEDY))
+
+
+def test_correctness_gate_passes_through_the_engine(gate_models) -> None:
+    reference_model, fp8_model = gate_models
+    prompt = gate.gate_prompt(reference_model.config)
+    engine_frames = []
+
+    def through_engine(p, frames):
+        engine_frames.append(gate.engine_greedy(fp8_model, p, frames, "fp8"))
+        return engine_frames[-1]
+
+    result = gate.check_correctness(reference_model, fp8_model, prompt, fp8_frames=through_engine)
+    assert result.passed, result.report()
+    assert engine_frames and engine_frames[0].shape[1] == 5
+    # the engine's FP8 frames are the reference generator's on the same FP8 model
+    assert torch.equal(engine_frames[0], generate(fp8_model, prompt, max_frames=5, **gate.GREEDY))
+
+
+def test_engine_refuses_a_broken_scale_layout(gate_models) -> None:
+    """The historical bug (scales transposed, same shape) never reaches the engine's frames."""
+    reference_model, fp8_model = gate_models
+    broken = copy.deepcopy(fp8_model)
+    for _, layer in fp8_layers(broken):
+        layer.weight_scale = layer.weight_scale.t().contiguous().view(layer.weight_scale.shape)
+    with pytest.raises(LayoutError):
+        gate.engine_greedy(broken, gate.gate_prompt(reference_model.config), 5, "fp8")
+
+
+def test_gate_cli_engine_path(capsys) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    gate.add_arguments(parser)
+    assert gate.run(parser.parse_args(["correctness", "--path", "engine", "--device", "cpu"])) == 0
+    out = capsys.readouterr().out
+    assert "engine path" in out and "PASS" in out
