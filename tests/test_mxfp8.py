@@ -41,8 +41,8 @@ def test_zero_blocks_and_rejected_encodings() -> None:
 
 
 def test_emulated_gemm_accuracy_matches_block_fp8() -> None:
-    """1x32 power-of-two blocks are at least as accurate as 128x128 fp32-scaled blocks on weights with
-    channel outliers (smaller blocks follow the outliers)."""
+    """The emulated MXFP8 GEMM is as accurate as the 128x128 block-scaled FP8 one on weights with
+    channel outliers (both within the e4m3 format's few-percent error)."""
     w = torch.randn(192, 512) * torch.exp(torch.randn(192, 1)) * torch.exp(torch.randn(1, 512))
     x = torch.randn(8, 512)
     exact = x @ w.t()
@@ -50,4 +50,18 @@ def test_emulated_gemm_accuracy_matches_block_fp8() -> None:
     mx_err = ((mx - exact).norm() / exact.norm()).item()
     block = ref.fp8_gemm(*ref.quantize_activations(x), *ref.quantize_weight(w), out_dtype=torch.float32)
     block_err = ((block - exact).norm() / exact.norm()).item()
-    assert mx_err < 0.06 and mx_err < block_err * 1.2
+    # Both errors are dominated by e4m3's 3 mantissa bits; which one is smaller depends on the draw.
+    assert mx_err < 0.06 and block_err < 0.06
+
+
+def test_small_blocks_follow_outlier_columns() -> None:
+    """Why MX uses 1x32 blocks: when column groups of 32 differ in scale by e^(4 sigma), one fp32 scale
+    per 128x128 block flushes the small groups to zero, while a power-of-two scale per 32 values keeps
+    them. Seeded, so the comparison is the same on every run."""
+    generator = torch.Generator().manual_seed(0)
+    group_scale = torch.exp(4 * torch.randn(1, 16, generator=generator)).repeat_interleave(32, dim=1)
+    w = torch.randn(192, 512, generator=generator) * group_scale
+    mx_flushed = (mxfp8.dequantize(*mxfp8.quantize(w)) == 0).float().mean().item()
+    block_flushed = (ref.dequantize_weight(*ref.quantize_weight(w)) == 0).float().mean().item()
+    assert mx_flushed < 1e-3
+    assert block_flushed > max(10 * mx_flushed, 1e-2)

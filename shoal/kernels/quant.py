@@ -54,7 +54,10 @@ def _round_to_e4m3_grid(x):
     ulp_exponent = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; subnormals below 2**-6
     ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
     magic = ulp * 12582912.0  # 1.5 * 2**23 ulps: adding it forces rounding to a multiple of ulp
-    return (x + magic) - magic
+    rounded = (x + magic) - magic
+    # A value that rounds to zero keeps its sign (-0.0), as the hardware conversion does.
+    sign = (bits >> 31) << 31
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
