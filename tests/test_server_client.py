@@ -374,3 +374,25 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def test_openai_compatible_speech(client, server):
+    """`POST /v1/audio/speech` as OpenAI-style clients call it: `voice` is a stored voice id."""
+    voice = client.voices.create(title="OpenAI voice", voices=[wav_clip()], texts=["a reference"])
+    headers = {"Authorization": f"Bearer {server.key_a}"}
+    url = f"{server.url}/v1/audio/speech"
+    body = {"model": "s2-pro", "input": "Hello from the OpenAI route.", "voice": voice.id}
+    response = httpx.post(url, json={**body, "response_format": "wav"}, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    with wave.open(io.BytesIO(response.content)) as reader:
+        assert reader.getframerate() == 44100 and reader.getnframes() > 0
+    response = httpx.post(
+        url, json={**body, "response_format": "mp3", "speed": 1.5}, headers=headers, timeout=120
+    )
+    assert response.status_code == 200 and response.content
+    missing = httpx.post(url, json={**body, "voice": "no-such-voice"}, headers=headers, timeout=30)
+    assert missing.status_code == 404 and set(missing.json()) == {"status", "message"}
+    invalid = httpx.post(url, json={"voice": voice.id}, headers=headers, timeout=30)
+    assert invalid.status_code == 422 and invalid.json()["status"] == 422
+    client.voices.delete(voice.id)
+    wait_for_idle(server)
