@@ -143,31 +143,31 @@ class Synthesizer:
         follow the reference's `generate_long` (same split, history and per-batch seeds)."""
         from tqdm import tqdm
 
-        from shoal.models.prompt import Turn, build_prompt, codes_for_codec, split_text
-        from shoal.models.reference import batch_seed, generate
+        from shoal.models.prompt import split_text
+        from shoal.models.reference import iter_generate_long
 
-        batches = split_text(text, chunk_length, self.config.family)
-        history: list[Turn] = []
+        total = len(split_text(text, chunk_length, self.config.family))
+        batches = iter_generate_long(
+            self.model,
+            text,
+            references,
+            chunk_length=chunk_length,
+            max_frames=max_frames,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            repetition_penalty=repetition_penalty,
+        )
         total_frames = 0
-        bar = tqdm(batches, desc="synthesizing", unit="batch", disable=not progress, file=sys.stderr)
-        for index, batch_text in enumerate(bar):
-            prompt = build_prompt(self.config, self.model.tokenizer, batch_text, references, history)
-            frames = generate(
-                self.model,
-                prompt,
-                max_frames=max_frames,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=batch_seed(seed, index),
-                repetition_penalty=repetition_penalty,
-            )
-            history.append(Turn(batch_text, frames))
-            total_frames += frames.shape[1]
+        bar = tqdm(
+            batches, total=total, desc="synthesizing", unit="batch", disable=not progress, file=sys.stderr
+        )
+        for batch in bar:
+            total_frames += batch.frames.shape[1]
             bar.set_postfix(frames=total_frames)
-            codes = codes_for_codec(frames)
-            if codes.shape[1]:
-                audio = self.codec.decode(codes.to(self.codec.device))[0, 0].float().cpu().numpy()
+            if batch.codes.shape[1]:
+                audio = self.codec.decode(batch.codes.to(self.codec.device))[0, 0].float().cpu().numpy()
                 yield np.clip(audio, -1.0, 1.0)
 
 

@@ -17,7 +17,8 @@ Frame accounting, compared with the reference's `generate`:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,14 @@ from shoal.models.sampling import Sampler, SamplingBatch, new_window, push_frame
 if TYPE_CHECKING:
     from shoal.models.dual_ar import DualARTransformer
 
-__all__ = ["codes_for_codec", "decode_frame", "generate", "generate_long", "LongTextBatch"]
+__all__ = [
+    "codes_for_codec",
+    "decode_frame",
+    "generate",
+    "generate_long",
+    "iter_generate_long",
+    "LongTextBatch",
+]
 
 
 @torch.no_grad()
@@ -147,8 +155,15 @@ def batch_seed(seed: int, batch_index: int) -> int:
     return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
 
 
-@torch.no_grad()
 def generate_long(
+    model: DualARTransformer, text: str, references: Sequence[Reference] = (), **options
+) -> list[LongTextBatch]:
+    """All batches of `iter_generate_long` (same arguments), as the reference returns them."""
+    return list(iter_generate_long(model, text, references, **options))
+
+
+@torch.no_grad()
+def iter_generate_long(
     model: DualARTransformer,
     text: str,
     references: Sequence[Reference] = (),
@@ -162,8 +177,9 @@ def generate_long(
     repetition_penalty: float = 1.1,
     tokenizer=None,
     max_length: int = 2048,
-) -> list[LongTextBatch]:
-    """The family's reference `generate_long`: split the text into batches
+) -> Iterator[LongTextBatch]:
+    """The family's reference `generate_long`, one batch at a time as each is generated (so a
+    caller can decode and stream a batch while the next one runs): split the text into batches
     (`prompt.split_text`), prompt each batch with the voice plus earlier batches' text and
     generated frames (a fresh prefill per batch), generate batch b with `batch_seed(seed, b)`.
 
@@ -178,7 +194,6 @@ def generate_long(
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     n = config.num_codebooks
     history: list[Turn] = []
-    results: list[LongTextBatch] = []
     budget = max_length - 1024
     if config.family == "1.5":
         budget -= voice_prefix_length(config, tokenizer, references)
@@ -203,6 +218,9 @@ def generate_long(
             seed=batch_seed(seed, index),
             repetition_penalty=repetition_penalty,
         )
-        results.append(LongTextBatch(batch_text, prompt, frames, codes_for_codec(frames)))
         history.append(Turn(batch_text, frames))
-    return results
+        yield LongTextBatch(batch_text, prompt, frames, codes_for_codec(frames))
+
+
+# `generate_long` takes exactly `iter_generate_long`'s arguments: let `inspect.signature` say so.
+functools.update_wrapper(generate_long, iter_generate_long, assigned=(), updated=())
