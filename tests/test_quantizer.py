@@ -133,3 +133,18 @@ def test_load_quantized_rejects_a_transposed_scale_on_disk(tmp_path: Path) -> No
     with pytest.raises(LayoutError, match="layers.1.attention.wo"):
         load_quantized(out, dtype=torch.float32)
     load_quantized(out, dtype=torch.float32, verify=False)  # loads, but would compute garbage
+
+
+@pytest.mark.parametrize("family", ["s1", "1.5"])
+def test_flat_config_families_quantize_and_load(tmp_path: Path, family: str) -> None:
+    """S1-mini / 1.5 have flat configs: the added "quantization" section must not make the
+    strict flat-config parser reject the quantized checkpoint."""
+    source = tmp_path / "src"
+    write_checkpoint(source, tiny_config(family))
+    out = tmp_path / "fp8"
+    model = load_model(source, dtype=torch.float32)
+    modules = quantize_model_(model)
+    fp8.write_quantized_checkpoint(source, out, model.state_dict(), modules, False)
+    loaded = load_quantized(out, dtype=torch.float32)
+    assert loaded.family == family and verify_model_layout(loaded) == len(modules)
+    assert isinstance(loaded.get_submodule("layers.0.attention.wqkv"), Fp8Linear)

@@ -53,6 +53,41 @@ def test_unrounded_parameters_do_not_match_golden(golden_sampler):
     assert (probs - golden_sampler["probs"]).abs().max() > 1e-5
 
 
+def _reference_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """fish-speech's `logits_to_probs` (top-p then temperature) for one row, parameters as given."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cumulative > top_p
+    remove[0] = False
+    remove = remove.scatter(-1, order, remove)
+    logits = logits.masked_fill(remove, float("-inf")) / torch.clip(temperature, min=1e-5)
+    return torch.softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("family", ["s2", "s1"])
+@pytest.mark.parametrize("temperature", [1e-6, 5e-6, 0.0])
+def test_tiny_temperature_is_clipped_in_bf16_like_the_reference(family, temperature):
+    """S2 / S1 clip their bf16 temperature tensor in bf16: the floor is bf16(1e-5), not 1e-5."""
+    logits = torch.tensor([0.0, -1e-5, -2e-5, -5.0])
+    params = SamplingBatch.build(rules_for(family), temperature=[temperature], top_p=[1.0], seed=[0])
+    assert params.temperature.item() == torch.tensor(1e-5, dtype=torch.bfloat16).item()
+    expected = _reference_probs(
+        logits,
+        torch.tensor(temperature, dtype=torch.bfloat16),
+        torch.tensor(1.0, dtype=torch.bfloat16),
+    )
+    probs = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k)[0]
+    torch.testing.assert_close(probs, expected, rtol=1e-6, atol=0)
+
+
+def test_tiny_temperature_floor_is_fp32_for_v15():
+    logits = torch.tensor([0.0, -1e-5, -2e-5, -5.0])
+    params = SamplingBatch.build(rules_for("1.5"), temperature=[1e-6], top_p=[1.0], seed=[0])
+    expected = torch.softmax(logits / max(1e-6, 1e-5), dim=-1)  # v1.5.1: python max()
+    probs = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k)[0]
+    torch.testing.assert_close(probs, expected, rtol=1e-6, atol=0)
+
+
 def test_sampling_batch_rounds_like_the_reference():
     s2 = SamplingBatch.build(rules_for("s2"), temperature=[0.7], top_p=[0.9], seed=[1])
     assert s2.top_p.item() == 0.8984375 and s2.top_k.item() == 30

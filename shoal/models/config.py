@@ -96,8 +96,16 @@ class ModelConfig:
 
 
 _FIELD_NAMES = {f.name for f in dataclasses.fields(ModelConfig)}
-# Flat-config keys the reference accepts but that mean nothing for inference.
-_IGNORED_FLAT_KEYS = {"dropout", "use_gradient_checkpointing", "is_reward_model", "lora_config"}
+# Flat-config keys the reference accepts but that mean nothing for inference, plus the
+# "quantization" section an FP8 checkpoint (shoal/quant/fp8.py) adds to the source config.
+_IGNORED_FLAT_KEYS = {
+    "dropout",
+    "use_gradient_checkpointing",
+    "is_reward_model",
+    "share_codebook_embeddings",
+    "lora_config",
+    "quantization",
+}
 
 
 def detect_family(raw: dict[str, Any], directory: Path | None = None) -> Family:

@@ -57,6 +57,8 @@ SEED_SALT = 0x243F6A88
 COLUMN_STEP = 0x9E3779B9
 MAIN_SLOT = 0
 RAS_SLOT = 1
+# The reference's `max(temperature, 1e-5)` / `torch.clip(temperature, min=1e-5)`.
+TEMPERATURE_FLOOR = 1e-5
 
 
 def codebook_slot(codebook: int) -> int:
@@ -136,7 +138,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
     remove_sorted[:, 0] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     logits = logits.masked_fill(remove, float("-inf"))
-    logits = logits / torch.clamp(temperature, min=1e-5)[:, None]
+    logits = logits / torch.clamp(temperature, min=TEMPERATURE_FLOOR)[:, None]
     return torch.softmax(logits, dim=-1)
 
 
@@ -224,6 +226,10 @@ class SamplingBatch:
             penalty_t = torch.ones(rows, dtype=torch.float32, device=device)
         if rules.bf16_parameters:
             temperature_t, top_p_t, penalty_t = map(round_to_bf16, (temperature_t, top_p_t, penalty_t))
+            # The reference clips its bf16 temperature tensor (`torch.clip(t, min=1e-5)`) in bf16,
+            # so a tiny temperature becomes bf16(1e-5) = 1.00136e-5, not the fp32 1e-5 that
+            # `logits_to_probs` would clamp to.
+            temperature_t = round_to_bf16(torch.clamp(temperature_t, min=TEMPERATURE_FLOOR))
         return cls(
             temperature=temperature_t,
             top_p=top_p_t,
