@@ -6,9 +6,16 @@ without loading the model stack.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 WEIGHT_FORMATS = ("bf16", "fp8")
+
+
+def _default_overlap_steps() -> bool:
+    # Off until validated on the GPU; SHOAL_OVERLAP_STEPS=1 turns it on without code changes
+    # (benchmarks, servers built from defaults).
+    return os.environ.get("SHOAL_OVERLAP_STEPS", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _default_queue_limits() -> dict[str, int]:
@@ -55,6 +62,11 @@ class EngineConfig:
     # The sampling kernels extract this many candidates per row (rows whose top_k is larger run
     # an uncapped eager step); None: always sort the whole row.
     sample_max_top_k: int | None = 64
+
+    # Launch decode step n+1 before step n's frames are read back when the batch cannot change
+    # between them (pure decode, nothing waiting): the host books step n while the GPU runs
+    # n+1. A request that stopped at step n runs one discarded extra row (docs/engine.md).
+    overlap_steps: bool = field(default_factory=_default_overlap_steps)
 
     # Benchmarks: keep generating past <|im_end|> until max_new_frames (fixed output length).
     ignore_eos: bool = False

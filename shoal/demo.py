@@ -113,7 +113,14 @@ def run(args: argparse.Namespace) -> int:
             f"error: {directory} already holds a checkpoint; pass --overwrite to replace it", file=sys.stderr
         )
         return 1
-    write_demo_checkpoint(directory, seed=args.seed)
+    if directory.exists() and not directory.is_dir():
+        print(f"error: {directory} exists and is not a directory", file=sys.stderr)
+        return 1
+    try:
+        write_demo_checkpoint(directory, seed=args.seed)
+    except OSError as error:  # unwritable place, disk full, ...
+        print(f"error: could not write the demo checkpoint to {directory}: {error}", file=sys.stderr)
+        return 1
     print(f"Wrote a demo S2-layout checkpoint and {CODEC_FILE} to {directory}")
     print(NOISE_WARNING)
     print(f'Try: shoal synth "Hello there." --checkpoint {directory} -o hello.wav')

@@ -9,6 +9,7 @@ codes; each batch's audio is encoded and written as soon as it is decoded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -171,10 +172,30 @@ class Synthesizer:
                 yield np.clip(audio, -1.0, 1.0)
 
 
+def remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):  # e.g. its directory could not be created
+        path.unlink(missing_ok=True)
+
+
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments themselves (exit status 2), checked before any work."""
+    if not args.text.strip():
+        return "the text is empty"
+    if args.max_frames < 1:
+        return f"--max-frames must be at least 1, got {args.max_frames}"
+    if args.output.is_dir():
+        return f"-o {args.output} is a directory; give a file name"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     fmt = output_format(args.format, args.output)
     if args.seed is None:
         args.seed = random.randrange(2**31)
+    problem = usage_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         # Build the encoder first: a bad rate or bitrate fails before the model loads.
         encoder = create_encoder(
@@ -190,10 +211,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     partial = args.output.with_name(args.output.name + ".part")
     samples = 0
     try:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
         clips = read_reference_clips(args.reference, args.reference_text)
         synthesizer = Synthesizer(args.checkpoint, args.codec, args.device)
         references = [synthesizer.reference(audio, text) for audio, text in clips]
@@ -214,12 +235,15 @@ def run(args: argparse.Namespace) -> int:
                 samples += audio.size
                 file.write(encoder.write(audio))
             file.write(encoder.finish())
+        partial.replace(args.output)
     except (AudioDecodeError, CheckpointError, ValueError, OSError) as error:
-        partial.unlink(missing_ok=True)
+        remove_quietly(partial)
         message = error.message if isinstance(error, AudioDecodeError) else str(error)
         print(f"error: {message}", file=sys.stderr)
         return 1
-    partial.replace(args.output)
+    except BaseException:  # Ctrl-C, or a failure inside the model: never leave the .part behind
+        remove_quietly(partial)
+        raise
     seconds = samples / SAMPLE_RATE / args.speed
     elapsed = time.perf_counter() - started
     print(

@@ -16,6 +16,10 @@ GOLDEN = SHARED / "golden"
 # for the second thread to be scheduled (measured: ~15 ms per op), far slower than one thread.
 torch.set_num_threads(1)
 
+# Without a GPU, Triton kernels run in the interpreter; set it before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:

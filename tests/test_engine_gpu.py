@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shoal.config import EngineConfig
+from shoal.engine.api import FinishReason
 from shoal.engine.core import EngineCore
 from shoal.engine.decode_step import DecodeStep
 from shoal.engine.request import SamplingParams
@@ -127,3 +128,72 @@ def test_fused_step_agrees_with_torch_forward(core):
     runner.host.invalidate()
     for request in requests:
         core.abort(request.request_id)
+
+
+def run_fixed_lengths(model, device: str, dtype: str, overlap: bool):
+    """12 requests of distinct lengths (`<|im_end|>` ignored), all prefilled in the first
+    step: the batch shrinks at the same steps with and without `overlap_steps` (a last frame
+    is known in advance, so no step is launched ahead over it), so every step has the same
+    rows and the outputs must be equal bit for bit."""
+    config = EngineConfig(
+        device=device, dtype=dtype, num_pages=512, page_size=16, max_running_requests=16,
+        ignore_eos=True, overlap_steps=overlap,
+    )  # fmt: skip
+    core = EngineCore(model, config)
+    out: dict[str, list] = {}
+
+    def sink(request, frames, reason):
+        if frames is not None:
+            out.setdefault(request.request_id, []).append(frames)
+
+    requests = []
+    for i in range(12):
+        prompt = build_prompt(model.config, model.tokenizer, "text " * (1 + i % 5), [])
+        params = SamplingParams(seed=100 + i, temperature=0.7 + 0.01 * i)
+        requests.append(
+            core.new_request(prompt, params, max_new_frames=20 + 3 * i, request_id=f"g{i}", sink=sink)
+        )
+        core.add(requests[-1])
+    core.run_until_idle()
+    assert core.kv.pool.num_used == 0 and core.inflight is None
+    outputs = {name: torch.cat(chunks) for name, chunks in out.items()}
+    for request in requests:  # (max_new_frames may be clipped to the context)
+        assert request.finish_reason is FinishReason.LENGTH
+        assert outputs[request.request_id].shape[0] == request.max_new_frames
+    assert len({r.max_new_frames for r in requests}) > 6
+    return outputs, core
+
+
+def test_overlapped_steps_equal_plain_steps(core):
+    model = core.model
+    plain, _ = run_fixed_lengths(model, "cuda", "bfloat16", overlap=False)
+    overlapped, ahead_core = run_fixed_lengths(model, "cuda", "bfloat16", overlap=True)
+    assert ahead_core.steps_ahead > 20 and ahead_core.rows_discarded == 0
+    assert plain.keys() == overlapped.keys()
+    for name, frames in plain.items():
+        assert torch.equal(overlapped[name], frames), name
+
+
+def test_step_ahead_makes_no_host_sync(core):
+    model = core.model
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
+        ignore_eos=True, overlap_steps=True,
+    )  # fmt: skip
+    ahead_core = EngineCore(model, config)
+    for i in range(5):
+        prompt = build_prompt(model.config, model.tokenizer, "text " * (1 + i), [])
+        ahead_core.add(ahead_core.new_request(prompt, SamplingParams(seed=i), max_new_frames=40))
+    while ahead_core.inflight is None:
+        ahead_core.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = ahead_core.begin_step()  # returns the step ahead and launches the next one
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pending.ahead and ahead_core.inflight is not None
+    pending.wait()
+    assert len(ahead_core.end_step(pending)) == 5
+    ahead_core.run_until_idle()
+    assert ahead_core.kv.pool.num_used == 0

@@ -8,6 +8,7 @@ import json
 import wave
 
 import anyio
+import av
 import numpy as np
 import ormsgpack
 import pytest
@@ -100,6 +101,7 @@ def test_prosody_speed_shortens_audio(client):
     [
         (b"\xc1\xc1garbage", "application/msgpack", 400),
         (b"{not json", "application/json", 400),
+        (b"[" * 5000 + b"]" * 5000, "application/json", 400),  # nesting past the recursion limit
         (ormsgpack.packb([1, 2]), "application/msgpack", 422),
         (ormsgpack.packb({"text": 5}), "application/msgpack", 422),
         (ormsgpack.packb({"text": "x", "chunk_length": 5}), "application/msgpack", 422),
@@ -221,6 +223,13 @@ def test_inline_references_are_encoded_once(client, engine):
     assert engine.submitted[0].voice_key == engine.submitted[1].voice_key
 
 
+def test_refused_requests_do_no_voice_work(client, engine):
+    """Over-long text is refused before its inline reference clip is decoded and encoded."""
+    reference = {"audio": wav_clip(), "text": "ref"}
+    assert_fish_error(msgpack_post(client, {"text": "x" * 501, "references": [reference]}), 413)
+    assert engine.encoded == 0 and not engine.submitted
+
+
 def test_fish_speech_reference_routes(client):
     files = {"audio": ("a.wav", wav_clip(), "audio/wav")}
     added = client.post("/v1/references/add?format=json", data={"id": "narrator", "text": "hi"}, files=files)
@@ -240,6 +249,10 @@ def test_fish_speech_reference_routes(client):
     )
     assert deleted.status_code == 200
     assert client.get("/v1/references/list?format=json").json()["reference_ids"] == []
+    nested = client.request(
+        "DELETE", "/v1/references/delete", content=b"[" * 5000, headers={"Content-Type": "application/json"}
+    )
+    assert_fish_error(nested, 400)
 
 
 def test_stream_limit_per_key_gives_429(client):
@@ -297,6 +310,18 @@ def test_live_session_streams_one_file(client, engine):
     assert engine.pages_used == 0
 
 
+def test_live_short_session_in_a_buffering_format_still_gets_its_audio(client):
+    """0.1 s of audio into mp3 at 16 kHz yields no bytes until the encoder is flushed: the
+    session's audio must still arrive (before `finish`), as one decodable file."""
+    start = {"event": "start", "request": {"text": "", "format": "mp3", "sample_rate": 16000}}
+    received = live_session(client, [start, {"event": "text", "text": "a"}, {"event": "stop"}])
+    assert received[-1] == {"event": "finish", "reason": "stop"}
+    data = b"".join(m["audio"] for m in received if m["event"] == "audio")
+    with av.open(io.BytesIO(data)) as container:
+        samples = sum(frame.samples for frame in container.decode(audio=0))
+    assert samples >= 1600  # the 0.1 s of tone at 16 kHz
+
+
 def test_live_empty_session_and_errors(client):
     empty = live_session(client, [{"event": "start", "request": {"text": ""}}, {"event": "stop"}])
     assert empty == [{"event": "finish", "reason": "stop"}]
@@ -308,6 +333,50 @@ def test_live_empty_session_and_errors(client):
     assert failing[-1]["reason"] == "error"
     with pytest.raises(Exception):  # noqa: B017 (the denial surfaces as a transport-level error)
         live_session(client, [], headers={"Authorization": "Bearer wrong"})
+
+
+def test_live_protocol_violations_end_with_a_clear_error(client, engine):
+    start = {"event": "start", "request": {"text": "", "format": "pcm"}}
+    twice = live_session(client, [start, start, {"event": "text", "text": "Hello."}, {"event": "stop"}])
+    assert twice[-1]["reason"] == "error" and "start" in twice[-1]["message"]
+    with client.websocket_connect("/v1/tts/live") as socket:
+        socket.send_text("[" * 5000)  # JSON nested past the recursion limit
+        finish = ormsgpack.unpackb(socket.receive_bytes())
+    assert finish["reason"] == "error" and finish["message"].startswith("malformed message")
+    too_long = {"event": "start", "request": {"text": "x" * 501}}
+    finish = live_session(client, [too_long, {"event": "stop"}])[-1]
+    assert finish["reason"] == "error" and "exceeds" in finish["message"] and not engine.submitted
+    assert engine.pages_used == 0
+
+
+def test_live_client_gone_before_accept_releases_its_stream_slot(tmp_path, engine):
+    """The handshake passed auth and took a stream slot, but the client vanished before the
+    server's accept went out: the slot must come back, or the key ends up locked out (429)."""
+    from uvicorn.protocols.utils import ClientDisconnected
+
+    app = create_app(engine, Store.in_directory(tmp_path), ServerSettings(auth=False))
+    scope = {
+        "type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+        "path": "/v1/tts/live", "raw_path": b"/v1/tts/live", "query_string": b"", "root_path": "",
+        "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "subprotocols": [],
+        "state": {},
+    }  # fmt: skip
+
+    async def receive() -> dict:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict) -> None:
+        raise ClientDisconnected()  # what uvicorn raises once the peer has gone
+
+    async def scenario() -> None:
+        with anyio.fail_after(10):
+            try:
+                await app(scope, receive, send)
+            except OSError:
+                pass  # (before the fix it escaped; what matters is the slot)
+
+    anyio.run(scenario)
+    assert app.state.limiter.total == 0 and not engine.submitted
 
 
 def test_live_prefills_voice_at_start(client, engine):

@@ -10,7 +10,7 @@ import pytest
 
 from shoal.server import cli, keys_cli
 from shoal.server.auth import hash_api_key
-from shoal.server.store import NewSample, Store
+from shoal.server.store import NewSample, Store, VoiceExistsError
 
 
 def test_voices_and_keys_survive_reopen(tmp_path):
@@ -29,6 +29,35 @@ def test_voices_and_keys_survive_reopen(tmp_path):
     assert reopened.revoke_key(key.id) and reopened.find_key(hash_api_key("secret")) is None
     assert reopened.delete_voice(row.id) and reopened.get_voice(row.id) is None
     assert not list((tmp_path / "blobs" / "voices" / row.id).glob("*"))
+
+
+def test_reused_voice_id_never_touches_another_voices_blobs(tmp_path):
+    """fish-speech's rename keeps the blobs; anyone may then take the old id. The new voice must
+    neither overwrite nor (when deleted) remove the renamed voice's audio and codes."""
+    store = Store.in_directory(tmp_path)
+    mine = np.full((2, 5), 7, np.int64)
+    theirs = np.full((2, 5), 9, np.int64)
+    store.create_voice("a", "orig", [NewSample(text="a", audio=b"audio-a", codes=mine)], voice_id="orig")
+    assert store.rename_voice("orig", "moved")
+    store.create_voice("b", "orig", [NewSample(text="b", audio=b"audio-b", codes=theirs)], voice_id="orig")
+    assert np.array_equal(store.voice_codes(store.get_voice("moved"))[0][1], mine)
+    assert store.delete_voice("orig")
+    moved = store.get_voice("moved")
+    assert np.array_equal(store.voice_codes(moved)[0][1], mine)
+    assert store.blobs.get(moved.samples[0].audio_blob) == b"audio-a"
+
+
+def test_duplicate_voice_id_is_refused_without_damage(tmp_path):
+    """Two creates racing for one id (both passed the route's existence check): the loser gets
+    VoiceExistsError (409), leaves no blobs behind, and the winner's codes are intact."""
+    store = Store.in_directory(tmp_path)
+    first = np.full((2, 5), 1, np.int64)
+    store.create_voice("a", "x", [NewSample(text="", audio=b"1", codes=first)], voice_id="dup")
+    with pytest.raises(VoiceExistsError):
+        store.create_voice("b", "x", [NewSample(text="", audio=b"2", codes=first + 1)], voice_id="dup")
+    row = store.get_voice("dup")
+    assert row.tenant == "a" and np.array_equal(store.voice_codes(row)[0][1], first)
+    assert len(list((tmp_path / "blobs" / "voices" / "dup").glob("*"))) == 2
 
 
 def test_visibility_filters_in_listing(tmp_path):

@@ -167,6 +167,37 @@ def test_bad_inputs_fail_with_a_message(
     assert not (tmp_path / "x.wav").exists() and not (tmp_path / "x.wav.part").exists()
 
 
+def test_unusable_arguments_and_outputs_fail_with_a_message(
+    demo_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Caught up front (status 2) or as an error line (status 1): never a traceback, never a
+    stray `.part` file, never an empty `-o` file written with status 0."""
+    argv = ["synth", "--checkpoint", str(demo_dir), "--quiet", "--max-frames", "4"]
+    assert main([*argv[:1], "  ", *argv[1:], "-o", str(tmp_path / "e.wav")]) == 2
+    assert "text is empty" in capsys.readouterr().err
+    assert synth(demo_dir, tmp_path / "z.wav", "--max-frames", "0") == 2
+    assert "--max-frames" in capsys.readouterr().err
+    assert synth(demo_dir, tmp_path) == 2  # -o names a directory
+    assert "directory" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert synth(demo_dir, blocker / "x.wav") == 1  # the output's parent cannot be created
+    assert "error:" in capsys.readouterr().err
+    leftovers = [p.name for p in tmp_path.parent.glob(f"{tmp_path.name}*.part")] + list(tmp_path.glob("*"))
+    assert leftovers == [blocker]
+
+
+def test_demo_checkpoint_unwritable_target_is_an_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["demo-checkpoint", str(blocker)]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["demo-checkpoint", str(blocker / "demo")]) == 1
+    assert "could not write" in capsys.readouterr().err
+
+
 def test_output_format_from_suffix() -> None:
     assert output_format(None, Path("a.mp3")) == "mp3"
     assert output_format(None, Path("a.ogg")) == "opus"

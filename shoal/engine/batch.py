@@ -72,23 +72,60 @@ class DecodeBuffers:
         return SamplingBatch(self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed)
 
 
-class HostBatch:
-    """Fills host buffers (pinned on a GPU) for a list of decoding requests."""
+@dataclass
+class _HostCopy:
+    """One set of host buffers, its numpy views and how many of its rows were live at its
+    last fill (the rows after that are padding)."""
 
-    def __init__(self, runner, max_batch: int) -> None:
+    buffers: DecodeBuffers
+    arrays: dict
+    live: int = 0
+
+
+class HostBatch:
+    """Fills host buffers (pinned on a GPU) for a list of decoding requests.
+
+    `copies` sets of buffers are used in turn, one per fill. One is enough when every step is
+    read back before the next is filled; the overlapped schedule (`overlap_steps`) fills step
+    n+1 while step n's non-blocking uploads may still be pending, so it uses two (the fill
+    after that one comes after step n was waited for)."""
+
+    def __init__(self, runner, max_batch: int, copies: int = 1) -> None:
         self.runner = runner
         self.max_batch = max_batch
         pin = runner.device.type == "cuda"
-        self.host = DecodeBuffers.allocate(
-            max_batch, runner.max_pages, runner.window_size, runner.num_rows, "cpu", pin=pin
-        )
-        self.np = {name: getattr(self.host, name).numpy() for name in self.host.names}
+        self.copies: list[_HostCopy] = []
+        for _ in range(copies):
+            host = DecodeBuffers.allocate(
+                max_batch, runner.max_pages, runner.window_size, runner.num_rows, "cpu", pin=pin
+            )
+            self.copies.append(_HostCopy(host, {name: getattr(host, name).numpy() for name in host.names}))
+        self.current = 0  # the copy of the last fill (the one `upload` sends)
         self.rows: list[Request] = []  # requests of the last fill, in row order
         self.device_current = False  # the device buffers hold the last fill's per-request fields
-        self._pad(0, max_batch)
+        self.reset()
+
+    @property
+    def host(self) -> DecodeBuffers:
+        return self.copies[self.current].buffers
+
+    @property
+    def np(self) -> dict:
+        return self.copies[self.current].arrays
+
+    def reset(self) -> None:
+        """Every row of every copy padding, no rows on the device (graph capture)."""
+        for index in range(len(self.copies)):
+            self.current = index
+            self._pad(0, self.max_batch)
+            self.copies[index].live = 0
+        self.current = 0
+        self.rows = []
+        self.device_current = False
 
     def _pad(self, start: int, end: int) -> None:
-        """Rows [start, end) harmless padding: the scratch page, one key, top_k 1."""
+        """Rows [start, end) of the current copy harmless padding: the scratch page, one key,
+        top_k 1."""
         if start >= end:
             return
         a, kv = self.np, self.runner.kv
@@ -101,28 +138,43 @@ class HostBatch:
             a[name][start:end] = 1.0
         a["top_k"][start:end] = 1
 
-    def fill(self, requests: list[Request]) -> tuple[str, ...]:
-        """Write `requests`' step inputs into rows 0..n-1 (padding after them); returns the
-        fields that changed and must reach the device."""
-        a, n = self.np, len(requests)
-        same = (
+    def holds(self, requests: list[Request]) -> bool:
+        """Whether the device buffers hold `requests`' rows (in this order) from the last fill,
+        their tokens and window written in place by the steps since."""
+        return (
             self.device_current
-            and len(self.rows) == n
+            and len(self.rows) == len(requests)
             and all(x is y for x, y in zip(self.rows, requests, strict=True))
         )
-        if n < len(self.rows):
-            self._pad(n, len(self.rows))
-        seq = np.fromiter((r.seq_len for r in requests), dtype=np.int64, count=n)
+
+    def fill(self, requests: list[Request], ahead: int = 0) -> tuple[str, ...]:
+        """Write `requests`' step inputs into rows 0..n-1 of the next copy (padding after
+        them); returns the fields that changed and must reach the device.
+
+        `ahead` = 1: the step after the one in flight for the same rows, whose frames are not
+        booked yet (each request one frame further than its `num_frames` says); only possible
+        when the device holds the rows (the step in flight writes their tokens and window)."""
+        same = self.holds(requests)
+        if ahead and not same:
+            raise RuntimeError("a step ahead needs the rows of the step in flight on the device")
+        self.current = (self.current + 1) % len(self.copies)
+        copy = self.copies[self.current]
+        a, n = copy.arrays, len(requests)
+        if n < copy.live:
+            self._pad(n, copy.live)
+        copy.live = n
+        seq = np.fromiter((r.seq_len for r in requests), dtype=np.int64, count=n) + ahead
         a["positions"][:n] = seq - 1
         a["kv_lens"][:n] = seq
-        a["frame_index"][:n] = np.fromiter((r.num_frames for r in requests), dtype=np.int64, count=n)
+        a["frame_index"][:n] = np.fromiter((r.num_frames for r in requests), dtype=np.int64, count=n) + ahead
         tables = a["block_tables"]
         page = self.runner.kv.page_size
         for i, r in enumerate(requests):
             table = r.block_table
+            last = int(seq[i]) - 1
             tables[i, : len(table)] = table
             tables[i, len(table) :] = self.runner.kv.scratch_page
-            a["slots"][i] = table[(r.seq_len - 1) // page] * page + (r.seq_len - 1) % page
+            a["slots"][i] = table[last // page] * page + last % page
         if same:
             return METADATA
         width = self.runner.window_size
@@ -144,7 +196,8 @@ class HostBatch:
         self.device_current = False
 
     def upload(self, device: DecodeBuffers, fields: tuple[str, ...], rows: int) -> None:
-        """Copy rows [0, rows) of `fields` to the device buffers (non-blocking from pinned)."""
+        """Copy rows [0, rows) of `fields` from the copy of the last fill to the device buffers
+        (non-blocking from pinned)."""
         for name in fields:
             getattr(device, name)[:rows].copy_(getattr(self.host, name)[:rows], non_blocking=True)
         self.device_current = True

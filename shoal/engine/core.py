@@ -5,6 +5,16 @@ wait for the frames, deliver them.
 where the host waits for the GPU, so a threaded caller (`engine.py`) can let other threads
 touch the engine state while the GPU computes. Between `launch_decode` and the wait, the host
 plans and launches the step's prefill chunks, overlapping the decode on the GPU.
+
+With `overlap_steps`, `begin_step()` also launches the next decode of the same rows ("ahead")
+before the step it returns is read back, when nothing can change the batch in between (pure
+decode, nothing waiting, no row finished or aborted, no row at its last frame, pages free):
+the GPU computes step n+1 from the tokens and window step n left on the device while the host
+books step n. Bookkeeping therefore lags one step: a request that stops (`<|im_end|>`) or is
+aborted at step n still has a row in step n+1, whose frame is dropped, and its pages are freed
+when step n+1 is booked; then the batch is drained (the next `begin_step` returns the step
+ahead without launching another) and scheduled normally. On the CPU the same lagged
+bookkeeping runs, only synchronously.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import torch
 from shoal.config import EngineConfig
 from shoal.engine.api import EngineStats, FinishReason, InvalidRequest, Priority
 from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page
-from shoal.engine.request import Request, SamplingParams
+from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.runner import ModelRunner, PendingDecode
 from shoal.engine.scheduler import Scheduler, StepPlan
 
@@ -53,6 +63,17 @@ class PendingStep:
     prefill_frames: torch.Tensor | None = None
     decode_frames: torch.Tensor | list = field(default_factory=list)
     prefill_frames_host: torch.Tensor | list = field(default_factory=list)
+    ahead: bool = False  # launched before the previous step was booked (overlap_steps)
+    # Requests that finished while this step (ahead) still runs a row for them: their pages
+    # are freed when this step is booked.
+    release: list[Request] = field(default_factory=list)
+    _rows: set | None = field(default=None, repr=False)
+
+    def runs(self, request: Request) -> bool:
+        """Whether this step computes a row for `request`."""
+        if self._rows is None:
+            self._rows = set(self.plan.decodes)
+        return request in self._rows
 
     def wait(self) -> None:
         """Block until the step's frames are on the host (the only sync of a step)."""
@@ -77,6 +98,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.steps = 0
         self.frames_out = 0
+        self._inflight: PendingStep | None = None  # a step launched ahead, not yet returned
+        self.steps_ahead = 0  # decode steps launched ahead (overlap_steps)
+        self.rows_discarded = 0  # rows of those steps whose request had finished
         self._rate_window: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, steps, frames)
 
     def new_request(
@@ -121,14 +145,37 @@ class EngineCore:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.finish(request, reason)
+        self._finish(request, reason)
         if request.sink is not None:
             request.sink(request, None, reason)
         return True
 
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Finish `request`; a step launched ahead that still writes its KV keeps its pages
+        until that step is booked."""
+        ahead = self._inflight
+        if ahead is not None and ahead.runs(request):
+            self.scheduler.finish(request, reason, free_pages=False)
+            ahead.release.append(request)
+        else:
+            self.scheduler.finish(request, reason)
+
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0
+        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0 or self._inflight is not None
+
+    @property
+    def inflight(self) -> PendingStep | None:
+        """The step launched ahead (overlap_steps) that the next `begin_step` returns."""
+        return self._inflight
+
+    def discard_inflight(self) -> None:
+        """Drop the step launched ahead without booking it (after a failure); frees the pages
+        its finished rows kept."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            for request in step.release:
+                self.kv.free(request)
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got a frame."""
@@ -140,23 +187,61 @@ class EngineCore:
 
     def begin_step(self) -> PendingStep | None:
         """Schedule, launch the decode, run the prefill chunks (the host part overlaps the
-        decode on the GPU). Returns None when there is nothing to run."""
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return None
-        pending = PendingStep(plan)
-        if plan.decodes:
-            pending.decode = self.runner.launch_decode(plan.decodes)
-        if plan.prefills:
-            pending.completing, pending.prefill_frames = self.runner.prefill(plan.prefills)
+        decode on the GPU). Returns the step to wait for and book next, None when there is
+        nothing to run. With `overlap_steps`: the step launched ahead by the previous call if
+        there is one (else a newly scheduled one), and, when the batch cannot change, the next
+        decode of the same rows is launched before returning."""
+        if self._inflight is not None:
+            pending, self._inflight = self._inflight, None
+        else:
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                return None
+            pending = PendingStep(plan)
+            if plan.decodes:
+                pending.decode = self.runner.launch_decode(plan.decodes)
+            if plan.prefills:
+                pending.completing, pending.prefill_frames = self.runner.prefill(plan.prefills)
+        if self.config.overlap_steps and self._can_run_ahead(pending):
+            self._inflight = self._launch_ahead(pending)
         return pending
+
+    def _can_run_ahead(self, pending: PendingStep) -> bool:
+        """Whether the decode after `pending` (not booked yet) has the same rows: `pending`
+        is a pure decode of every running request, none finished, none at its last frame, no
+        request waiting, and the pages for one more position each can be had."""
+        plan = pending.plan
+        if plan.prefills or not plan.decodes or pending.decode is None or self.scheduler.num_waiting:
+            return False
+        if len(self.scheduler.running) != len(plan.decodes) or not self.runner.host.holds(plan.decodes):
+            return False
+        need = 0
+        for request in plan.decodes:
+            if request.status is not RequestStatus.RUNNING:
+                return False
+            # `pending` makes frame num_frames; the step ahead frame num_frames + 1, at
+            # position seq_len (KV through seq_len + 1).
+            if request.num_frames + 1 >= request.max_new_frames or request.seq_len + 1 > self.max_seq_len:
+                return False
+            need += self.kv.extra_pages_needed(request, request.seq_len + 1)
+        return need == 0 or self.kv.can_allocate(need)
+
+    def _launch_ahead(self, pending: PendingStep) -> PendingStep:
+        decodes = list(pending.plan.decodes)
+        for request in decodes:
+            self.kv.grow(request, request.seq_len + 1)
+        ahead = PendingStep(StepPlan(decodes=decodes), ahead=True)
+        ahead.decode = self.runner.launch_decode(decodes, ahead=1)
+        self.steps_ahead += 1
+        return ahead
 
     def end_step(self, pending: PendingStep) -> list[Request]:
         """Book the step's progress and deliver its frames (after `pending.wait()`)."""
         plan = pending.plan
         produced: list[tuple[Request, torch.Tensor]] = []
         for request, frame in zip(plan.decodes, pending.decode_frames, strict=True):
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted while the step ran, or finished before it (ahead)
+                self.rows_discarded += pending.ahead
                 continue
             request.num_computed += 1
             produced.append((request, frame))
@@ -170,6 +255,9 @@ class EngineCore:
                 produced.append((request, completing[request]))
         for request, frame in produced:
             self._deliver(request, frame)
+        for request in pending.release:
+            self.kv.free(request)
+        pending.release.clear()
         self.steps += 1
         self.frames_out += len(produced)
         self._rate_window.append((time.monotonic(), self.steps, self.frames_out))
@@ -184,7 +272,7 @@ class EngineCore:
             reason = FinishReason.LENGTH
         if reason is not None:
             self.requests.pop(request.request_id, None)
-            self.scheduler.finish(request, reason)
+            self._finish(request, reason)
         if request.sink is not None:
             request.sink(request, frame[None], reason)
 

@@ -185,6 +185,7 @@ class LocalEngine(Engine):
         self.last_error = error
         for request in list(self.core.scheduler.running):
             self.core.abort(request.request_id, FinishReason.ERROR)
+        self.core.discard_inflight()  # a step launched ahead (overlap_steps) is not booked
         self.core.runner.host.invalidate()
 
     def _post(self, fn: Callable, *args) -> None:

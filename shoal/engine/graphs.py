@@ -35,8 +35,7 @@ class DecodeGraphs:
     def _padded_inputs(self) -> None:
         """Every row harmless padding (the host batch's padding, sent whole)."""
         host = self.runner.host
-        host._pad(0, host.max_batch)
-        host.rows = []
+        host.reset()
         for name in host.host.names:
             getattr(self.runner.buffers, name).copy_(getattr(host.host, name))
 

@@ -11,8 +11,9 @@ FP8 (`quant/engine_fp8.py`): the fused step runs them through `Fp8Projections`, 
 are reserved for every captured batch size before the graphs are captured.
 
 A decode is split in `launch_decode` (host fill, non-blocking copies, replay, non-blocking
-copy of the frames into pinned memory, an event) and `finish_decode` (wait for the event), so
-the caller can prepare other work while the GPU runs.
+copy of the frames into pinned memory, an event) and `PendingDecode.result` (wait for the
+event), so the caller can prepare other work while the GPU runs; with `overlap_steps` the
+next decode of the same rows can be launched (`ahead=1`) before that wait.
 """
 
 from __future__ import annotations
@@ -72,11 +73,18 @@ class ModelRunner:
                 model, self.kv, self.max_batch, use_kernels=on_gpu,
                 max_top_k=config.sample_max_top_k,
             )  # fmt: skip
-        self.host = HostBatch(self, self.max_batch)
+        # overlap_steps: two decodes may be in flight (one launched before the other is read
+        # back), so the pinned inputs and the frames' landing buffer come in pairs.
+        copies = 2 if config.overlap_steps else 1
+        self.host = HostBatch(self, self.max_batch, copies)
         self.buffers = DecodeBuffers.allocate(
             self.max_batch, self.max_pages, self.window_size, self.num_rows, self.device
         )
-        self.host_frames = torch.zeros(self.max_batch, self.num_rows, dtype=torch.int32, pin_memory=on_gpu)
+        self._host_frames = [
+            torch.zeros(self.max_batch, self.num_rows, dtype=torch.int32, pin_memory=on_gpu)
+            for _ in range(copies)
+        ]
+        self._launches = 0
         self.graphs = None
         if on_gpu and config.use_cuda_graphs:
             from shoal.engine.graphs import DecodeGraphs
@@ -190,14 +198,20 @@ class ModelRunner:
         bound = self.step.max_top_k if self.step is not None else None
         return bound is None or all(r.params.top_k <= bound for r in requests)
 
+    @property
+    def host_frames(self) -> Tensor:
+        """The pinned buffer the last launched decode's frames land in."""
+        return self._host_frames[(self._launches - 1) % len(self._host_frames)]
+
     @torch.no_grad()
-    def launch_decode(self, requests: list[Request]) -> PendingDecode:
+    def launch_decode(self, requests: list[Request], ahead: int = 0) -> PendingDecode:
         """Queue the next frame of each request; `PendingDecode.result()` gives int32
-        [len(requests), N+1] on the host."""
+        [len(requests), N+1] on the host. `ahead` = 1: the frame after the one a decode still
+        in flight (same requests, same rows, not yet booked) produces (`HostBatch.fill`)."""
         n = len(requests)
         if n > self.max_batch:
             raise ValueError(f"decode batch {n} exceeds max_running_requests {self.max_batch}")
-        fields = self.host.fill(requests)
+        fields = self.host.fill(requests, ahead)
         capped = self.capped(requests)
         if self.graphs is not None and capped and self.graphs.can_run(n):
             bucket = self.graphs.bucket_for(n)
@@ -211,12 +225,14 @@ class ModelRunner:
                 self.max_pages if self.device.type == "cuda" else max(len(r.block_table) for r in requests)
             )
             self.decode_step(self.buffers.view(n, width), capped)
-        self.host_frames[:n].copy_(self.buffers.frames[:n], non_blocking=True)
+        self._launches += 1
+        host_frames = self.host_frames
+        host_frames[:n].copy_(self.buffers.frames[:n], non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return PendingDecode(n, self.host_frames, event)
+        return PendingDecode(n, host_frames, event)
 
     def decode(self, requests: list[Request]) -> Tensor:
         """The next frame of each request, int32 [len(requests), N+1] on the host."""

@@ -70,19 +70,22 @@ class Scheduler:
         keys = [r.arrival for r in queue]
         queue.insert(bisect.bisect(keys, request.arrival), request)
 
-    def remove(self, request: Request) -> None:
-        """Take a request out of the engine (finished, aborted, failed) and free its pages."""
+    def remove(self, request: Request, free_pages: bool = True) -> None:
+        """Take a request out of the engine (finished, aborted, failed) and free its pages
+        (`free_pages=False`: the caller frees them later, after a step in flight that still
+        writes them)."""
         if request in self.running:
             self.running.remove(request)
         queue = self.waiting[request.priority]
         if request in queue:
             queue.remove(request)
-        self.kv.free(request)
+        if free_pages:
+            self.kv.free(request)
         request.status = RequestStatus.FINISHED
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
+    def finish(self, request: Request, reason: FinishReason, free_pages: bool = True) -> None:
         request.finish_reason = reason
-        self.remove(request)
+        self.remove(request, free_pages)
 
     # Scheduling ---------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ class LiveSession:
                 import json
 
                 event = json.loads(message.get("text") or "")
-        except (ValueError, ormsgpack.MsgpackDecodeError) as error:
+        except (ValueError, RecursionError, ormsgpack.MsgpackDecodeError) as error:
             raise ProtocolError(f"malformed message: {error}") from error
         if not isinstance(event, dict) or not isinstance(event.get("event"), str):
             raise ProtocolError("every message must be a map with an 'event' key")
@@ -119,6 +119,8 @@ class LiveSession:
         """Buffer `text` events into segments until `stop` (which flushes the rest)."""
         buffer = body.text or ""
         total = len(buffer)
+        if total > self.settings.max_text_length:
+            raise ApiError(413, f"session text exceeds {self.settings.max_text_length} characters")
         async with segments:
             while True:
                 event = await self.receive_event()
@@ -144,6 +146,8 @@ class LiveSession:
                     buffer = ""
                     if kind == "stop":
                         return
+                elif kind == "start":
+                    raise ProtocolError("'start' may be sent only once per session")
                 # Unknown events are ignored, as the protocol asks of both sides.
 
     async def synthesize(
@@ -167,7 +171,9 @@ class LiveSession:
                 finally:
                     self.audio_seconds += stream.audio_seconds
                     await stream.aclose()
-        if self.audio_sent:
+        # Flush whenever audio went in, even if no bytes came out yet: an mp3 encoder at a low rate
+        # holds a short session's audio until finish. A session without audio sends nothing.
+        if self.audio_sent or self.audio_seconds > 0:
             await self.send_audio(await anyio.to_thread.run_sync(encoder.finish))
 
     async def run(self) -> str:
@@ -220,14 +226,14 @@ async def live_tts(websocket: WebSocket) -> None:
         state.metrics.count("/v1/tts/live", error.status)
         await websocket.send_denial_response(error_response(error.status, error.message))
         return
-    await websocket.accept()
     session = LiveSession(websocket, principal)
     reason = "disconnect"
-    try:
+    try:  # from here on the stream slot is held: every path, accept included, releases it
+        await websocket.accept()
         reason = await session.run()
         await websocket.close(1000)
     except BaseException as error:
-        if not _is_disconnect(error):
+        if not (_is_disconnect(error) or isinstance(error, OSError)):  # OSError: client gone
             raise
     finally:
         limiter.release(principal)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from sqlalchemy import JSON, DateTime, ForeignKey, Integer, String, Text, create_engine, func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 
 
@@ -66,6 +67,10 @@ class SampleRow(Base):
     audio_blob: Mapped[str] = mapped_column(String(500))
     codes_blob: Mapped[str] = mapped_column(String(500))
     voice: Mapped[VoiceRow] = relationship(back_populates="samples")
+
+
+class VoiceExistsError(ValueError):
+    """A voice with this id exists already (the id is the name in fish-speech's routes)."""
 
 
 class BlobStore:
@@ -189,6 +194,10 @@ class Store:
         voice_id: str | None = None,
     ) -> VoiceRow:
         voice_id = voice_id or uuid.uuid4().hex
+        # Blob keys are unique per sample, never derived from the id alone: ids are reused (a
+        # renamed voice keeps its blobs, and anyone may then take its old id), and a new voice
+        # must never overwrite, or on deletion remove, another voice's audio and codes.
+        written: list[str] = []
         row = VoiceRow(
             id=voice_id,
             tenant=tenant,
@@ -198,25 +207,35 @@ class Store:
             tags=list(tags or []),
             languages=list(languages or []),
         )
-        for position, sample in enumerate(samples):
-            audio_key = f"voices/{voice_id}/{position}.audio"
-            codes_key = f"voices/{voice_id}/{position}.npy"
-            self.blobs.put(audio_key, sample.audio)
-            self.blobs.put(codes_key, codes_to_bytes(sample.codes))
-            row.samples.append(
-                SampleRow(
-                    id=uuid.uuid4().hex,
-                    position=position,
-                    text=sample.text,
-                    audio_blob=audio_key,
-                    codes_blob=codes_key,
+        try:
+            for position, sample in enumerate(samples):
+                sample_id = uuid.uuid4().hex
+                audio_key = f"voices/{voice_id}/{sample_id}.audio"
+                codes_key = f"voices/{voice_id}/{sample_id}.npy"
+                written += [audio_key, codes_key]
+                self.blobs.put(audio_key, sample.audio)
+                self.blobs.put(codes_key, codes_to_bytes(sample.codes))
+                row.samples.append(
+                    SampleRow(
+                        id=sample_id,
+                        position=position,
+                        text=sample.text,
+                        audio_blob=audio_key,
+                        codes_blob=codes_key,
+                    )
                 )
-            )
-        if cover_image:
-            row.cover_image = f"voices/{voice_id}/cover"
-            self.blobs.put(row.cover_image, cover_image)
-        with self.sessions.begin() as session:
-            session.add(row)
+            if cover_image:
+                row.cover_image = f"voices/{voice_id}/cover-{uuid.uuid4().hex}"
+                written.append(row.cover_image)
+                self.blobs.put(row.cover_image, cover_image)
+            with self.sessions.begin() as session:
+                session.add(row)
+        except BaseException as error:
+            for key in written:
+                self.blobs.delete(key)
+            if isinstance(error, IntegrityError):  # a concurrent create took the id first
+                raise VoiceExistsError(f"voice already exists: {voice_id}") from error
+            raise
         return row
 
     def get_voice(self, voice_id: str) -> VoiceRow | None:
@@ -271,11 +290,14 @@ class Store:
             for name, value in fields.items():
                 if value is not None:
                     setattr(row, name, value)
+            old_cover = row.cover_image
             if cover_image:
-                row.cover_image = f"voices/{voice_id}/cover"
+                row.cover_image = f"voices/{voice_id}/cover-{uuid.uuid4().hex}"
                 self.blobs.put(row.cover_image, cover_image)
             row.updated_at = utc_now()
-            return row
+        if cover_image and old_cover:
+            self.blobs.delete(old_cover)
+        return row
 
     def count_use(self, voice_id: str) -> None:
         with self.sessions.begin() as session:
@@ -298,6 +320,12 @@ class Store:
 
     def rename_voice(self, old_id: str, new_id: str) -> bool:
         """fish-speech's `/v1/references/update`: the id is the name there. Blob keys keep the old id."""
+        try:
+            return self._rename_voice(old_id, new_id)
+        except IntegrityError:  # a concurrent create or rename took new_id first
+            return False
+
+    def _rename_voice(self, old_id: str, new_id: str) -> bool:
         with self.sessions.begin() as session:
             row = session.get(VoiceRow, old_id)
             if row is None or session.get(VoiceRow, new_id) is not None:

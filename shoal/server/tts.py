@@ -209,6 +209,8 @@ async def synthesize_response(
     started = time.perf_counter()
     if not body.text.strip():
         raise ApiError(400, "text is empty")
+    if len(body.text) > settings.max_text_length:  # before any voice work (inline clips are encoded)
+        raise ApiError(413, f"text is longer than {settings.max_text_length} characters")
     encoder = make_encoder(body, engine.sample_rate)
     references, voice_key = await state.voices.resolve(principal, body)
     synthesis = build_synthesis_request(body, references, voice_key, priority, settings)
@@ -250,7 +252,7 @@ def decode_body(raw: bytes, content_type: str) -> object:
         if "msgpack" in content_type:
             return ormsgpack.unpackb(raw)
         return json.loads(raw)
-    except (ValueError, ormsgpack.MsgpackDecodeError) as error:
+    except (ValueError, RecursionError, ormsgpack.MsgpackDecodeError) as error:  # RecursionError: nesting
         kind = "msgpack" if "msgpack" in content_type else "JSON"
         raise ApiError(400, f"malformed {kind} body: {error}") from error
 

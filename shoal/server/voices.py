@@ -23,7 +23,7 @@ from shoal.server import audio
 from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import ApiError
 from shoal.server.schemas import Author, ReferenceAudio, Sample, TTSRequestBody, VoiceEntity, VoicePage
-from shoal.server.store import NewSample, Store, VoiceRow
+from shoal.server.store import NewSample, Store, VoiceExistsError, VoiceRow
 
 if TYPE_CHECKING:
     from shoal.server.app import ServerSettings
@@ -176,9 +176,12 @@ async def create_voice_row(
         data = await upload.read()
         codes = await resolver.encode_upload(data)
         samples.append(NewSample(text=texts[index] if index < len(texts) else "", audio=data, codes=codes))
-    return await anyio.to_thread.run_sync(
-        lambda: resolver.store.create_voice(principal.tenant, samples=samples, **fields)  # type: ignore[arg-type]
-    )
+    try:
+        return await anyio.to_thread.run_sync(
+            lambda: resolver.store.create_voice(principal.tenant, samples=samples, **fields)  # type: ignore[arg-type]
+        )
+    except VoiceExistsError as error:
+        raise ApiError(409, str(error)) from error
 
 
 router = APIRouter(tags=["voices"])
@@ -316,7 +319,7 @@ async def read_fields(request: Request) -> dict:
             import json
 
             data = json.loads(body)
-    except (ValueError, ormsgpack.MsgpackDecodeError) as error:
+    except (ValueError, RecursionError, ormsgpack.MsgpackDecodeError) as error:
         raise ApiError(400, f"malformed request body: {error}") from error
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be an object")
