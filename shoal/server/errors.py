@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from shoal.engine.api import EngineOverloaded, InvalidRequest
 
@@ -74,6 +75,11 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no such endpoint: {request.method} {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
+    async def handle_client_gone(request: Request, exc: Exception) -> JSONResponse:
+        # The client left while its body was being read: nobody will see this answer, but the
+        # request is counted (and logged by the server) as 499, not as an internal error.
+        return error_response(499, "client closed the request")
+
     async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, "internal server error")
@@ -81,4 +87,5 @@ def install_error_handlers(app: FastAPI) -> None:
     for exc_type in (ApiError, EngineOverloaded, InvalidRequest, RequestValidationError, ValidationError):
         app.add_exception_handler(exc_type, handle_api_error)
     app.add_exception_handler(StarletteHTTPException, handle_http_exception)
+    app.add_exception_handler(ClientDisconnect, handle_client_gone)
     app.add_exception_handler(Exception, handle_unexpected)
