@@ -159,34 +159,39 @@ def test_disconnect_before_first_audio_aborts(tmp_path):
     assert sent[0]["status"] == 499
 
 
+def send_half_a_body_then_leave(app, method: str, path: str) -> list[dict]:
+    """Drive `app` with a request whose client disconnects halfway through its body."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "state": {}, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+    }  # fmt: skip
+    messages = iter([{"type": "http.request", "body": b'{"text": "hel', "more_body": True}])
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        for message in messages:
+            return message
+        return {"type": "http.disconnect"}  # the rest of the body never comes
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def scenario() -> None:
+        with anyio.fail_after(10):
+            await app(scope, receive, send)
+
+    anyio.run(scenario)
+    return sent
+
+
 def test_client_gone_while_sending_its_body_is_499_not_an_internal_error(tmp_path):
     engine = ToneEngine()
     app = create_app(engine, Store.in_directory(tmp_path), ServerSettings(auth=False))
-    sent: list[dict] = []
-    for path in ("/v1/tts", "/v1/references/delete"):
-        scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": "DELETE" if "delete" in path else "POST", "scheme": "http", "path": path,
-            "raw_path": path.encode(), "query_string": b"", "root_path": "", "state": {},
-            "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
-            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-        }  # fmt: skip
-        messages = iter([{"type": "http.request", "body": b'{"text": "hel', "more_body": True}])
-
-        async def receive() -> dict:
-            for message in messages:
-                return message
-            return {"type": "http.disconnect"}  # the rest of the body never comes
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        async def scenario() -> None:
-            with anyio.fail_after(10):
-                await app(scope, receive, send)
-
-        anyio.run(scenario)
-        assert sent[-2]["type"] == "http.response.start" and sent[-2]["status"] == 499
+    for method, path in (("POST", "/v1/tts"), ("DELETE", "/v1/references/delete")):
+        sent = send_half_a_body_then_leave(app, method, path)
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
     metrics = app.state.metrics.render().decode()
     assert 'status="499"' in metrics and 'status="500"' not in metrics and not engine.submitted
 
@@ -424,3 +429,6 @@ def test_split_ready_text():
     assert split_ready_text("c" * 150, 100) == ("", "c" * 150)
     head, rest = split_ready_text("word " * 50, 100)
     assert head and (head + rest) == "word " * 50
+    # Never inside a number: "3.14" is no sentence end (so nothing is cut yet).
+    assert split_ready_text("x" * 100 + " costs 3.14 dollars", 100) == ("", "x" * 100 + " costs 3.14 dollars")
+    assert split_ready_text("y" * 100 + "。好", 100) == ("y" * 100 + "。", "好")

@@ -261,7 +261,8 @@ class WavEncoder(AudioEncoder):
 
 
 class Mp3Encoder(AudioEncoder):
-    """Constant-bitrate mp3 frames from libmp3lame (MPEG-2 rates cap the bitrate at 160 kbps)."""
+    """Constant-bitrate mp3 frames from libmp3lame, which caps the bitrate at 160 kbps for
+    16-24 kHz and at 64 kbps for 8-12 kHz (docs/api.md)."""
 
     format = "mp3"
 

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from shoal.server.app import ServerSettings
 
 log = logging.getLogger("shoal.server.live")
-SENTENCE_END = re.compile(r"[.!?;。！？；\n]\s*")
+# Latin punctuation ends a sentence only before whitespace (never inside "3.14" or "e.g.x"); CJK
+# punctuation and newlines always do.
+SENTENCE_END = re.compile(r"[.!?;]+\s+|[。！？；\n]\s*")
 router = APIRouter(tags=["live"])
 
 
