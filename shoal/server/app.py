@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.engine.api import Engine
-from shoal.server import live, tts, voices
+from shoal.server import jobs, live, tts, voices
 from shoal.server.auth import Principal, StreamLimiter, require_principal
 from shoal.server.errors import error_response, install_error_handlers
 from shoal.server.metrics import RequestCounterMiddleware, ServerMetrics
@@ -42,6 +42,12 @@ class ServerSettings:
     max_voice_samples: int = 20  # audio files per voice
     max_streams_per_key: int = 16  # concurrent /v1/tts + live streams per API key (429 beyond)
     max_new_frames: int = 2048  # cap on max_new_tokens per text chunk
+    # Bulk jobs (/v1/jobs): items per job (each item's text is capped by max_text_length),
+    # unfinished jobs per tenant (429 beyond), engine requests in flight per job and in all.
+    max_job_items: int = 1000
+    max_jobs_per_tenant: int = 16
+    job_concurrency: int = 2
+    jobs_max_concurrency: int = 8
 
 
 class BodySizeLimit:
@@ -97,9 +103,11 @@ def create_app(engine: Engine, store: Store, settings: ServerSettings | None = N
         if not settings.auth:
             log.warning("authentication is OFF (--no-auth): anyone who can reach this port may use it")
         await engine.start()
+        await app.state.jobs.start()  # resumes the jobs a previous process left unfinished
         try:
             yield
         finally:
+            await app.state.jobs.stop()  # aborts in-flight job items; the jobs stay resumable
             await engine.stop()
             store.close()
 
@@ -109,6 +117,7 @@ def create_app(engine: Engine, store: Store, settings: ServerSettings | None = N
     app.state.store = store
     app.state.limiter = StreamLimiter(settings.max_streams_per_key)
     app.state.voices = voices.VoiceResolver(engine, store, settings)
+    app.state.jobs = jobs.JobRunner(engine, store, settings)
     app.state.metrics = ServerMetrics(engine, lambda: app.state.limiter.total)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
@@ -116,6 +125,7 @@ def create_app(engine: Engine, store: Store, settings: ServerSettings | None = N
     app.include_router(tts.router)
     app.include_router(live.router)
     app.include_router(voices.router)
+    app.include_router(jobs.router)
     app.include_router(system_router())
     return app
 

@@ -188,3 +188,49 @@ class Health(BaseModel):
     prefix_cache_pages: int  # pinned voice prefixes; the rest of pages_used belongs to requests
     frames_per_second: float
     active_streams: int
+
+
+# ---- bulk jobs ------------------------------------------------------------------------------
+
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+
+
+class JobItemBody(LenientModel):
+    """One piece of a bulk job (a chapter, a line of dialogue): its audio is one file."""
+
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")  # None: its position
+    text: str
+
+
+class JobCreateBody(TTSRequestBody):
+    """`POST /v1/jobs`: every `TTSRequest` field (voice, format, sampling), and either `text`
+    (one item, id "0") or `items`."""
+
+    items: list[JobItemBody] | None = None
+
+
+class JobItemEntity(BaseModel):
+    id: str
+    status: Literal["pending", "running", "done", "failed"]
+    audio_seconds: float = 0.0
+    error: str | None = None
+
+
+class JobEntity(BaseModel):
+    id: str
+    status: JobStatus
+    items_total: int
+    items_done: int
+    audio_seconds: float
+    format: AudioFormat
+    error: str | None = None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    finished_at: dt.datetime | None = None
+    items: list[JobItemEntity] | None = None  # only on GET /v1/jobs/{id}
+
+
+class JobPage(BaseModel):
+    total: int
+    items: list[JobEntity]
+    has_more: bool = False

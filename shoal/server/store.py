@@ -1,4 +1,4 @@
-"""Durable state: API keys and voices in SQL (SQLite by default, any SQLAlchemy URL works), voice
+"""Durable state: API keys, voices and bulk jobs in SQL (SQLite by default, any SQLAlchemy URL works), voice
 audio and codec codes as blobs in a local directory. Nothing lives only in memory, so a restart
 loses nothing.
 
@@ -15,7 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import JSON, DateTime, ForeignKey, Integer, String, Text, create_engine, func, select
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    create_engine,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 
@@ -67,6 +79,42 @@ class SampleRow(Base):
     audio_blob: Mapped[str] = mapped_column(String(500))
     codes_blob: Mapped[str] = mapped_column(String(500))
     voice: Mapped[VoiceRow] = relationship(back_populates="samples")
+
+
+JOB_ACTIVE = ("queued", "running")  # a job in one of these states still has work to do
+
+
+class JobRow(Base):
+    """A bulk synthesis job: its options (the TTSRequest fields, minus text and inline audio), a
+    snapshot of its voice (reference codes as blobs, so a resume never re-resolves the voice) and
+    the running totals the status route reports."""
+
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(100), index=True)
+    status: Mapped[str] = mapped_column(String(20), index=True)  # queued|running|done|failed|cancelled
+    options: Mapped[dict] = mapped_column(JSON, default=dict)
+    voice_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    references: Mapped[list] = mapped_column(JSON, default=list)  # [{"text", "codes_blob"}]
+    items_total: Mapped[int] = mapped_column(Integer, default=0)
+    items_done: Mapped[int] = mapped_column(Integer, default=0)
+    audio_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class JobItemRow(Base):
+    __tablename__ = "job_items"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    item_id: Mapped[str] = mapped_column(String(128))
+    text: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(20), default="pending")  # pending | done | failed
+    audio_blob: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    audio_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class VoiceExistsError(ValueError):
@@ -356,3 +404,126 @@ class Store:
     def count_voices(self) -> int:
         with self.sessions() as session:
             return int(session.scalar(select(func.count()).select_from(VoiceRow)) or 0)
+
+    # ---- bulk jobs ------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        tenant: str,
+        options: dict,
+        voice_key: str | None,
+        references: list[tuple[str, np.ndarray]],
+        items: list[tuple[str, str]],
+    ) -> JobRow:
+        """A queued job with its items `(item_id, text)` in order; reference codes go to blobs."""
+        job_id = "job_" + uuid.uuid4().hex
+        stored_references = []
+        for index, (text, codes) in enumerate(references):
+            key = f"jobs/{job_id}/reference-{index}.npy"
+            self.blobs.put(key, codes_to_bytes(codes))
+            stored_references.append({"text": text, "codes_blob": key})
+        row = JobRow(
+            id=job_id,
+            tenant=tenant,
+            status="queued",
+            options=options,
+            voice_key=voice_key,
+            references=stored_references,
+            items_total=len(items),
+        )
+        item_rows = [
+            JobItemRow(job_id=job_id, position=position, item_id=item_id, text=text)
+            for position, (item_id, text) in enumerate(items)
+        ]
+        try:
+            with self.sessions.begin() as session:
+                session.add(row)
+                session.flush()
+                session.add_all(item_rows)
+        except BaseException:
+            for reference in stored_references:
+                self.blobs.delete(reference["codes_blob"])
+            raise
+        return row
+
+    def get_job(self, job_id: str) -> JobRow | None:
+        with self.sessions() as session:
+            return session.get(JobRow, job_id)
+
+    def job_items(self, job_id: str) -> list[JobItemRow]:
+        with self.sessions() as session:
+            query = select(JobItemRow).where(JobItemRow.job_id == job_id).order_by(JobItemRow.position)
+            return list(session.scalars(query))
+
+    def job_item(self, job_id: str, item_id: str) -> JobItemRow | None:
+        with self.sessions() as session:
+            query = select(JobItemRow).where(JobItemRow.job_id == job_id, JobItemRow.item_id == item_id)
+            return session.scalar(query)
+
+    def list_jobs(self, tenant: str, offset: int = 0, limit: int = 10) -> tuple[int, list[JobRow]]:
+        """The tenant's jobs, newest first."""
+        with self.sessions() as session:
+            total = session.scalar(select(func.count()).select_from(JobRow).where(JobRow.tenant == tenant))
+            query = select(JobRow).where(JobRow.tenant == tenant)
+            query = query.order_by(JobRow.created_at.desc(), JobRow.id).offset(offset).limit(limit)
+            return int(total or 0), list(session.scalars(query))
+
+    def count_active_jobs(self, tenant: str) -> int:
+        query = select(func.count()).select_from(JobRow)
+        query = query.where(JobRow.tenant == tenant, JobRow.status.in_(JOB_ACTIVE))
+        with self.sessions() as session:
+            return int(session.scalar(query) or 0)
+
+    def active_job_ids(self) -> list[str]:
+        """Jobs with work left (queued or running), oldest first: what a restart resumes."""
+        query = select(JobRow.id).where(JobRow.status.in_(JOB_ACTIVE)).order_by(JobRow.created_at)
+        with self.sessions() as session:
+            return list(session.scalars(query))
+
+    def set_job_status(
+        self, job_id: str, status: str, error: str | None = None, only_if_active: bool = True
+    ) -> bool:
+        """Move a job to `status`; with `only_if_active` only from queued/running, so a job that
+        was cancelled (or finished) meanwhile keeps its final state. Returns whether it moved."""
+        now = utc_now()
+        values: dict = {"status": status, "updated_at": now}
+        if status not in JOB_ACTIVE:
+            values["finished_at"] = now
+        if error is not None:
+            values["error"] = error
+        query = update(JobRow).where(JobRow.id == job_id)
+        if only_if_active:
+            query = query.where(JobRow.status.in_(JOB_ACTIVE))
+        with self.sessions.begin() as session:
+            return session.execute(query.values(**values)).rowcount > 0
+
+    def finish_job_item(
+        self, job_id: str, position: int, audio: bytes, extension: str, seconds: float
+    ) -> None:
+        """Checkpoint one item: its audio blob first, then (one transaction) the item and the
+        job's totals, so a crash between the two leaves the item pending, never half recorded."""
+        key = f"jobs/{job_id}/{position}-{uuid.uuid4().hex[:8]}.{extension}"
+        self.blobs.put(key, audio)
+        item_done = update(JobItemRow).where(
+            JobItemRow.job_id == job_id, JobItemRow.position == position, JobItemRow.status != "done"
+        )
+        # Counters as SQL increments, not read-modify-write: a job's items finish concurrently.
+        totals = update(JobRow).where(JobRow.id == job_id)
+        totals = totals.values(
+            items_done=JobRow.items_done + 1,
+            audio_seconds=JobRow.audio_seconds + seconds,
+            updated_at=utc_now(),
+        )
+        with self.sessions.begin() as session:
+            if session.execute(
+                item_done.values(status="done", audio_blob=key, audio_seconds=seconds)
+            ).rowcount:
+                session.execute(totals)
+                return
+        self.blobs.delete(key)  # the item was recorded already (or is gone)
+
+    def fail_job_item(self, job_id: str, position: int, error: str) -> None:
+        with self.sessions.begin() as session:
+            item = session.get(JobItemRow, (job_id, position))
+            if item is not None and item.status != "done":
+                item.status, item.error = "failed", error

@@ -1,0 +1,378 @@
+"""Bulk synthesis jobs (`/v1/jobs`): many texts (chapters, dialogue lines) into one audio file
+each, in the background, at the engine's batch priority, so live traffic always comes first.
+
+A job is checkpointed item by item: each finished item's audio goes to blob storage and its row
+is marked done before the worker takes another item, so a restart resumes at the first
+unfinished item and never synthesizes a finished one again. The voice is resolved once, at
+creation, and its reference codes are stored with the job (deleting the voice later does not
+break a running job). `EngineOverloaded` means "the batch queue is full, come back later": the
+item is retried with backoff, not failed. Each job runs at most `job_concurrency` engine requests
+at once, and all jobs together at most `jobs_max_concurrency`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import TYPE_CHECKING, Annotated
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from shoal.engine.api import (
+    Engine,
+    EngineOverloaded,
+    FinishReason,
+    InvalidRequest,
+    Priority,
+    RequestHandle,
+    SynthesisRequest,
+    VoiceReference,
+)
+from shoal.server import audio
+from shoal.server.auth import Principal, require_principal
+from shoal.server.errors import ApiError
+from shoal.server.schemas import JobCreateBody, JobEntity, JobItemEntity, JobPage
+from shoal.server.store import JOB_ACTIVE, JobItemRow, JobRow, Store, codes_from_bytes
+from shoal.server.tts import build_synthesis_request, parse_model
+
+if TYPE_CHECKING:
+    from shoal.server.app import ServerSettings
+
+log = logging.getLogger("shoal.server.jobs")
+
+RETRY_INITIAL_SECONDS = 0.1  # first wait after EngineOverloaded; doubles up to the maximum
+RETRY_MAX_SECONDS = 5.0
+FILE_EXTENSIONS = {"wav": "wav", "pcm": "pcm", "mp3": "mp3", "opus": "ogg"}
+# Fields of the request that are not job options: the texts are items, the voice is a snapshot.
+NOT_OPTIONS = {"text", "items", "references", "reference_id"}
+
+
+def file_encoder(body: JobCreateBody, input_sample_rate: int) -> audio.AudioEncoder:
+    """The request's encoder, non-streaming: a wav item is one exactly sized file."""
+    prosody = body.prosody
+    try:
+        return audio.create_encoder(
+            body.format,
+            input_sample_rate=input_sample_rate,
+            sample_rate=body.sample_rate,
+            mp3_bitrate=body.mp3_bitrate,
+            opus_bitrate=body.opus_bitrate,
+            speed=prosody.speed if prosody else 1.0,
+            volume_db=prosody.volume if prosody else 0.0,
+            streaming=False,
+        )
+    except audio.AudioFormatError as error:
+        raise ApiError(400, str(error)) from error
+
+
+class ItemFailed(Exception):
+    """An item that cannot be synthesized (invalid input, engine error): the job fails."""
+
+    def __init__(self, item_id: str, reason: str) -> None:
+        super().__init__(f"item {item_id}: {reason}")
+        self.item_id = item_id
+        self.reason = reason
+
+
+class JobRunner:
+    """Runs every queued or running job in background tasks on the server's event loop."""
+
+    def __init__(self, engine: Engine, store: Store, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.store = store
+        self.settings = settings
+        self._slots = asyncio.Semaphore(settings.jobs_max_concurrency)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._running: dict[str, set[int]] = collections.defaultdict(set)  # job id -> positions
+
+    async def start(self) -> None:
+        """Resume every job a previous process left unfinished (with the engine started)."""
+        for job_id in await anyio.to_thread.run_sync(self.store.active_job_ids):
+            log.info("resuming job %s", job_id)
+            self.launch(job_id)
+
+    async def stop(self) -> None:
+        """Abort in-flight items and leave the jobs as they are in the database (resumable)."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def launch(self, job_id: str) -> None:
+        task = asyncio.create_task(self._run(job_id), name=f"job-{job_id}")
+        self._tasks[job_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(job_id, None))
+
+    def running_items(self, job_id: str) -> set[int]:
+        return set(self._running.get(job_id, ()))
+
+    async def cancel(self, job_id: str) -> None:
+        """Mark the job cancelled (if it still had work), then abort its in-flight engine
+        requests and wait until they are gone, so their KV pages are freed."""
+        await anyio.to_thread.run_sync(self.store.set_job_status, job_id, "cancelled")
+        task = self._tasks.get(job_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+
+    async def _run(self, job_id: str) -> None:
+        try:
+            job = await anyio.to_thread.run_sync(self.store.get_job, job_id)
+            if job is None or not await anyio.to_thread.run_sync(
+                self.store.set_job_status, job_id, "running"
+            ):
+                return  # cancelled before it started
+            body = JobCreateBody.model_validate(job.options)
+            references = await anyio.to_thread.run_sync(self._references, job)
+            items = await anyio.to_thread.run_sync(self.store.job_items, job_id)
+            pending = collections.deque(item for item in items if item.status != "done")
+            workers = min(self.settings.job_concurrency, len(pending))
+            async with asyncio.TaskGroup() as group:
+                for _ in range(workers):
+                    group.create_task(self._work(job, body, references, pending))
+        except* ItemFailed as failures:
+            message = str(failures.exceptions[0])
+            log.warning("job %s failed: %s", job_id, message)
+            await anyio.to_thread.run_sync(lambda: self.store.set_job_status(job_id, "failed", error=message))
+        except* Exception as errors:
+            log.error("job %s failed unexpectedly", job_id, exc_info=errors.exceptions[0])
+            await anyio.to_thread.run_sync(
+                lambda: self.store.set_job_status(job_id, "failed", error="internal server error")
+            )
+        else:
+            await anyio.to_thread.run_sync(self.store.set_job_status, job_id, "done")
+        finally:
+            self._running.pop(job_id, None)
+
+    def _references(self, job: JobRow) -> tuple[VoiceReference, ...]:
+        return tuple(
+            VoiceReference(text=ref["text"], codes=codes_from_bytes(self.store.blobs.get(ref["codes_blob"])))
+            for ref in job.references
+        )
+
+    async def _work(
+        self,
+        job: JobRow,
+        body: JobCreateBody,
+        references: tuple[VoiceReference, ...],
+        pending: collections.deque[JobItemRow],
+    ) -> None:
+        """One of the job's workers: take the next unfinished item, synthesize, checkpoint."""
+        while pending:
+            item = pending.popleft()
+            async with self._slots:
+                self._running[job.id].add(item.position)
+                try:
+                    data, seconds = await self._synthesize(job, body, references, item)
+                except ItemFailed as failure:
+                    await anyio.to_thread.run_sync(
+                        self.store.fail_job_item, job.id, item.position, failure.reason
+                    )
+                    raise
+                finally:
+                    self._running[job.id].discard(item.position)
+            extension = FILE_EXTENSIONS[body.format]
+            await anyio.to_thread.run_sync(
+                self.store.finish_job_item, job.id, item.position, data, extension, seconds
+            )
+
+    async def _synthesize(
+        self,
+        job: JobRow,
+        body: JobCreateBody,
+        references: tuple[VoiceReference, ...],
+        item: JobItemRow,
+    ) -> tuple[bytes, float]:
+        """One item's whole audio file, and its duration in seconds."""
+        try:  # both checked at creation; settings may have changed across a restart
+            synthesis = build_synthesis_request(
+                body, references, job.voice_key, Priority.BATCH, self.settings, text=item.text
+            )
+            encoder = file_encoder(body, self.engine.sample_rate)
+        except ApiError as error:
+            raise ItemFailed(item.item_id, error.message) from error
+        handle = await self._submit(synthesis, item)
+        parts: list[bytes] = []
+        samples = 0
+        try:
+            async for chunk in handle:
+                samples += len(chunk.samples)
+                parts.append(await anyio.to_thread.run_sync(encoder.write, chunk.samples))
+        finally:
+            if handle.finish_reason is None:  # cancelled: abort the request, free its pages
+                with anyio.CancelScope(shield=True):
+                    await handle.aclose()
+        if handle.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            raise ItemFailed(item.item_id, f"synthesis failed (engine finish reason: {handle.finish_reason})")
+        parts.append(await anyio.to_thread.run_sync(encoder.finish))
+        speed = body.prosody.speed if body.prosody else 1.0
+        return b"".join(parts), samples / self.engine.sample_rate / speed
+
+    async def _submit(self, synthesis: SynthesisRequest, item: JobItemRow) -> RequestHandle:
+        """Submit, waiting out a full queue with exponential backoff (bulk work is never urgent)."""
+        delay = RETRY_INITIAL_SECONDS
+        while True:
+            try:
+                return self.engine.submit(synthesis)
+            except EngineOverloaded:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+            except InvalidRequest as error:
+                raise ItemFailed(item.item_id, str(error) or "invalid request") from error
+
+
+# ---- routes ---------------------------------------------------------------------------------
+
+
+def checked_items(body: JobCreateBody, settings: ServerSettings) -> list[tuple[str, str]]:
+    """The job's (item id, text) pairs, or a 4xx naming the first problem."""
+    if body.items is None:
+        if not body.text.strip():
+            raise ApiError(400, "a job needs 'text' or a non-empty 'items' list")
+        pairs = [("0", body.text)]
+    else:
+        if body.text.strip():
+            raise ApiError(400, "give either 'text' or 'items', not both")
+        if not body.items:
+            raise ApiError(400, "'items' is empty")
+        pairs = [(item.id or str(position), item.text) for position, item in enumerate(body.items)]
+    if len(pairs) > settings.max_job_items:
+        raise ApiError(413, f"a job holds at most {settings.max_job_items} items ({len(pairs)} given)")
+    seen: set[str] = set()
+    for item_id, text in pairs:
+        if item_id in seen:
+            raise ApiError(400, f"duplicate item id: {item_id}")
+        seen.add(item_id)
+        if not text.strip():
+            raise ApiError(400, f"item {item_id}: text is empty")
+        if len(text) > settings.max_text_length:
+            raise ApiError(413, f"item {item_id}: text is longer than {settings.max_text_length} characters")
+    return pairs
+
+
+def job_entity(
+    row: JobRow, items: list[JobItemRow] | None = None, running: set[int] | None = None
+) -> JobEntity:
+    """A job as the API shows it; with `items`, each item's state (`running` ones from memory)."""
+    running = running or set()
+    entities = None
+    if items is not None:
+        entities = [
+            JobItemEntity(
+                id=item.item_id,
+                status="running" if item.position in running else item.status,  # type: ignore[arg-type]
+                audio_seconds=item.audio_seconds,
+                error=item.error,
+            )
+            for item in items
+        ]
+    return JobEntity(
+        id=row.id,
+        status=row.status,  # type: ignore[arg-type]
+        items_total=row.items_total,
+        items_done=row.items_done,
+        audio_seconds=round(row.audio_seconds, 3),
+        format=row.options.get("format", "mp3"),
+        error=row.error,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        finished_at=row.finished_at,
+        items=entities,
+    )
+
+
+def runner_of(request: Request) -> JobRunner:
+    return request.app.state.jobs
+
+
+router = APIRouter(tags=["jobs"])
+Principal_ = Annotated[Principal, Depends(require_principal)]
+Runner_ = Annotated[JobRunner, Depends(runner_of)]
+
+
+async def owned_job(runner: JobRunner, principal: Principal, job_id: str) -> JobRow:
+    """The caller's job; another tenant's job is indistinguishable from a missing one (404)."""
+    row = await anyio.to_thread.run_sync(runner.store.get_job, job_id)
+    if row is None or row.tenant != principal.tenant:
+        raise ApiError(404, f"job not found: {job_id}")
+    return row
+
+
+async def detailed(runner: JobRunner, job_id: str) -> JSONResponse:
+    row = await anyio.to_thread.run_sync(runner.store.get_job, job_id)
+    items = await anyio.to_thread.run_sync(runner.store.job_items, job_id)
+    entity = job_entity(row, items, runner.running_items(job_id))
+    return JSONResponse(entity.model_dump(mode="json"))
+
+
+@router.post("/v1/jobs", status_code=202)
+async def create_job(request: Request, principal: Principal_, runner: Runner_) -> JSONResponse:
+    """Queue a bulk job (202); poll `GET /v1/jobs/{id}`, fetch each item's file when done."""
+    settings: ServerSettings = request.app.state.settings
+    body = await parse_model(request, JobCreateBody)
+    assert isinstance(body, JobCreateBody)
+    items = checked_items(body, settings)
+    file_encoder(body, runner.engine.sample_rate)  # 400 now for a bad format/rate/bitrate
+    active = await anyio.to_thread.run_sync(runner.store.count_active_jobs, principal.tenant)
+    if active >= settings.max_jobs_per_tenant:
+        raise ApiError(
+            429, f"too many unfinished jobs for this account (limit {settings.max_jobs_per_tenant})"
+        )
+    references, voice_key = await request.app.state.voices.resolve(principal, body)
+    options = body.model_dump(mode="json", exclude=NOT_OPTIONS)
+    pairs = [(reference.text, reference.codes) for reference in references]
+    row = await anyio.to_thread.run_sync(
+        lambda: runner.store.create_job(principal.tenant, options, voice_key, pairs, items)
+    )
+    runner.launch(row.id)
+    return JSONResponse(job_entity(row).model_dump(mode="json"), status_code=202)
+
+
+@router.get("/v1/jobs", response_model=JobPage)
+async def list_jobs(
+    principal: Principal_,
+    runner: Runner_,
+    page_size: Annotated[int, Query(ge=1, le=100)] = 10,
+    page_number: Annotated[int, Query(ge=1)] = 1,
+) -> JSONResponse:
+    """The caller's jobs, newest first, without their item lists."""
+    total, rows = await anyio.to_thread.run_sync(
+        lambda: runner.store.list_jobs(principal.tenant, (page_number - 1) * page_size, page_size)
+    )
+    page = JobPage(
+        total=total, items=[job_entity(row) for row in rows], has_more=page_number * page_size < total
+    )
+    return JSONResponse(page.model_dump(mode="json"))
+
+
+@router.get("/v1/jobs/{job_id}")
+async def get_job(job_id: str, principal: Principal_, runner: Runner_) -> JSONResponse:
+    await owned_job(runner, principal, job_id)
+    return await detailed(runner, job_id)
+
+
+@router.get("/v1/jobs/{job_id}/items/{item_id}")
+async def get_job_item(job_id: str, item_id: str, principal: Principal_, runner: Runner_) -> Response:
+    """A finished item's audio file (409 while it is not finished yet)."""
+    job = await owned_job(runner, principal, job_id)
+    item = await anyio.to_thread.run_sync(runner.store.job_item, job_id, item_id)
+    if item is None:
+        raise ApiError(404, f"job {job_id} has no item {item_id}")
+    if item.status != "done" or item.audio_blob is None:
+        raise ApiError(409, f"item {item_id} is not finished (status: {item.status}, job: {job.status})")
+    data = await anyio.to_thread.run_sync(runner.store.blobs.get, item.audio_blob)
+    media_type = audio.CONTENT_TYPES[job.options.get("format", "mp3")]
+    return Response(data, media_type=media_type)
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def cancel_job(job_id: str, principal: Principal_, runner: Runner_) -> JSONResponse:
+    """Cancel: in-flight items are aborted (their KV pages freed), finished items stay
+    downloadable. A job that already ended is left as it is."""
+    job = await owned_job(runner, principal, job_id)
+    if job.status in JOB_ACTIVE:
+        await runner.cancel(job_id)
+    return await detailed(runner, job_id)
