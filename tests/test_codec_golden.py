@@ -117,3 +117,34 @@ def test_random_codec_round_trip(tiny, tmp_path):
     )
     encoded = codec.encode(audio[:1, 0])
     assert encoded.shape == (1, 4, 12) and encoded.dtype == torch.long
+
+
+def test_batch_of_different_lengths_encodes_each_clip_as_alone(tiny):
+    directory, _, golden = tiny
+    codec = load_codec(directory, dtype=torch.float64)  # float64: no batch-dependent argmax flips
+    assert torch.equal(
+        codec.encode_with_lengths(golden["audio_in"], golden["audio_in"].shape[-1:])[1],
+        golden["code_lengths"],  # the reference's ceil(len / frame_length)
+    )
+    g = torch.Generator().manual_seed(7)
+    lengths = [379, 16, 161, 1, 200]  # a whole frame, a partial one, one sample
+    clips = [0.3 * torch.randn(n, generator=g, dtype=torch.float64) for n in lengths]
+    batch = torch.full((len(clips), max(lengths)), 5.0, dtype=torch.float64)  # padding is ignored
+    for row, clip in enumerate(clips):
+        batch[row, : clip.numel()] = clip
+    codes, counts = codec.encode_with_lengths(batch, torch.tensor(lengths))
+    assert counts.tolist() == [24, 1, 11, 1, 13] and counts.dtype == torch.long
+    assert codes.shape == (5, 4, 24) and torch.equal(codec.encode(batch, lengths), codes)
+    for row, clip in enumerate(clips):
+        alone = codec.encode(clip)
+        assert alone.shape[-1] == counts[row]
+        assert torch.equal(codes[row, :, : counts[row]], alone[0]), row
+    # Without lengths every row is T samples long: the padding is audio then (row 2's last
+    # frame, 1 sample of clip and 15 of padding, changes).
+    unmasked, full = codec.encode_with_lengths(batch)
+    assert full.tolist() == [24] * 5 and torch.equal(unmasked[2, :, :10], codes[2, :, :10])
+    assert not torch.equal(unmasked[2, :, 10], codes[2, :, 10])
+    with pytest.raises(ValueError, match="entries"):
+        codec.encode_with_lengths(batch, [379, 16])
+    with pytest.raises(ValueError, match="within"):
+        codec.encode(batch, [380, 1, 1, 1, 1])

@@ -13,11 +13,12 @@ from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason, SamplingOptions, SynthesisRequest, VoiceReference
 from shoal.engine.engine import LocalEngine
 from shoal.engine.handles import V15_MAX_LENGTH
+from shoal.engine.request import SamplingParams
 from shoal.engine.vocoder import ChunkPolicy, Vocoder, graph_batch_sizes
 from shoal.models import load_model
 from shoal.models.codec import load_codec
 from shoal.models.prompt import Reference, Turn, build_prompt, voice_prefix_length
-from shoal.models.reference import generate_long
+from shoal.models.reference import generate, generate_long
 from shoal.models.writer import tiny_config, write_checkpoint
 
 
@@ -104,12 +105,19 @@ def test_consumer_going_away_aborts(model):
     assert not engine.core.requests and engine.core.kv.pool.num_used == engine.core.kv.prefix_cache_pages
 
 
-def test_load_engine_on_a_demo_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory):
     from shoal.demo import write_demo_checkpoint
+
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+def test_load_engine_on_a_demo_checkpoint(demo_checkpoint, tmp_path):
     from shoal.engine import load_engine
 
-    directory = write_demo_checkpoint(tmp_path / "demo")
-    engine = load_engine(directory, device="cpu", dtype="float32")
+    directory = demo_checkpoint
+    engine = load_engine(directory, device="cpu", dtype="float32", warmup=False)
+    assert engine.warmup_report is None
     assert isinstance(engine, LocalEngine) and engine.codec is not None
     assert engine.core.model.embeddings.weight.dtype == torch.float32
     request = SynthesisRequest("Hello there.", sampling=SamplingOptions(seed=3), max_new_frames=6)
@@ -129,6 +137,73 @@ def test_load_engine_on_a_demo_checkpoint(tmp_path):
     assert np.isfinite(audio).all()
     with pytest.raises(FileNotFoundError):
         load_engine(directory, codec=tmp_path / "missing.pth", device="cpu")
+
+
+def test_load_engine_warms_up_and_leaves_no_trace(demo_checkpoint):
+    from shoal.engine import load_engine
+
+    engine = load_engine(demo_checkpoint, device="cpu", dtype="float32")  # warm-up by default
+    cold = load_engine(demo_checkpoint, device="cpu", dtype="float32", warmup=False)
+    report = engine.warmup_report
+    assert report is not None and cold.warmup_report is None
+    # Two requests completed in one prefill step, a prompt longer than the step's budget
+    # (chunked), a few decode steps, then the vocoder's first chunk and a full chunk.
+    short_a, short_b, long = report.prompt_lengths
+    assert long > report.prefill_tokens >= short_a + short_b and report.steps >= 5
+    assert report.vocoder_chunks == (
+        engine.config.vocoder_first_chunk_frames,
+        engine.config.vocoder_chunk_frames,
+    )
+    core = engine.core
+    assert not core.has_work and not core.requests and core.kv.pool.num_used == 0
+    assert core.kv.prefix_cache_pages == 0 and core.steps == core.frames_out == 0
+    stats = engine.stats()
+    assert stats.running == 0 and set(stats.waiting.values()) == {0} and stats.pages_used == 0
+    assert stats.steps_per_second == stats.frames_per_second == 0.0
+    assert not engine.vocoder._streams and len(engine.vocoder.pool._free) == engine.vocoder.max_streams
+
+    model = core.model
+    prompt = build_prompt(model.config, model.tokenizer, "Hello there, friend.", ())
+    request = SynthesisRequest(
+        "Hello there, friend.", sampling=SamplingOptions(temperature=0.7, top_p=0.9, seed=5), max_new_frames=9
+    )
+
+    async def first_requests(target: LocalEngine):
+        await target.start()
+        try:
+            stream = target.submit_frames(prompt, SamplingParams(0.7, 0.9, seed=5), max_new_frames=9)
+            frames = await asyncio.wait_for(stream.collect(), 120)
+            _, chunks = await asyncio.wait_for(synthesize(target, request), 120)
+            return frames, chunks
+        finally:
+            await target.stop()
+
+    frames, chunks = asyncio.run(first_requests(engine))
+    oracle = generate(model, prompt, max_frames=9, temperature=0.7, top_p=0.9, seed=5)
+    assert frames.shape[1] > 0 and torch.equal(frames, oracle)
+    cold_frames, cold_chunks = asyncio.run(first_requests(cold))
+    assert torch.equal(cold_frames, frames)
+    audio = np.concatenate([c.samples for c in chunks])
+    assert audio.size > 0 and np.array_equal(audio, np.concatenate([c.samples for c in cold_chunks]))
+    assert np.array_equal(
+        np.concatenate([c.frames for c in chunks]), np.concatenate([c.frames for c in cold_chunks])
+    )
+    assert core.kv.pool.num_used == core.kv.prefix_cache_pages and core.steps > 0  # counted now
+
+    engine.start_thread()
+    try:
+        with pytest.raises(RuntimeError, match="before the engine is started"):
+            engine.warmup()
+    finally:
+        engine.stop_thread()
+
+
+def test_warmup_fits_a_small_pool(model):
+    # 24 pages of 4 tokens: the long prompt is cut so that all three fit at once.
+    engine = LocalEngine(model, EngineConfig(device="cpu", dtype="float64", num_pages=24, page_size=4))
+    report = engine.warmup()
+    assert report.prompt_lengths == (5, 9, 60) and report.prefill_tokens == 64
+    assert report.vocoder_chunks == () and engine.core.kv.pool.num_used == 0 and not engine.core.has_work
 
 
 def test_chunk_policy_feeds_captured_chunks():

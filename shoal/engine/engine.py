@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -42,6 +44,38 @@ from shoal.engine.vocoder import Vocoder
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
 
 _STOP = object()
+
+logger = logging.getLogger(__name__)
+
+# Warm-up (`LocalEngine.warmup`): frames each synthetic request decodes, and the prefill budget
+# it uses off CUDA, where nothing is compiled on first use and a long chunk would only cost time.
+WARMUP_DECODE_FRAMES = 4
+CPU_WARMUP_PREFILL_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What `LocalEngine.warmup` ran: prompt lengths, engine steps, frames per codec call."""
+
+    seconds: float
+    prompt_lengths: tuple[int, ...]
+    prefill_tokens: int  # the prefill budget per step it ran with
+    steps: int
+    vocoder_chunks: tuple[int, ...]
+
+
+def warmup_prompt_lengths(page_size: int, prefill_tokens: int, max_tokens: int) -> tuple[int, ...]:
+    """Prompts the warm-up prefills at once: two short ones (their chunks and the long one's
+    first fill one step of `prefill_tokens`, in which two requests complete) and one longer
+    than the budget (a second, short chunk completes it). Token counts of the short chunks are
+    neither 1 nor multiples of 16 (Triton specializes integer arguments on both). None above
+    `max_tokens`; the long one is left out when it would not be longer than the short ones."""
+    short = (page_size // 2 + 3, page_size + 5)
+    lengths = [max(1, min(n, max_tokens)) for n in short]
+    long = min(prefill_tokens + page_size // 2 + 1, max_tokens)
+    if long > max(lengths):
+        lengths.append(long)
+    return tuple(lengths)
 
 
 class Admission:
@@ -112,7 +146,127 @@ class LocalEngine(Engine):
         self._drained = {p: 0 for p in Priority}
         self._thread: threading.Thread | None = None
         self.last_error: BaseException | None = None
+        self.warmup_report: WarmupReport | None = None
         self._publish()
+
+    # Warm-up -------------------------------------------------------------------------------
+
+    def warmup(self) -> WarmupReport:
+        """Before `start`: run synthetic requests through the whole path once, so that first-use
+        costs (Triton compilation of the prefill and sampling kernels at the shapes the scheduler
+        makes, first replays of the decode graphs, the codec's first-chunk and full-chunk steps)
+        are paid now rather than by the first clients. Three prompts (`warmup_prompt_lengths`)
+        are prefilled together, in chunks of the scheduler's `max_prefill_tokens` (on the CPU at
+        most `CPU_WARMUP_PREFILL_TOKENS`), and decode `WARMUP_DECODE_FRAMES` frames each past
+        `<|im_end|>`; a vocoder stream decodes a first chunk, a full chunk and its end.
+
+        Leaves no trace: every page is freed (the prompts have no voice prefix, so the prefix
+        cache is not touched), the step counters and rates are reset, the host batch is
+        forgotten, and the global RNG states are restored (sampling itself is counter-based),
+        so later requests give the frames they would have given without it."""
+        if self._thread is not None or (self.vocoder is not None and self.vocoder._thread is not None):
+            raise RuntimeError("warmup() must run before the engine is started")
+        core = self.core
+        if core.has_work or core.requests or core.kv.pool.num_used != core.kv.prefix_cache_pages:
+            raise RuntimeError("warmup() needs an idle engine")
+        start = time.perf_counter()
+        on_gpu = core.runner.device.type == "cuda"
+        prefill_tokens = self.config.max_prefill_tokens
+        if not on_gpu:
+            prefill_tokens = min(prefill_tokens, CPU_WARMUP_PREFILL_TOKENS)
+        lengths = self._warmup_lengths(prefill_tokens)
+        used_before, prefixes_before = core.kv.pool.num_used, core.kv.prefix_cache_pages
+        config, scheduler_config = core.config, core.scheduler.config
+        # On the CPU one intra-op thread: the ops are tiny, and on a small shared machine a
+        # second thread made this take 0.1-4 s instead of 0.1 s (waiting for it to be scheduled).
+        threads = torch.get_num_threads()
+        with torch.random.fork_rng(devices=[core.runner.device] if on_gpu else []):
+            warm_config = dataclasses.replace(config, max_prefill_tokens=prefill_tokens, ignore_eos=True)
+            core.config = core.scheduler.config = warm_config
+            if not on_gpu:
+                torch.set_num_threads(1)
+            try:
+                steps = self._warmup_requests(lengths)
+                chunks = self._warmup_vocoder()
+            finally:
+                core.config, core.scheduler.config = config, scheduler_config
+                torch.set_num_threads(threads)
+            if on_gpu:
+                torch.cuda.synchronize(core.runner.device)
+        if core.has_work or core.requests or core.kv.pool.num_used != used_before:
+            raise RuntimeError("warm-up left work or pages behind")
+        if core.kv.prefix_cache_pages != prefixes_before:
+            raise RuntimeError("warm-up changed the prefix cache")
+        core.steps = core.frames_out = core.steps_ahead = core.rows_discarded = 0
+        core._rate_window.clear()
+        core.runner.host.reset()  # no rows on the device: the next fill sends everything
+        self._publish()
+        report = WarmupReport(time.perf_counter() - start, lengths, prefill_tokens, steps, chunks)
+        self.warmup_report = report
+        logger.info(
+            "warm-up took %.2f s: prompts of %s tokens (prefill budget %d), %d steps, codec chunks %s",
+            report.seconds, list(lengths), prefill_tokens, steps, list(chunks),
+        )  # fmt: skip
+        return report
+
+    def _warmup_lengths(self, prefill_tokens: int) -> tuple[int, ...]:
+        """`warmup_prompt_lengths` within the context and so that all three fit the pool together."""
+        core, page = self.core, self.config.page_size
+        frames = WARMUP_DECODE_FRAMES
+        lengths = warmup_prompt_lengths(page, prefill_tokens, core.max_seq_len - frames - 1)
+        short_pages = sum(core.kv.pages_for(n + frames) for n in lengths[:2])
+        room = (core.kv.pool.num_free - short_pages - 1) * page - frames
+        if len(lengths) == 3 and lengths[2] > room:
+            lengths = lengths[:2] if room <= max(lengths[:2]) else (*lengths[:2], room)
+        return lengths
+
+    def _warmup_requests(self, lengths: tuple[int, ...]) -> int:
+        """Prefill and decode synthetic prompts of `lengths` tokens; returns the steps taken."""
+        core = self.core
+        model = core.model
+        text = build_prompt(model.config, model.tokenizer, "Warm-up.", ())
+        for index, length in enumerate(lengths):
+            prompt = text.repeat(1, -(-length // text.shape[1]))[:, :length]
+            params = SamplingParams(seed=index)
+            core.add(
+                core.new_request(
+                    prompt, params, max_new_frames=WARMUP_DECODE_FRAMES, request_id=f"warmup-{index}"
+                ),
+                bypass_limit=True,
+            )
+        steps = 0
+        try:
+            while core.has_work:
+                core.step()
+                steps += 1
+        except BaseException:  # leave no warm-up request holding pages behind the error
+            core.discard_inflight()
+            for index in range(len(lengths)):
+                core.abort(f"warmup-{index}", FinishReason.ERROR)
+            raise
+        return steps
+
+    def _warmup_vocoder(self) -> tuple[int, ...]:
+        """One stream through the vocoder on this thread: a first chunk, a full chunk, the end
+        (its held frame dropped). Returns the frames of each codec call."""
+        vocoder = self.vocoder
+        if vocoder is None:
+            return ()
+        chunks: list[int] = []
+        frame_length = vocoder.codec.frame_length
+        stream = vocoder.open(lambda samples, frames: chunks.append(len(samples) // frame_length))
+        done: list[bool] = []
+        rows = self.core.runner.num_rows
+        first, full = vocoder.first_chunk_frames, vocoder.chunk_frames
+        for count, end in ((first + 1, False), (full, True)):  # +1: the held-back frame
+            vocoder.push(stream, torch.zeros(count, rows, dtype=torch.int32))
+            if end:
+                vocoder.end(stream, lambda: done.append(True))
+            while work := vocoder.collect():
+                vocoder.decode(work)
+        if not done or vocoder._streams:
+            raise RuntimeError("the vocoder warm-up stream did not finish")
+        return tuple(chunks)
 
     # Thread --------------------------------------------------------------------------------
 
@@ -309,4 +463,13 @@ class LocalEngine(Engine):
         return stream
 
 
-__all__ = ["Admission", "EngineCore", "FrameStream", "LocalEngine", "SynthesisHandle", "new_request_id"]
+__all__ = [
+    "Admission",
+    "EngineCore",
+    "FrameStream",
+    "LocalEngine",
+    "SynthesisHandle",
+    "WarmupReport",
+    "new_request_id",
+    "warmup_prompt_lengths",
+]

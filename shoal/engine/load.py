@@ -57,13 +57,17 @@ def load_engine(
     dtype: str | None = None,
     config: EngineConfig | None = None,
     weight_format: str | None = None,
+    warmup: bool = True,
 ):
     """Load the model (`shoal.models.load_model`) and the codec (`codec.pth` inside the
     checkpoint directory unless `codec` names another file or directory) and return a
     `LocalEngine` ready for `start()`. Defaults: CUDA with bfloat16 when a GPU is present,
     else the CPU with float32. `weight_format` ("bf16" | "fp8"; default: the config's when a
     config is given, else "fp8" for a `shoal quantize` checkpoint and "bf16" otherwise) sets
-    `EngineConfig.weight_format`; "fp8" on a bf16 checkpoint quantizes it at load."""
+    `EngineConfig.weight_format`; "fp8" on a bf16 checkpoint quantizes it at load. With
+    `warmup` (the default) synthetic requests run through prefill, decode and the vocoder
+    before it returns (`LocalEngine.warmup`: first-use compilation and searches happen here,
+    not in the first clients' requests; it leaves the engine idle and empty)."""
     import torch
 
     from shoal.engine.engine import LocalEngine
@@ -83,4 +87,7 @@ def load_engine(
     elif config.weight_format != weight_format:
         config = dataclasses.replace(config, weight_format=weight_format)
     name = Path(str(checkpoint)).name or "s2-pro"
-    return LocalEngine(model, config, codec=codec_model, model_name=name)
+    engine = LocalEngine(model, config, codec=codec_model, model_name=name)
+    if warmup:
+        engine.warmup()
+    return engine

@@ -1,9 +1,10 @@
 """The S1-mini / S2 codec ("modded DAC"): encoder, downsampling RVQ, decoder, and its checkpoint.
 
-Public surface: `load_codec(path, device, dtype) -> Codec` with `encode`, `decode`,
-`frame_length`, `sample_rate`, `num_codebooks`, and streaming through `Codec.stream_pool(...)`
-(see `codec_stream.py` and docs/codec.md). `save_random_codec` writes a random-weight
-`codec.pth` in the official on-disk format.
+Public surface: `load_codec(path, device, dtype) -> Codec` with `encode`, `encode_with_lengths`
+(a batch of clips of different lengths), `decode`, `frame_length`, `sample_rate`,
+`num_codebooks`, and streaming through `Codec.stream_pool(...)` (see `codec_stream.py` and
+docs/codec.md). `save_random_codec` writes a random-weight `codec.pth` in the official on-disk
+format.
 
 Module and parameter names follow the reference exactly, so `official_layout(codec)` (names and
 shapes as the official file stores them, weight norm unfolded) is what `codec.pth` must contain.
@@ -210,14 +211,42 @@ class Codec(nn.Module):
         return 1 + self.config.n_codebooks
 
     @torch.inference_mode()
-    def encode(self, audio: Tensor) -> Tensor:
+    def encode(self, audio: Tensor, lengths: Tensor | list[int] | None = None) -> Tensor:
         """audio [T], [B, T] or [B, 1, T] at `sample_rate` -> codes long [B, num_codebooks, frames].
 
-        Right-padded with zeros to whole frames: frames = ceil(T / frame_length)."""
+        Right-padded with zeros to whole frames: frames = ceil(T / frame_length). `lengths`
+        (valid samples per item, for a batch of clips of different lengths right-padded to T):
+        see `encode_with_lengths`, which also gives each item's frame count."""
+        return self.encode_with_lengths(audio, lengths)[0]
+
+    @torch.inference_mode()
+    def encode_with_lengths(
+        self, audio: Tensor, lengths: Tensor | list[int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(codes long [B, num_codebooks, ceil(T / frame_length)], frame_counts long [B] on the
+        CPU), as the reference's `encode(audios, audio_lengths)`: frame_counts[b] =
+        ceil(lengths[b] / frame_length) (None: every item is T samples long).
+
+        Samples at or past an item's length are read as zeros whatever the padding holds, so
+        item b's first frame_counts[b] frames equal encoding `audio[b, :lengths[b]]` alone (the
+        encoder is causal); its later frames encode silence and are not part of the clip."""
         audio = audio.reshape(-1, 1, audio.shape[-1]) if audio.dim() < 3 else audio
-        pad = math.ceil(audio.shape[-1] / self.frame_length) * self.frame_length - audio.shape[-1]
-        audio = F.pad(audio.to(self.device, self.dtype), (0, pad))
-        return self.quantizer.encode(self.encoder(audio))
+        batch, total = audio.shape[0], audio.shape[-1]
+        if lengths is None:
+            valid = torch.full((batch,), total, dtype=torch.long)
+        else:
+            valid = torch.as_tensor(lengths).detach().to("cpu", torch.long).flatten()
+            if valid.numel() != batch:
+                raise ValueError(f"lengths has {valid.numel()} entries for a batch of {batch}")
+            if bool((valid < 0).any()) or bool((valid > total).any()):
+                raise ValueError(f"lengths must be within 0..{total}, got {valid.tolist()}")
+        frames = math.ceil(total / self.frame_length)
+        audio = F.pad(audio.to(self.device, self.dtype), (0, frames * self.frame_length - total))
+        if bool((valid < total).any()):
+            samples = torch.arange(audio.shape[-1], device=self.device)
+            audio = audio.masked_fill(samples >= valid.to(self.device)[:, None, None], 0)
+        codes = self.quantizer.encode(self.encoder(audio))
+        return codes, (valid + self.frame_length - 1) // self.frame_length
 
     @torch.inference_mode()
     def decode(self, codes: Tensor) -> Tensor:
