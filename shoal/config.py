@@ -13,8 +13,9 @@ WEIGHT_FORMATS = ("bf16", "fp8")
 
 
 def _default_overlap_steps() -> bool:
-    # Off until validated on the GPU; SHOAL_OVERLAP_STEPS=1 turns it on without code changes
-    # (benchmarks, servers built from defaults).
+    # Off by default: validated on the H200 (docs/performance.md run 10), but with it on a request
+    # submitted while a step is launched ahead joins one step later. SHOAL_OVERLAP_STEPS=1 (or
+    # `shoal serve --overlap-steps`) turns it on.
     return os.environ.get("SHOAL_OVERLAP_STEPS", "0").strip().lower() in ("1", "true", "yes", "on")
 
 

@@ -67,25 +67,29 @@ def load_engine(
     `EngineConfig.weight_format`; "fp8" on a bf16 checkpoint quantizes it at load. With
     `warmup` (the default) synthetic requests run through prefill, decode and the vocoder
     before it returns (`LocalEngine.warmup`: first-use compilation and searches happen here,
-    not in the first clients' requests; it leaves the engine idle and empty)."""
+    not in the first clients' requests; it leaves the engine idle and empty).
+
+    `checkpoint` may be a Hugging Face repo id: it is resolved to its local snapshot once, and
+    the codec is looked up there. A given `config` keeps its settings but takes the resolved
+    `device` and `dtype`, so the model, the codec and the engine always agree."""
     import torch
 
     from shoal.engine.engine import LocalEngine
+    from shoal.models.checkpoint import resolve_checkpoint_dir
     from shoal.models.codec import load_codec
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if weight_format is None and config is not None and config.weight_format != "bf16":
         weight_format = config.weight_format
-    model, weight_format = load_engine_model(checkpoint, device, dtype, weight_format)
-    codec_path = Path(codec) if codec is not None else Path(checkpoint) / "codec.pth"
+    checkpoint_dir = resolve_checkpoint_dir(checkpoint)
+    model, weight_format = load_engine_model(checkpoint_dir, device, dtype, weight_format)
+    codec_path = Path(codec) if codec is not None else checkpoint_dir / "codec.pth"
     if not codec_path.exists():
         raise FileNotFoundError(f"no codec at {codec_path} (pass codec=...)")
     codec_model = load_codec(codec_path, device=device, dtype=getattr(torch, dtype))
-    if config is None:
-        config = EngineConfig(device=device, dtype=dtype, weight_format=weight_format)
-    elif config.weight_format != weight_format:
-        config = dataclasses.replace(config, weight_format=weight_format)
+    config = config or EngineConfig()
+    config = dataclasses.replace(config, device=device, dtype=dtype, weight_format=weight_format)
     name = Path(str(checkpoint)).name or "s2-pro"
     engine = LocalEngine(model, config, codec=codec_model, model_name=name)
     if warmup:

@@ -88,6 +88,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(SHOAL_QUEUE_LIMITS=standard=256,batch=0); defaults in shoal.config.EngineConfig",
     )
     parser.add_argument(
+        "--weight-format",
+        choices=("bf16", "fp8"),
+        default=env("WEIGHT_FORMAT"),
+        help="transformer weights: bf16, or fp8 (block-scaled; a bf16 checkpoint is quantized at load). "
+        "Default: fp8 for a `shoal quantize` checkpoint, else bf16 (SHOAL_WEIGHT_FORMAT)",
+    )
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=int(env("MAX_RUNNING_REQUESTS", "256") or 256),
+        help="requests decoded together at most; CUDA graphs are captured up to min(this, 256) "
+        "(SHOAL_MAX_RUNNING_REQUESTS)",
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        action="store_true",
+        default=env_flag("OVERLAP_STEPS"),
+        help="launch decode step n+1 before reading step n (a few %% faster; new requests join one step "
+        "later) (SHOAL_OVERLAP_STEPS)",
+    )
+    parser.add_argument(
         "--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning (SHOAL_LOG_LEVEL)"
     )
 
@@ -106,21 +127,20 @@ def queue_limit(text: str) -> tuple[str, int]:
 
 def build_engine(args: argparse.Namespace):
     """The real engine for the checkpoint (imported here so `--help` stays fast):
-    `shoal.engine.load_engine(checkpoint, *, codec, device, dtype, config) -> Engine`."""
+    `shoal.engine.load_engine(checkpoint, *, codec, device, dtype, config, weight_format)`."""
+    from shoal.config import EngineConfig
     from shoal.engine import load_engine
 
-    if not args.queue_limit:
-        return load_engine(args.checkpoint, codec=args.codec, device=args.device, dtype=args.dtype)
-    import torch
-
-    from shoal.config import EngineConfig
-
-    # A config replaces load_engine's own device/dtype defaults: resolve them the same way.
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    config = EngineConfig(device=device, dtype=dtype)
+    config = EngineConfig(max_running_requests=args.max_running_requests, overlap_steps=args.overlap_steps)
     config.queue_limits = {**config.queue_limits, **dict(args.queue_limit)}
-    return load_engine(args.checkpoint, codec=args.codec, device=device, dtype=dtype, config=config)
+    return load_engine(
+        args.checkpoint,
+        codec=args.codec,
+        device=args.device,
+        dtype=args.dtype,
+        config=config,
+        weight_format=args.weight_format,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
