@@ -300,3 +300,44 @@ def test_v15_long_text_slides_the_history_as_the_reference(tmp_path):
     assert oracle[-1].prompt.shape[1] < unslid.shape[1]  # the window did drop middle batches
     frames = np.concatenate([c.frames for c in chunks])  # no codec: every frame of every batch
     assert np.array_equal(frames, torch.cat([b.frames for b in oracle], dim=1).t().numpy())
+
+
+@pytest.mark.parametrize("with_codec", [False, True])
+def test_stop_ends_every_request_in_flight(model, codec, with_codec):
+    """stop() with requests running, waiting, just aborted and just submitted: the thread joins,
+    every handle and stream ends (ABORTED) and every page is freed."""
+    config = EngineConfig(
+        device="cpu", dtype="float64", num_pages=256, page_size=4, ignore_eos=True, max_running_requests=1
+    )
+    engine = LocalEngine(model, config, codec=codec if with_codec else None)
+    prompt = build_prompt(model.config, model.tokenizer, "hello", [])
+
+    async def drain(handle):
+        return [chunk async for chunk in handle]
+
+    async def scenario():
+        engine.start_thread()
+        running = engine.submit(SynthesisRequest("hello there", max_new_frames=400))
+        waiting = engine.submit(SynthesisRequest("waits its turn", max_new_frames=400))
+        stream = engine.submit_frames(prompt, SamplingParams(seed=1), max_new_frames=400)
+        consumers = [asyncio.ensure_future(drain(h)) for h in (running, waiting)]
+        consumers.append(asyncio.ensure_future(stream.collect()))
+        for _ in range(500):
+            if engine.core.steps >= 3:
+                break
+            await asyncio.sleep(0.01)
+        aborted = engine.submit(SynthesisRequest("aborted", max_new_frames=400))
+        engine.abort(aborted.request_id)
+        consumers.append(asyncio.ensure_future(drain(aborted)))
+        await asyncio.to_thread(engine.stop_thread)
+        late = engine.submit(SynthesisRequest("after the stop", max_new_frames=400))
+        consumers.append(asyncio.ensure_future(drain(late)))
+        engine.stop_thread()
+        await asyncio.wait_for(asyncio.gather(*consumers), 10)
+        return running, waiting, stream, aborted, late
+
+    handles = asyncio.run(scenario())
+    assert engine._thread is None
+    assert [h.finish_reason for h in handles] == [FinishReason.ABORTED] * 5
+    assert engine.core.kv.pool.num_used == engine.core.kv.prefix_cache_pages and not engine.core.requests
+    assert engine.stats().running == 0 and sum(engine.stats().waiting.values()) == 0

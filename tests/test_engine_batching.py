@@ -4,6 +4,7 @@ single-request oracle `reference.generate`, whatever the batch and whenever it a
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from shoal.config import EngineConfig
-from shoal.engine.api import EngineOverloaded, FinishReason, Priority
+from shoal.engine.api import EngineOverloaded, FinishReason, InvalidRequest, Priority
 from shoal.engine.engine import EngineCore, LocalEngine
 from shoal.engine.request import SamplingParams
 from shoal.models import load_model
@@ -290,3 +291,137 @@ def test_submit_abort_and_stats_do_not_wait_for_a_step(model):
     oracle = expected(model, prompt, SamplingParams(seed=2), 6)
     assert torch.equal(late_frames[:, : oracle.shape[1]], oracle)
     assert engine.core.kv.pool.num_used == 0
+
+
+def test_out_of_range_prompt_values_are_invalid_requests(model):
+    """A code outside the codebook (or a token outside the vocabulary) is refused at submit:
+    run inside a step it would be an index error that fails every request of the batch."""
+    core = make_core(model)
+    prompt = build_prompt(model.config, model.tokenizer, "hello", [])
+    for row, value in ((1, model.config.codebook_size), (2, -1), (0, model.config.vocab_size)):
+        bad = prompt.clone()
+        bad[row, 0] = value
+        with pytest.raises(InvalidRequest):
+            core.new_request(bad, SamplingParams(), max_new_frames=4)
+    with pytest.raises(InvalidRequest):
+        core.prefill_voice(torch.full((prompt.shape[0], 8), 10_000))
+    assert core.kv.pool.num_used == 0
+
+
+def test_a_failing_sink_fails_only_its_own_request(model):
+    """A sink that raises (its event loop closed) ends its own request with ERROR and frees its
+    pages; the step and the other requests go on."""
+    core = make_core(model, ignore_eos=True)
+    sink = Collector()
+
+    def broken(request, frames, reason):
+        sink(request, frames, reason)
+        if frames is not None and request.num_frames == 2:
+            raise RuntimeError("Event loop is closed")
+
+    params = SamplingParams(seed=8)
+    _, prompt = submit(core, model, sink, "ok", "hello", [], params, 6)
+    bad, _ = submit(core, model, broken, "bad", "hello", [], SamplingParams(seed=9), 6)
+    core.run_until_idle()
+    assert bad.finish_reason is FinishReason.ERROR and bad.num_frames == 2
+    assert sink.reasons == {"ok": FinishReason.LENGTH}
+    assert torch.equal(sink.output("ok"), expected(model, prompt, params, 6)[:, :6])
+    assert core.kv.pool.num_used == core.kv.prefix_cache_pages and not core.requests
+
+
+def test_a_closed_event_loop_does_not_stop_the_engine(model):
+    """A consumer whose event loop closed while its request runs: the engine thread keeps
+    serving the other requests and frees the orphan's pages."""
+    engine = LocalEngine(
+        model, EngineConfig(device="cpu", dtype="float64", num_pages=64, page_size=4, ignore_eos=True)
+    )
+    prompt = build_prompt(model.config, model.tokenizer, "hello", [])
+
+    async def orphan():
+        return engine.submit_frames(prompt, SamplingParams(seed=2), max_new_frames=30)
+
+    async def scenario():
+        stream = engine.submit_frames(prompt, SamplingParams(seed=1), max_new_frames=30)
+        await asyncio.to_thread(asyncio.run, orphan())  # its loop is closed once it returns
+        frames = await asyncio.wait_for(stream.collect(), 60)
+        for _ in range(200):
+            if engine.stats().pages_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        return stream, frames
+
+    engine.start_thread()
+    try:
+        stream, frames = asyncio.run(scenario())
+    finally:
+        engine.stop_thread()
+    assert stream.finish_reason is FinishReason.LENGTH and frames.shape[1] == 30
+    assert engine.core.kv.pool.num_used == 0 and engine.last_error is None
+
+
+def test_prefill_voice_on_a_busy_pool_keeps_the_cache(model):
+    """With the pool in use, prefilling a voice gives up (False) instead of evicting the cached
+    voices and then failing with OutOfPages."""
+    core = make_core(model, num_pages=27, max_prefill_tokens=512, ignore_eos=True)
+    first, second = (build_prompt(model.config, model.tokenizer, "", voice(s, 12)) for s in (1, 2))
+    assert core.prefill_voice(first[:, :16])  # 4 pages, idle in the cache
+    sink = Collector()
+    prompt = build_prompt(model.config, model.tokenizer, "a longer sentence to say", [])
+    core.add(core.new_request(prompt, SamplingParams(seed=1), max_new_frames=3, request_id="big", sink=sink))
+    core.step()  # 89 prompt tokens, no voice prefix: 23 pages
+    assert core.kv.pool.num_free == 0 and core.kv.prefix_cache_pages == 4
+    assert not core.prefill_voice(second[:, :20])  # 5 pages: not even with the cache evicted
+    assert core.kv.prefix_cache_pages == 4
+    core.run_until_idle()
+    assert core.kv.pool.num_used == 4 and sink.reasons["big"] is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_traffic_returns_every_page_and_ends_every_request(model, overlap):
+    """Many small requests with random classes, voices, lengths, aborts and voice prefills on a
+    small pool (preemption, prefix sharing and eviction): every request ends exactly once and
+    every page comes back."""
+    rng = random.Random(7 + overlap)
+    voices = [[]] + [voice(s, 3 + 4 * s) for s in range(1, 4)]
+    for trial in range(6):
+        core = make_core(
+            model,
+            num_pages=rng.randint(14, 30),
+            max_prefill_tokens=rng.choice([8, 16, 48]),
+            max_running_requests=rng.randint(1, 5),
+            overlap_steps=overlap,
+            aging_seconds=0,
+            queue_limits={},
+        )
+        ends: dict[str, list[FinishReason]] = {}
+
+        def sink(request, frames, reason, ends=ends):
+            if reason is not None:
+                ends.setdefault(request.request_id, []).append(reason)
+
+        names = []
+        for _ in range(150):
+            if len(names) < 16 and rng.random() < 0.5:
+                refs = rng.choice(voices)
+                name = f"t{trial}-{len(names)}"
+                priority = rng.choice(list(Priority))
+                max_frames = rng.randint(1, 10)
+                params = SamplingParams(seed=len(names))
+                try:
+                    submit(core, model, sink, name, rng.choice(TEXTS), refs, params, max_frames, priority)
+                except InvalidRequest:  # more pages than the pool has
+                    continue
+                names.append(name)
+            live = [n for n in names if n not in ends]
+            if live and rng.random() < 0.15:
+                core.abort(rng.choice(live))
+            if rng.random() < 0.05:
+                core.prefill_voice(
+                    build_prompt(model.config, model.tokenizer, "", rng.choice(voices[1:]))[:, :16]
+                )
+            core.step()
+        core.run_until_idle(2000)
+        assert all(len(ends.get(n, ())) == 1 for n in names), (trial, ends)
+        assert not core.requests and not core.has_work
+        assert all(entry.users == 0 for entry in core.kv._prefixes.values())
+        assert core.kv.pool.num_used == core.kv.prefix_cache_pages

@@ -101,6 +101,7 @@ class EngineCore:
         self._inflight: PendingStep | None = None  # a step launched ahead, not yet returned
         self.steps_ahead = 0  # decode steps launched ahead (overlap_steps)
         self.rows_discarded = 0  # rows of those steps whose request had finished
+        self.last_sink_error: Exception | None = None  # the last exception a sink raised
         self._rate_window: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, steps, frames)
 
     def new_request(
@@ -120,6 +121,7 @@ class EngineCore:
         room = self.max_seq_len - prompt.shape[1]
         if room <= 0:
             raise InvalidRequest(f"prompt of {prompt.shape[1]} tokens exceeds max_seq_len {self.max_seq_len}")
+        self._check_values(prompt)
         pages_needed = self.kv.pages_for(prompt.shape[1] + min(max_new_frames, room))
         if pages_needed > self.kv.pool.num_pages:
             raise InvalidRequest(
@@ -135,6 +137,18 @@ class EngineCore:
             sink=sink,
         )
 
+    def _check_values(self, prompt: torch.Tensor) -> None:
+        """Token ids within the vocabulary and codes within the codebook, so that a bad value
+        fails its own request here rather than the whole batch's step (an index error)."""
+        c = self.model.config
+        if prompt.numel() == 0:
+            return
+        tokens, codes = prompt[0], prompt[1:]
+        if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in [0, {c.vocab_size})")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= c.codebook_size):
+            raise InvalidRequest(f"prompt codes must be in [0, {c.codebook_size})")
+
     def add(self, request: Request, bypass_limit: bool = False) -> None:
         if request.request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request.request_id}")
@@ -146,9 +160,21 @@ class EngineCore:
         if request is None:
             return False
         self._finish(request, reason)
-        if request.sink is not None:
-            request.sink(request, None, reason)
+        self._notify(request, None, reason)
         return True
+
+    def _notify(self, request: Request, frames: torch.Tensor | None, reason: FinishReason | None) -> None:
+        """Call the request's sink. A sink that raises (e.g. its event loop is closed) fails
+        only its own request (ERROR, pages freed), never the step or the other requests."""
+        if request.sink is None:
+            return
+        try:
+            request.sink(request, frames, reason)
+        except Exception as error:
+            self.last_sink_error = error
+            if not request.is_finished:
+                self.requests.pop(request.request_id, None)
+                self._finish(request, FinishReason.ERROR)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Finish `request`; a step launched ahead that still writes its KV keeps its pages
@@ -273,8 +299,7 @@ class EngineCore:
         if reason is not None:
             self.requests.pop(request.request_id, None)
             self._finish(request, reason)
-        if request.sink is not None:
-            request.sink(request, frame[None], reason)
+        self._notify(request, frame[None], reason)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -300,16 +325,25 @@ class EngineCore:
         )
 
     def prefill_voice(self, prefix: torch.Tensor) -> bool:
-        """Compute a voice prefix's whole pages now and keep them in the prefix cache."""
+        """Compute a voice prefix's whole pages now and keep them in the prefix cache. False
+        when it is cached already, under one page, or the pool cannot spare the pages now
+        (nothing is evicted for it then; the voice's first request caches it instead)."""
         key = self.kv.prefix_key(prefix, prefix.shape[1])
         if key is None or self.kv.has_prefix(key):
             return False
         shared = (prefix.shape[1] // self.config.page_size) * self.config.page_size
+        self._check_values(prefix)
         warm = Request("voice-prefill", prefix[:, :shared], SamplingParams(), max_new_frames=1)
+        if not self.kv.can_allocate(self.kv.pages_for(shared)):
+            return False  # pool busy: the voice's first request computes and caches it instead
         self.kv.grow(warm, shared)
-        self.runner.prefill([(warm, shared)])  # the frame it samples is not wanted
-        if self.runner.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        try:
+            self.runner.prefill([(warm, shared)])  # the frame it samples is not wanted
+            if self.runner.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+        except BaseException:
+            self.kv.free(warm)
+            raise
         self.kv.prefill_prefix_entry(key, warm.block_table, shared)
         warm.block_table = []
         return True

@@ -284,12 +284,25 @@ class LocalEngine(Engine):
             self._thread.start()
 
     def stop_thread(self) -> None:
+        """Stop the threads; every request still queued, waiting or running ends (ABORTED),
+        so no handle or stream is left waiting, and its pages are freed."""
         if self._thread is not None:
             self._inbox.put(_STOP)
             self._thread.join()
             self._thread = None
+        # No engine thread: this thread owns the state now. Apply what is left in the inbox
+        # (commands posted after the stop, or before a start), then end everything.
+        while not self._inbox.empty():
+            self._drain(block=False)
+        self.core.discard_inflight()
+        for request_id in list(self.core.requests):
+            self.core.abort(request_id)
+        self._publish()
         if self.vocoder is not None:
             self.vocoder.stop()
+        # Handles whose end the stopped vocoder never got to (their streams were dropped).
+        for handle in list(self._handles.values()):
+            handle._finished(FinishReason.ABORTED)
 
     def _loop(self) -> None:
         while True:
@@ -405,7 +418,7 @@ class LocalEngine(Engine):
     def abort(self, request_id: str) -> None:
         """Queue the abort; the engine thread frees the request's pages at its next step
         boundary (at once when idle)."""
-        handle = self._handles.pop(request_id, None)
+        handle = self._handles.get(request_id)  # it leaves `_handles` when it has ended
         if handle is not None:
             handle.aborted = True  # no further text batch starts
         self._post(self._abort, request_id, handle)

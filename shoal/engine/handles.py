@@ -49,6 +49,7 @@ class FrameStream:
     def sink(self, request: Request, frames: torch.Tensor | None, reason: FinishReason | None) -> None:
         """Engine thread -> event loop."""
         item = (frames.clone() if frames is not None else None, reason)
+        # A closed loop raises here: the engine then fails only this request (EngineCore._notify).
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
@@ -169,11 +170,21 @@ class SynthesisHandle(RequestHandle):
     # Vocoder thread (or engine thread without a codec)
     def _on_audio(self, samples: np.ndarray, frames: np.ndarray) -> None:
         chunk = AudioChunk(samples, self._engine.sample_rate, frames)
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+        if not self._to_loop(chunk):
+            self._engine.abort(self.request_id)  # nobody can read it any more
 
     def _finished(self, reason: FinishReason) -> None:
         self._engine._handles.pop(self.request_id, None)
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, reason)
+        self._to_loop(reason)
+
+    def _to_loop(self, item) -> bool:
+        """Hand `item` to the consumer's event loop; False when that loop is closed (this runs
+        on the vocoder thread, which must keep serving the other streams)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
         try:
