@@ -341,3 +341,40 @@ def test_stop_ends_every_request_in_flight(model, codec, with_codec):
     assert [h.finish_reason for h in handles] == [FinishReason.ABORTED] * 5
     assert engine.core.kv.pool.num_used == engine.core.kv.prefix_cache_pages and not engine.core.requests
     assert engine.stats().running == 0 and sum(engine.stats().waiting.values()) == 0
+
+
+def test_a_failed_codec_call_fails_its_requests_and_the_vocoder_keeps_serving(model, codec):
+    """A codec error ends only the requests whose audio was in that call (ERROR, pages freed);
+    the vocoder thread survives and the next request gets its audio."""
+    config = EngineConfig(device="cpu", dtype="float64", num_pages=256, page_size=4, ignore_eos=True)
+    engine = LocalEngine(model, config, codec=codec)
+    real_step, calls = engine.vocoder.pool.step, []
+
+    def failing_once(streams, codes):
+        calls.append(len(streams))
+        if len(calls) == 1:
+            raise RuntimeError("codec exploded")
+        return real_step(streams, codes)
+
+    engine.vocoder.pool.step = failing_once
+
+    async def scenario():
+        engine.start_thread()
+        try:
+            first = await asyncio.wait_for(synthesize(engine, SynthesisRequest("one", max_new_frames=20)), 60)
+            second = await asyncio.wait_for(
+                synthesize(engine, SynthesisRequest("two", max_new_frames=20)), 60
+            )
+            for _ in range(100):
+                if not engine.core.requests:
+                    break
+                await asyncio.sleep(0.02)
+            return first, second
+        finally:
+            engine.stop_thread()
+
+    (first_handle, _), (second_handle, second_chunks) = asyncio.run(scenario())
+    assert first_handle.finish_reason == FinishReason.ERROR
+    assert second_handle.finish_reason == FinishReason.LENGTH
+    assert sum(len(chunk.samples) for chunk in second_chunks) == 19 * codec.frame_length
+    assert not engine.core.requests and engine.core.kv.pool.num_used == engine.core.kv.prefix_cache_pages

@@ -119,7 +119,7 @@ class SynthesisHandle(RequestHandle):
             sink=self._on_frames,
         )
         if engine.vocoder is not None:
-            self._stream = engine.vocoder.open(self._on_audio)
+            self._stream = engine.vocoder.open(self._on_audio, self._on_vocoder_error)
         return self.current
 
     def context(self, text: str) -> list[Turn]:
@@ -172,6 +172,12 @@ class SynthesisHandle(RequestHandle):
         chunk = AudioChunk(samples, self._engine.sample_rate, frames)
         if not self._to_loop(chunk):
             self._engine.abort(self.request_id)  # nobody can read it any more
+
+    def _on_vocoder_error(self, error: BaseException) -> None:
+        """The codec failed on this request's audio: stop generating it and end it as an error
+        (the vocoder has dropped the stream, so its own end callback will never run)."""
+        self._engine.abort(self.request_id)
+        self._finished(FinishReason.ERROR)
 
     def _finished(self, reason: FinishReason) -> None:
         self._engine._handles.pop(self.request_id, None)

@@ -16,6 +16,7 @@ backlog is decoded at once.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,8 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+log = logging.getLogger("shoal.engine.vocoder")
+
 AudioCallback = Callable[[np.ndarray, np.ndarray], None]  # (samples float32 [n], frames int32 [f, N+1])
 DoneCallback = Callable[[], None]
+ErrorCallback = Callable[[BaseException], None]
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -88,8 +92,9 @@ class ChunkPolicy:
 class VocoderStream:
     """One text batch of one request: frames in, audio out."""
 
-    def __init__(self, on_audio: AudioCallback) -> None:
+    def __init__(self, on_audio: AudioCallback, on_error: ErrorCallback | None = None) -> None:
         self.on_audio = on_audio
+        self.on_error = on_error  # the decode of this stream's frames failed: it gets no more audio
         self.pending: list[torch.Tensor] = []  # frames released for decoding, [N+1] each
         self.held: torch.Tensor | None = None  # the latest frame, not yet known not to be last
         self.ending: DoneCallback | None = None  # set by end(): flush, then call it
@@ -142,8 +147,8 @@ class Vocoder:
 
     # Engine thread -------------------------------------------------------------------------
 
-    def open(self, on_audio: AudioCallback) -> VocoderStream:
-        stream = VocoderStream(on_audio)
+    def open(self, on_audio: AudioCallback, on_error: ErrorCallback | None = None) -> VocoderStream:
+        stream = VocoderStream(on_audio, on_error)
         with self._wake:
             self._streams.append(stream)
         return stream
@@ -208,7 +213,25 @@ class Vocoder:
                     self._wake.wait()
                 if self._stopping:
                     return
-            self.decode(work)
+            try:
+                self.decode(work)
+            except Exception as error:  # one failed codec call must not end audio for everyone
+                log.exception("vocoder: decoding %d stream(s) failed", len(work))
+                self.fail(work, error)
+
+    def fail(self, work: Work, error: BaseException) -> None:
+        """The streams of a failed decode leave the vocoder (their codec state is suspect) and
+        hear about it through `on_error`; the other streams carry on."""
+        with self._wake:
+            for stream, _, _ in work:
+                if stream in self._streams:
+                    self._streams.remove(stream)
+        for stream, _, _ in work:
+            if stream.codec_stream is not None:
+                stream.codec_stream.close()
+                stream.codec_stream = None
+            if stream.on_error is not None:
+                stream.on_error(error)
 
     def decode(self, work: Work) -> None:
         """Decode one batch of streams' frames in one codec call and deliver the audio."""
