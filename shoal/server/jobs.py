@@ -36,7 +36,7 @@ from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import ApiError
 from shoal.server.schemas import JobCreateBody, JobEntity, JobItemEntity, JobPage
 from shoal.server.store import JOB_ACTIVE, JobItemRow, JobRow, Store, codes_from_bytes
-from shoal.server.tts import build_synthesis_request, parse_model
+from shoal.server.tts import build_synthesis_request, make_encoder, parse_model
 
 if TYPE_CHECKING:
     from shoal.server.app import ServerSettings
@@ -48,24 +48,6 @@ RETRY_MAX_SECONDS = 5.0
 FILE_EXTENSIONS = {"wav": "wav", "pcm": "pcm", "mp3": "mp3", "opus": "ogg"}
 # Fields of the request that are not job options: the texts are items, the voice is a snapshot.
 NOT_OPTIONS = {"text", "items", "references", "reference_id"}
-
-
-def file_encoder(body: JobCreateBody, input_sample_rate: int) -> audio.AudioEncoder:
-    """The request's encoder, non-streaming: a wav item is one exactly sized file."""
-    prosody = body.prosody
-    try:
-        return audio.create_encoder(
-            body.format,
-            input_sample_rate=input_sample_rate,
-            sample_rate=body.sample_rate,
-            mp3_bitrate=body.mp3_bitrate,
-            opus_bitrate=body.opus_bitrate,
-            speed=prosody.speed if prosody else 1.0,
-            volume_db=prosody.volume if prosody else 0.0,
-            streaming=False,
-        )
-    except audio.AudioFormatError as error:
-        raise ApiError(400, str(error)) from error
 
 
 class ItemFailed(Exception):
@@ -191,7 +173,7 @@ class JobRunner:
             synthesis = build_synthesis_request(
                 body, references, job.voice_key, Priority.BATCH, self.settings, text=item.text
             )
-            encoder = file_encoder(body, self.engine.sample_rate)
+            encoder = make_encoder(body, self.engine.sample_rate, streaming=False)
         except ApiError as error:
             raise ItemFailed(item.item_id, error.message) from error
         handle = await self._submit(synthesis, item)
@@ -315,7 +297,7 @@ async def create_job(request: Request, principal: Principal_, runner: Runner_) -
     body = await parse_model(request, JobCreateBody)
     assert isinstance(body, JobCreateBody)
     items = checked_items(body, settings)
-    file_encoder(body, runner.engine.sample_rate)  # 400 now for a bad format/rate/bitrate
+    make_encoder(body, runner.engine.sample_rate, streaming=False)  # 400 now for a bad format/rate/bitrate
     active = await anyio.to_thread.run_sync(runner.store.count_active_jobs, principal.tenant)
     if active >= settings.max_jobs_per_tenant:
         raise ApiError(

@@ -82,7 +82,9 @@ def build_synthesis_request(
     )
 
 
-def make_encoder(body: TTSRequestBody, input_sample_rate: int) -> audio.AudioEncoder:
+def make_encoder(body: TTSRequestBody, input_sample_rate: int, streaming: bool = True) -> audio.AudioEncoder:
+    """The request's format encoder (a bad format, rate or bitrate is a 400). `streaming=False`
+    for a whole file, e.g. a bulk-job item: a wav then carries its exact sizes."""
     prosody = body.prosody
     try:
         return audio.create_encoder(
@@ -93,6 +95,7 @@ def make_encoder(body: TTSRequestBody, input_sample_rate: int) -> audio.AudioEnc
             opus_bitrate=body.opus_bitrate,
             speed=prosody.speed if prosody else 1.0,
             volume_db=prosody.volume if prosody else 0.0,
+            streaming=streaming,
         )
     except audio.AudioFormatError as error:
         raise ApiError(400, str(error)) from error
