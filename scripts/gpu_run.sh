@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: the GPU tests, then the benchmarks, each printing a short table.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|engine|all]...
-# Logs go to $OUT (when set) so the device tool brings them back.
+# Logs go to $OUT (when set) so the device tool brings them back; TAG=x suffixes their names (A/B runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   local name=$1 limit=$2; shift 2
   echo "=== $name: $*"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name${TAG:+_$TAG}.log" | tail -n ${TAIL:-40}
   echo "=== $name: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
@@ -23,10 +23,10 @@ git rev-parse --short HEAD 2>/dev/null || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if want tests; then
   files=$(grep -l "mark.gpu" tests/test_*.py | grep -v -E "test_server|test_audio|test_synth" | tr '\n' ' ')
-  step gpu_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider $files
+  step gpu_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider $files
 fi
-want gemm && step bench_gemm 240 python3 -m shoal.cli bench gemm ${GEMM_ARGS:-}
-want attention && step bench_attention 240 python3 -m shoal.cli bench attention ${ATTN_ARGS:-}
+want gemm && step bench_gemm ${GEMM_LIMIT:-240} python3 -m shoal.cli bench gemm ${GEMM_ARGS:-}
+want attention && step bench_attention ${ATTN_LIMIT:-240} python3 -m shoal.cli bench attention ${ATTN_ARGS:-}
 want codec && step bench_codec 240 python3 -m shoal.cli bench codec ${CODEC_ARGS:-}
-want engine && step bench_engine 400 python3 -m shoal.cli bench engine ${ENGINE_ARGS:-}
+want engine && step bench_engine ${ENGINE_LIMIT:-400} python3 -m shoal.cli bench engine ${ENGINE_ARGS:-}
 exit 0

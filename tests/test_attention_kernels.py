@@ -20,6 +20,7 @@ from shoal.kernels.attention import (  # noqa: E402
     paged_prefill_attention,
     shared_prefix_decode_attention,
 )
+from shoal.kernels.quant import new_activation_scales, quantize_activations  # noqa: E402
 from shoal.kernels.reference_attention import paged_attention_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,6 +147,81 @@ def test_shared_prefix_matches_reference(hq: int, hkv: int) -> None:
     assert relative_error(out, ref) < 1e-2
 
 
+def poisoned_fp8_output(tokens: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An `out_fp8` pair filled with NaNs (0x7F is e4m3fn NaN), so unwritten elements show."""
+    q8 = torch.full((tokens, width), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    return q8, new_activation_scales(tokens, width, DEVICE).fill_(float("nan"))
+
+
+def assert_fp8_output_matches(out_fp8: tuple[torch.Tensor, torch.Tensor], bf16_out: torch.Tensor) -> None:
+    """The fused quantized output equals `quantize_activations` of the bf16 output, bit for bit."""
+    q8, scales = out_fp8
+    ref_q8, ref_scales = quantize_activations(bf16_out.reshape(bf16_out.shape[0], -1))
+    assert not torch.isnan(bf16_out).any(), "the bf16 reference run left rows unwritten"
+    assert torch.equal(q8.view(torch.uint8), ref_q8.view(torch.uint8))
+    assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32))
+
+
+FP8_OUT_CASES = [(1, False), (3, True), (3, False)]
+
+
+@pytest.mark.parametrize("num_splits,fused", FP8_OUT_CASES, ids=["1", "3-fused", "3-merge-launch"])
+def test_decode_fp8_output_is_quantized_bf16_output(num_splits: int, fused: bool) -> None:
+    """Every place a decode row is finished (plain store, fused merge, merge launch) quantizes."""
+    gen = torch.Generator().manual_seed(20 + num_splits)
+    seq_lens, hq, hkv, d = [1, 17, 40], 4, 2, 128
+    k, v, tables = make_paged_cache(seq_lens, hkv, d, 16, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    config = replace(SMALL, fused_merge=fused)
+    out = poisoned(q.shape)
+    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config, out=out)
+    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
+    out_fp8 = poisoned_fp8_output(len(seq_lens), hq * d)
+    result = paged_decode_attention(
+        q, k, v, tables, lens, num_splits=num_splits, config=config, out_fp8=out_fp8
+    )
+    assert result is out_fp8
+    assert_fp8_output_matches(out_fp8, out)
+
+
+def test_prefill_fp8_output_is_quantized_bf16_output() -> None:
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, hq, hkv, d = [5, 23, 18], 4, 2, 128
+    k, v, tables = make_paged_cache(seq_lens, hkv, d, 8, gen)
+    q = torch.randn(6, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape)
+    paged_prefill_attention(q, k, v, tables, lens, starts, 2, config=SMALL, out=out)
+    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens, starts)) < 1e-2
+    out_fp8 = poisoned_fp8_output(6, hq * d)
+    result = paged_prefill_attention(q, k, v, tables, lens, starts, 2, config=SMALL, out_fp8=out_fp8)
+    assert result is out_fp8
+    assert_fp8_output_matches(out_fp8, out)
+
+
+def test_fp8_output_rejects_bad_shapes() -> None:
+    gen = torch.Generator().manual_seed(9)
+    k, v, tables = make_paged_cache([3, 5], 2, 64, 16, gen)
+    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(q, k, v, tables, lens, config=SMALL, out_fp8=poisoned_fp8_output(2, 256))
+    k, v, tables = make_paged_cache([3, 5], 2, 128, 16, gen)
+    q = torch.randn(2, 4, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q8, _ = poisoned_fp8_output(2, 512)
+    row_major = torch.empty(2, 4, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="group-major"):
+        paged_decode_attention(q, k, v, tables, lens, config=SMALL, out_fp8=(q8, row_major))
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="group-major"):
+        paged_prefill_attention(q, k, v, tables, lens, starts, 1, config=SMALL, out_fp8=(q8, row_major))
+    wrong_dtype = torch.empty(2, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        paged_decode_attention(q, k, v, tables, lens, config=SMALL, out_fp8=(wrong_dtype, _))
+
+
 S2_DECODE_SHAPES = [(1, 8192), (16, 4096), (64, 1024)]
 S2_PREFIX_LENS = [1025 + 5 * i for i in range(64)]  # every row longer than the 1024 shared
 
@@ -199,3 +275,21 @@ def test_prefill_and_shared_prefix_full_s2_shapes() -> None:
     out = paged_prefill_attention(qp, k, v, tables[:3], pre_lens, starts, max(q_lens))
     ref = paged_attention_reference(qp, k, v, tables[:3], pre_lens, starts)
     assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context", [(1, 300), (1, 4096), (64, 300), (64, 4096)])
+def test_decode_fp8_output_full_s2_shapes(batch: int, context: int) -> None:
+    """On the GPU the fused quantization equals `quantize_activations` of the bf16 output."""
+    gen = torch.Generator().manual_seed(batch + context)
+    seq_lens = decode_lengths(batch, context)
+    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
+    q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    wide = AttentionConfig(block_n=128, min_split_tokens=64, target_programs=528)
+    cases = [(None, None), (None, 1), (wide, None), (replace(wide, fused_merge=True), None)]
+    for config, num_splits in cases:  # tuned, unsplit, split + merge launch, split + fused merge
+        out = paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config)
+        out_fp8 = poisoned_fp8_output(batch, 32 * 128)
+        paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config, out_fp8=out_fp8)
+        assert_fp8_output_matches(out_fp8, out)

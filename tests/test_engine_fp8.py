@@ -306,6 +306,59 @@ def test_kernel_decode_step_with_fp8_tracks_the_torch_step(golden_dir) -> None:
         assert relative(got, want) < 1e-2
 
 
+def _wide_head_model(directory) -> torch.nn.Module:
+    """A tiny S2 model with 128-wide heads, so attention outputs are whole quantization groups."""
+    config = tiny_config("s2").replace(
+        head_dim=128, fast_head_dim=128, n_head=2, n_local_heads=1, intermediate_size=256,
+        fast_intermediate_size=256,
+    )  # fmt: skip
+    write_checkpoint(directory, config, seed=3)
+    model = load_model(directory, dtype=torch.bfloat16)
+    model.build_rope_tables("cpu")
+    return model
+
+
+@pytest.mark.parametrize("heads", ["golden", "wide"])
+def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path, heads: str) -> None:
+    """With reserved row counts the norms (and, with 128-wide heads, the attention) write the
+    W8A8 projections' inputs already quantized; the step's outputs are bit for bit those of the
+    unfused step (bf16 output, then a quantization launch)."""
+    model = tiny(golden_dir, torch.bfloat16) if heads == "golden" else _wide_head_model(tmp_path)
+    config = EngineConfig(
+        device="cpu", dtype="bfloat16", num_pages=64, page_size=16, decode_step="fast", weight_format="fp8"
+    )
+    core = EngineCore(model, config)
+    requests = []
+    for i in range(2):
+        request = core.new_request(prompt_for(model, 12 + i, i), SamplingParams(seed=i), max_new_frames=20)
+        core.add(request)
+        requests.append(request)
+    while not all(r.num_frames >= 2 for r in requests):
+        core.step()
+    runner = core.runner
+    fused = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
+    fused.fp8.reserve(graph_row_counts([2]))
+    separate = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)  # nothing reserved
+    block = model.layers[0]
+    assert fused.fp8.fp8_input(block, "qkv", 2) is not None
+    assert fused.fp8.fp8_input(block, "gate_up", 4) is not None
+    assert separate.fp8.fp8_input(block, "qkv", 2) is None
+    if heads == "wide":
+        assert fused.fp8.fp8_input(block, "out", 2) is not None
+    fields = runner.host.fill(requests)
+    outputs = []
+    for step in (fused, separate):
+        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
+        for name in fields:
+            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
+        with torch.no_grad():
+            hidden, normed = step.slow(b)
+            x = torch.stack([normed, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
+            outputs.append((hidden.clone(), normed.clone(), step._fast_kernels(x.flatten(0, 1), 0).clone()))
+    for got, want in zip(*outputs, strict=True):
+        assert torch.equal(got, want)
+
+
 # ---- the correctness gate through the engine ----------------------------------------------------
 
 

@@ -192,7 +192,9 @@ class DecodeStep:
         return self._layers(
             model.layers, residual, model.norm.weight, buffers.positions, model.rope,
             lambda i: (self.kv.k[i], self.kv.v[i]), buffers.slots,
-            lambda q, k, v: paged_decode_attention(q, k, v, buffers.block_tables, buffers.kv_lens),
+            lambda q, k, v, out_fp8: paged_decode_attention(
+                q, k, v, buffers.block_tables, buffers.kv_lens, out_fp8=out_fp8
+            ),
         )  # fmt: skip
 
     def prefill(self, tokens: Tensor, positions: Tensor, slots: Tensor, meta: tuple) -> tuple[Tensor, Tensor]:
@@ -207,42 +209,64 @@ class DecodeStep:
         return self._layers(
             model.layers, model.embed(tokens), model.norm.weight, positions, model.rope,
             lambda i: (self.kv.k[i], self.kv.v[i]), slots,
-            lambda q, k, v: paged_prefill_attention(q, k, v, tables, seq_lens, starts, max_query),
+            lambda q, k, v, out_fp8: paged_prefill_attention(
+                q, k, v, tables, seq_lens, starts, max_query, out_fp8=out_fp8
+            ),
         )  # fmt: skip
 
     def _layers(self, layers, residual, final_weight, positions, rope, pages, slots, attend):
-        """Pre-norm blocks with the fused kernels; `residual` is updated in place."""
+        """Pre-norm blocks with the fused kernels; `residual` is updated in place. With FP8
+        weights, a norm or attention whose output feeds a W8A8 projection writes it quantized
+        (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `attend(q, k_pages,
+        v_pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair it filled."""
         from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm
+        from shoal.kernels.quant import GROUP
 
         eps = self.config.norm_eps
         tokens = residual.shape[0]
-        normed, _ = rms_norm(residual, layers[0].attention_norm.weight, eps)
+        fp8 = self.fp8
+        fuse_quantization = fp8 is not None and self.dtype == torch.bfloat16  # kernels quantize bf16
+
+        def fp8_target(block, which: str):
+            return fp8.fp8_input(block, which, tokens) if fuse_quantization else None
+
+        normed, _ = rms_norm(
+            residual, layers[0].attention_norm.weight, eps, out_fp8=fp8_target(layers[0], "qkv")
+        )
         for i, layer in enumerate(layers):
             attn = layer.attention
-            if self.fp8 is None:
+            if fp8 is None:
                 qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
             else:
-                qkv = self.fp8.qkv(layer, normed)
+                qkv = fp8.qkv(layer, normed)
             k_pages, v_pages = pages(i)
             q = qk_norm_rope_kv_write(
                 qkv, positions, rope, k_pages, v_pages, slots, attn.n_head, attn.n_local_heads,
                 attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                 attn.q_norm.eps if attn.qk_norm else 1e-6,
             )  # fmt: skip
-            if self.fp8 is None:
-                out = F.linear(attend(q, k_pages, v_pages).reshape(tokens, -1), attn.wo.weight, attn.wo.bias)
+            if fp8 is None:
+                out = F.linear(
+                    attend(q, k_pages, v_pages, None).reshape(tokens, -1), attn.wo.weight, attn.wo.bias
+                )
             else:
-                out = self.fp8.out_proj(layer, attend(q, k_pages, v_pages).reshape(tokens, -1))
-            normed, residual = rms_norm(out, layer.ffn_norm.weight, eps, residual=residual)
+                target = fp8_target(layer, "out") if q.shape[-1] == GROUP else None  # a head per group
+                attended = attend(q, k_pages, v_pages, target)
+                out = fp8.out_proj(layer, attended if target is not None else attended.reshape(tokens, -1))
+            normed, residual = rms_norm(
+                out, layer.ffn_norm.weight, eps, residual=residual, out_fp8=fp8_target(layer, "gate_up")
+            )
             ff = layer.feed_forward
-            if self.fp8 is None:
+            if fp8 is None:
                 out = F.linear(
                     F.silu(F.linear(normed, ff.w1.weight)) * F.linear(normed, ff.w3.weight), ff.w2.weight
                 )
             else:
-                out = self.fp8.mlp(layer, normed)
-            following = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else final_weight
-            normed, residual = rms_norm(out, following, eps, residual=residual)
+                out = fp8.mlp(layer, normed)
+            last = i + 1 == len(layers)
+            following = final_weight if last else layers[i + 1].attention_norm.weight
+            target = None if last else fp8_target(layers[i + 1], "qkv")
+            normed, residual = rms_norm(out, following, eps, residual=residual, out_fp8=target)
         return residual, normed
 
     # Fast transformer (kernel path) -------------------------------------------------------------
@@ -262,15 +286,15 @@ class DecodeStep:
                 self.pass0_starts[: batch + 1],
             )
 
-            def attend(q, kp, vp):
-                return paged_prefill_attention(q, kp, vp, tables, lens, starts, 2)
+            def attend(q, kp, vp, out_fp8):
+                return paged_prefill_attention(q, kp, vp, tables, lens, starts, 2, out_fp8=out_fp8)
         else:
             batch = x.shape[0]
             positions, slots = self.pass_positions[k][:batch], self.pass_slots[k][:batch]
             tables, lens = self.fast_tables[:batch], self.pass_lens[k][:batch]
 
-            def attend(q, kp, vp):
-                return paged_decode_attention(q, kp, vp, tables, lens)
+            def attend(q, kp, vp, out_fp8):
+                return paged_decode_attention(q, kp, vp, tables, lens, out_fp8=out_fp8)
 
         residual = x.contiguous()
         residual, normed = self._layers(

@@ -19,6 +19,16 @@ pages (a cached voice prefix), one kernel attends all query heads of all those r
 prefix at once (the prefix is read once per group, not once per row), the per-row kernel
 attends only each row's own suffix, and the merge launch combines them by log-sum-exp.
 All scores are kept in base 2 (`exp2`/`log2`), scale folded with log2(e).
+
+FP8 output (`out_fp8`, head_dim 128): in the FP8 decode step the attention output feeds the
+o-projection GEMM through a per-token, per-128-column e4m3 quantization; with head_dim 128 each
+(token, head) row is exactly one quantization group, so whichever code finalizes a row (the
+unsplit store, the fused merge, the merge launch) writes e4m3 values and the fp32 scale itself,
+saving the separate `quant.py` launch per layer. The numerics are those of `quantize_activations`
+applied to the bf16 output the same call would store (the bf16 store rounds with
+`round_to_bf16`, so interpreter and GPU agree bit for bit).
+
+Every kernel takes `USE_PDL` and waits for its inputs first (`kernels/pdl.py`).
 """
 
 from __future__ import annotations
@@ -32,8 +42,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.pdl import pdl_launch, wait_for_inputs
+from shoal.kernels.quant import (
+    FP8_MAX,
+    GROUP,
+    MIN_SCALE,
+    _quantize_groups,
+    check_activation_scales,
+    round_to_bf16,
+)
+
 PAGE_SIZE = 16
 _LOG2E = 1.4426950408889634
+_FP8_MAX = tl.constexpr(FP8_MAX)  # jit functions may only read constexpr globals
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @dataclass(frozen=True)
@@ -124,12 +146,39 @@ def _attend_key_range(
 
 
 @triton.jit
+def _write_rows(
+    x, token, head, row_ok, out_ptr, stride_ot, stride_oh,
+    q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
+    HEAD_DIM: tl.constexpr, QUANT_OUT: tl.constexpr,
+):  # fmt: skip
+    """Store finished fp32 rows x [R, D] of (token, head) to `out`, or (QUANT_OUT) as e4m3 + scale.
+
+    Both round to bf16 on the bits (RNE, as the GPU's cast; the interpreter's cast truncates), so
+    the quantized rows equal `quantize_activations` of the bf16 rows bit for bit."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    token = token.to(tl.int64)
+    if QUANT_OUT:
+        q, scale = _quantize_groups(round_to_bf16(x).to(tl.float32), _FP8_MAX, _MIN_SCALE)
+        dest = token * stride_q8 + head * HEAD_DIM
+        tl.store(q8_ptr + dest[:, None] + offs_d[None, :], q, mask=row_ok[:, None])
+        tl.store(scale_ptr + token * stride_st + head * stride_sh, scale, mask=row_ok)
+    else:
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            value = round_to_bf16(x)
+        else:
+            value = x.to(out_ptr.dtype.element_ty)
+        dest = token * stride_ot + head * stride_oh
+        tl.store(out_ptr + dest[:, None] + offs_d[None, :], value, mask=row_ok[:, None])
+
+
+@triton.jit
 def _store_rows(
     acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_ot, stride_oh, num_q_heads, num_slots,
-    HEAD_DIM: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+    stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
+    HEAD_DIM: tl.constexpr, WRITE_PARTIAL: tl.constexpr, QUANT_OUT: tl.constexpr,
 ):  # fmt: skip
-    """Finished rows go to `out` (bf16), or as (normalized output, log2-sum-exp) partials."""
+    """Finished rows go to `out` (bf16 or e4m3 + scales), or as (normalized output,
+    log2-sum-exp) partials."""
     offs_d = tl.arange(0, HEAD_DIM)
     has_keys = l_i > 0
     normed = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -139,15 +188,18 @@ def _store_rows(
         tl.store(part_lse_ptr + slot, lse, mask=row_ok)
         tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], normed, mask=row_ok[:, None])
     else:
-        dest = token.to(tl.int64) * stride_ot + head * stride_oh
-        ptrs = out_ptr + dest[:, None] + offs_d[None, :]
-        tl.store(ptrs, normed.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        _write_rows(
+            normed, token, head, row_ok, out_ptr, stride_ot, stride_oh,
+            q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh, HEAD_DIM, QUANT_OUT,
+        )  # fmt: skip
 
 
 @triton.jit
 def _merge_group_partials(
     part_out_ptr, part_lse_ptr, out_ptr, token, kv_head, num_q_heads, num_slots, stride_ot, stride_oh,
+    q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
 ):  # fmt: skip
     """Combine the partials of one token's g heads of a kv head (one [g, slots, D] load, no loop)."""
     g = tl.arange(0, BLOCK_G)
@@ -169,28 +221,29 @@ def _merge_group_partials(
     )
     total = tl.sum(weight, 1)
     merged = tl.sum(partial * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
-    dest = token.to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(
-        out_ptr + dest[:, None] + offs_d[None, :],
-        merged.to(out_ptr.dtype.element_ty),
-        mask=(g < GROUP)[:, None],
-    )
+    _write_rows(
+        merged, token + tl.zeros_like(g), head, g < GROUP, out_ptr, stride_ot, stride_oh,
+        q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh, HEAD_DIM, QUANT_OUT,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr, kv_start_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, kv_start_ptr, q8_ptr, scale_ptr,
     scale_log2e, num_q_heads, num_slots, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kp, stride_kt, stride_kh,
+    stride_q8, stride_st, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
     (decode only), the last of a (sequence, kv head)'s split programs to finish merges them."""
+    wait_for_inputs(USE_PDL)  # q, seq_lens, block tables, kv pages: all written just before
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
@@ -233,7 +286,8 @@ def _paged_attention_kernel(
         )  # fmt: skip
         _store_rows(
             acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
-            stride_ot, stride_oh, num_q_heads, num_slots, HEAD_DIM, WRITE_PARTIAL,
+            stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8, stride_st,
+            stride_sh, HEAD_DIM, WRITE_PARTIAL, QUANT_OUT,
         )  # fmt: skip
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial is written before the release below
@@ -242,7 +296,8 @@ def _paged_attention_kernel(
             if arrived == num_splits - 1:
                 _merge_group_partials(
                     part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_q_heads, num_slots,
-                    stride_ot, stride_oh, GROUP, BLOCK_G, BLOCK_S, HEAD_DIM,
+                    stride_ot, stride_oh, q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
+                    GROUP, BLOCK_G, BLOCK_S, HEAD_DIM, QUANT_OUT,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -254,9 +309,11 @@ def _shared_prefix_kernel(
     stride_qt, stride_qh, stride_bt, stride_kp, stride_kt, stride_kh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (groups, row blocks, Hkv * NUM_SPLITS): decode queries of BLOCK_R/BLOCK_G rows of one
     group x the g heads of one kv head, over one split of the group's shared prefix pages."""
+    wait_for_inputs(USE_PDL)
     group = tl.program_id(0)
     row_block = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -287,16 +344,18 @@ def _shared_prefix_kernel(
         )  # fmt: skip
         _store_rows(
             acc, m_i, l_i, seq, head, row_ok, first_slot + split, q_ptr, part_out_ptr, part_lse_ptr,
-            0, 0, num_q_heads, num_slots, HEAD_DIM, True,
+            0, 0, num_q_heads, num_slots, q_ptr, q_ptr, 0, 0, 0, HEAD_DIM, True, False,
         )  # fmt: skip
 
 
 @triton.jit
 def _merge_partials_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_q_heads, num_slots, stride_ot, stride_oh,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, Hq): combine one row's partial outputs weighted by exp2(lse - max lse)."""
+    wait_for_inputs(USE_PDL)  # the partials come from the launch just before
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = token * num_q_heads + head
@@ -314,7 +373,11 @@ def _merge_partials_kernel(
     )
     total = tl.sum(weight, 0)
     merged = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty))
+    one = tl.arange(0, 1)  # the row as a [1, D] tile: the quantizer works on [rows, 128]
+    _write_rows(
+        merged[None, :], token + one, head + one, one < 1, out_ptr, stride_ot, stride_oh,
+        q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh, HEAD_DIM, QUANT_OUT,
+    )  # fmt: skip
 
 
 def choose_num_splits(batch: int, n_kv_heads: int, max_context: int, config: AttentionConfig) -> int:
@@ -336,6 +399,20 @@ def _check_inputs(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> tuple[int, int
     return hq, hkv, d
 
 
+def _check_out_fp8(out_fp8: tuple[Tensor, Tensor], q: Tensor) -> None:
+    """Validate the (e4m3 [T, Hq*D], group-major fp32 scales [T, Hq]) pair of an `out_fp8`."""
+    tokens, hq, d = q.shape
+    if d != GROUP:
+        raise ValueError(f"out_fp8 needs head_dim == {GROUP} (one quantization group per head), got {d}")
+    q8, scales = out_fp8
+    if q8.dtype != torch.float8_e4m3fn or tuple(q8.shape) != (tokens, hq * d) or q8.stride(1) != 1:
+        raise ValueError(
+            f"out_fp8 values must be float8_e4m3fn [{tokens}, {hq * d}] with unit column stride, "
+            f"got {q8.dtype} {tuple(q8.shape)} strides {q8.stride()}"
+        )
+    check_activation_scales(scales, tokens, hq * d)
+
+
 _merge_counters: dict[torch.device, Tensor] = {}
 
 
@@ -354,8 +431,10 @@ def _launch_attention(
     query_start_loc: Tensor | None, kv_start: Tensor | None, out: Tensor, part_out: Tensor | None,
     part_lse: Tensor | None, num_slots: int, grid_q_blocks: int, block_m: int, num_splits: int,
     scale: float, config: AttentionConfig, fused_merge: bool = False,
+    out_fp8: tuple[Tensor, Tensor] | None = None,
 ):  # fmt: skip
     hq, hkv, d = _check_inputs(q, k_pages, v_pages)
+    q8, scales = out_fp8 if out_fp8 is not None else (out, out)
     group = hq // hkv
     block_g = triton.next_power_of_2(group)
     dummy = seq_lens  # any tensor: pointers a constexpr branch never reads
@@ -367,24 +446,32 @@ def _launch_attention(
         part_out if part_out is not None else out, part_lse if part_lse is not None else out, counters,
         block_tables, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
-        kv_start if kv_start is not None else dummy,
+        kv_start if kv_start is not None else dummy, q8, scales,
         scale * _LOG2E, hq, num_slots, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        q8.stride(0), scales.stride(0), scales.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_R=max(16, block_m * block_g),
         BLOCK_N=config.block_n, PAGE=k_pages.shape[1], HEAD_DIM=d,
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=_interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        QUANT_OUT=out_fp8 is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(),
     )  # fmt: skip
 
 
-def _merge(part_out: Tensor, part_lse: Tensor, out: Tensor, config: AttentionConfig) -> None:
+def _merge(
+    part_out: Tensor, part_lse: Tensor, out: Tensor, config: AttentionConfig,
+    out_fp8: tuple[Tensor, Tensor] | None = None,
+) -> None:  # fmt: skip
     tokens, hq, slots, d = part_out.shape
+    q8, scales = out_fp8 if out_fp8 is not None else (out, out)
     _merge_partials_kernel[(tokens, hq)](
         part_out, part_lse, out, hq, slots, out.stride(0), out.stride(1),
-        BLOCK_S=triton.next_power_of_2(slots), HEAD_DIM=d, num_warps=4,
+        q8, scales, q8.stride(0), scales.stride(0), scales.stride(1),
+        BLOCK_S=triton.next_power_of_2(slots), HEAD_DIM=d, QUANT_OUT=out_fp8 is not None,
+        num_warps=4, **pdl_launch(),
     )  # fmt: skip
 
 
@@ -398,33 +485,41 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
     out: Tensor | None = None,
-) -> Tensor:
+    out_fp8: tuple[Tensor, Tensor] | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """One query per sequence: q [bs, Hq, D] -> [bs, Hq, D]. With `num_splits` > 1 (default:
     `choose_num_splits` over the block table's capacity) the partials are merged, by a second
     launch or (`config.fused_merge`) by the last split program. `config` defaults to the tuned
-    entry for this batch size (`decode_config`)."""
+    entry for this batch size (`decode_config`).
+
+    `out_fp8` = (e4m3 [bs, Hq*D], scales from `quant.new_activation_scales(bs, Hq*D)`), D == 128:
+    the output is written quantized for the FP8 o-projection instead of to `out`, and returned."""
     bs, hq, d = q.shape
     config = decode_config(bs) if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if out_fp8 is not None:
+        _check_out_fp8(out_fp8, q)
+        out = q if out is None else out  # never written: only its pointer type and strides travel
     out = torch.empty_like(q) if out is None else out
+    result = out if out_fp8 is None else out_fp8
     if num_splits is None:
         capacity = block_tables.shape[1] * k_pages.shape[1]
         num_splits = choose_num_splits(bs, k_pages.shape[2], capacity, config)
     if num_splits == 1:
         _launch_attention(
             q, k_pages, v_pages, block_tables, seq_lens, None, None, out, None, None, 1, 1, 1, 1,
-            scale, config,
+            scale, config, out_fp8=out_fp8,
         )  # fmt: skip
-        return out
+        return result
     part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
     _launch_attention(
         q, k_pages, v_pages, block_tables, seq_lens, None, None, out, part_out, part_lse,
-        num_splits, 1, 1, num_splits, scale, config, fused_merge=config.fused_merge,
+        num_splits, 1, 1, num_splits, scale, config, fused_merge=config.fused_merge, out_fp8=out_fp8,
     )  # fmt: skip
     if not config.fused_merge:
-        _merge(part_out, part_lse, out, config)
-    return out
+        _merge(part_out, part_lse, out, config, out_fp8)
+    return result
 
 
 def paged_prefill_attention(
@@ -438,19 +533,24 @@ def paged_prefill_attention(
     scale: float | None = None,
     config: AttentionConfig = DEFAULT_CONFIG,
     out: Tensor | None = None,
-) -> Tensor:
+    out_fp8: tuple[Tensor, Tensor] | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen causal attention for (chunked) prefill: sequence b's queries are
     q[query_start_loc[b]:query_start_loc[b+1]] [T, Hq, D], its last positions; earlier chunks
-    and cached prefix pages are visible through the block table. Returns [T, Hq, D]."""
+    and cached prefix pages are visible through the block table. Returns [T, Hq, D], or with
+    `out_fp8` (as in `paged_decode_attention`) that quantized pair."""
     d = q.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if out_fp8 is not None:
+        _check_out_fp8(out_fp8, q)
+        out = q if out is None else out  # never written
     out = torch.empty_like(q) if out is None else out
     block_m = config.block_m
     _launch_attention(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, None, out, None, None, 1,
-        max(1, triton.cdiv(max_query_len, block_m)), block_m, 1, scale, config,
+        max(1, triton.cdiv(max_query_len, block_m)), block_m, 1, scale, config, out_fp8=out_fp8,
     )  # fmt: skip
-    return out
+    return out if out_fp8 is None else out_fp8
 
 
 def shared_prefix_decode_attention(
@@ -499,7 +599,7 @@ def shared_prefix_decode_attention(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
         HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=_interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)
     return out

@@ -21,6 +21,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.pdl import pdl_launch, wait_for_inputs
+from shoal.kernels.quant import FP8_MAX, GROUP, MIN_SCALE, _quantize_groups, check_activation_scales
+
 
 def interpreting() -> bool:
     """True under Triton's CPU interpreter, whose fp32 -> bf16 cast truncates (3.6)."""
@@ -63,9 +66,11 @@ def _qk_norm_rope_kv_kernel(
     stride_qkv, stride_table, stride_qo_t, stride_qo_h, stride_page, stride_pos, stride_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, EMULATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, Hq + Hkv): program (t, h) rotates q head h, or for h >= Hq normalizes/rotates
     k head h-Hq and writes it and v head h-Hq into the page pools."""
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -140,17 +145,22 @@ def qk_norm_rope_kv_write(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         NUM_Q_HEADS=n_q_heads, NUM_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, PAGE=k_pages.shape[1],
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
-        EMULATE=interpreting(), num_warps=1,
+        EMULATE=interpreting(), num_warps=1, **pdl_launch(),
     )  # fmt: skip
     return q_out
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, eps, dim, stride_x, stride_r, stride_o,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, dim, stride_x, stride_r, stride_o,
+    stride_sm, stride_sg,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr, QUANT_OUT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """One row per program: optional residual add (stored back into `residual`), then RMSNorm."""
+    """One row per program: optional residual add (stored back into `residual`), then RMSNorm;
+    with QUANT_OUT the bf16 result is quantized per 128 columns (e4m3 + fp32 scales) instead of
+    stored, exactly as `kernels/quant.py` would quantize the stored bf16 row."""
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < dim
@@ -163,7 +173,15 @@ def _rms_norm_kernel(
     inv = 1.0 / tl.sqrt(tl.sum(f * f, 0) / dim + eps)
     w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_o + offs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=ok)
+    if QUANT_OUT:
+        groups: tl.constexpr = BLOCK // GROUP_SIZE
+        rounded = tl.where(ok, cast_rne(y, tl.bfloat16, EMULATE).to(tl.float32), 0.0)
+        q, scale = _quantize_groups(tl.reshape(rounded, (groups, GROUP_SIZE)), FP8_MAX_, MIN_SCALE_)
+        tl.store(out_ptr + row * stride_o + offs, tl.reshape(q, (BLOCK,)), mask=ok)
+        g = tl.arange(0, groups)
+        tl.store(scale_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP_SIZE < dim)
+    else:
+        tl.store(out_ptr + row * stride_o + offs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
 
 def rms_norm(
@@ -173,23 +191,40 @@ def rms_norm(
     residual: Tensor | None = None,
     out: Tensor | None = None,
     num_warps: int = 8,
-) -> tuple[Tensor, Tensor | None]:
+    out_fp8: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | None]:
     """RMSNorm over the last dim of x [M, dim]. With `residual`, computes h = x + residual,
     stores h into `residual` in place (the next block's residual stream) and normalizes h.
-    Returns (normed, residual or None); normed has dtype promote(x.dtype, weight.dtype)."""
+    Returns (normed, residual or None); normed has dtype promote(x.dtype, weight.dtype).
+
+    `out_fp8 = (q [M, dim] e4m3, scales [M, dim/128] from `quant.new_activation_scales`)`: the
+    FP8 GEMM's input written directly (bf16 result quantized in registers, bit for bit what
+    `quant.quantize_activations` gives on the bf16 output; one launch instead of two); then
+    `normed` is that (q, scales) pair and no bf16 output is written."""
     rows, dim = x.shape
     if x.stride(1) != 1 or weight.stride(0) != 1:
         raise ValueError("rows of x and the weight must be contiguous")
-    if out is None:
-        out = torch.empty(rows, dim, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
         raise ValueError("residual must match x with contiguous rows")
+    scales = x  # unused pointer without out_fp8
+    if out_fp8 is not None:
+        out, scales = out_fp8
+        if torch.promote_types(x.dtype, weight.dtype) != torch.bfloat16:
+            raise ValueError("out_fp8 quantizes a bf16 result: x and the weight must be bf16")
+        if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (rows, dim) or out.stride(1) != 1:
+            raise ValueError(f"out_fp8[0] must be float8_e4m3fn [{rows}, {dim}] with unit column stride")
+        check_activation_scales(scales, rows, dim)
+    elif out is None:
+        out = torch.empty(rows, dim, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if rows == 0:
-        return out, residual
+        return (out_fp8 if out_fp8 is not None else out), residual
+    block = max(triton.next_power_of_2(dim), GROUP)
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, eps, dim, x.stride(0),
+        x, residual if residual is not None else x, weight, out, scales, eps, dim, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
-        BLOCK=triton.next_power_of_2(dim), HAS_RESIDUAL=residual is not None, EMULATE=interpreting(),
-        num_warps=num_warps,
+        scales.stride(0) if out_fp8 is not None else 0, scales.stride(1) if out_fp8 is not None else 0,
+        BLOCK=block, HAS_RESIDUAL=residual is not None, EMULATE=interpreting(),
+        QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
+        num_warps=num_warps, **pdl_launch(),
     )  # fmt: skip
-    return out, residual
+    return (out_fp8 if out_fp8 is not None else out), residual

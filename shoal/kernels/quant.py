@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.kernels.pdl import pdl_launch, wait_for_inputs
+
 GROUP = 128
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
@@ -95,7 +97,9 @@ def _quantize_kernel(
     GROUP_SIZE: tl.constexpr,
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0)
     group0 = tl.program_id(1) * GROUPS_PER_PROGRAM
     groups = group0 + tl.arange(0, GROUPS_PER_PROGRAM)
@@ -152,6 +156,7 @@ def _launch(
         FP8_MAX_=FP8_MAX,
         MIN_SCALE_=MIN_SCALE,
         num_warps=num_warps,
+        **pdl_launch(),
     )
     return out, scales
 

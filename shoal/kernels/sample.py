@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.pdl import pdl_launch, wait_for_inputs
+
 MAX_COLUMNS = 16384
 RAS_TEMPERATURE = 1.0  # exactly representable in bf16
 RAS_TOP_P = float(torch.tensor(0.9).to(torch.bfloat16).float())  # 0.8984375, the reference's bf16
@@ -78,8 +80,9 @@ def _sample_kernel(
     window_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
     stride_logits, stride_wb, stride_ww, stride_out, window_width,
     BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr,
-    HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr,
+    HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     ok = cols < columns
@@ -165,6 +168,7 @@ def sample_tokens(
         out.stride(0), window.shape[1] if window is not None else 0,
         BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
         HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None, num_warps=num_warps,
+        **pdl_launch(),
     )  # fmt: skip
     return out
 

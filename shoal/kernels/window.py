@@ -16,13 +16,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.pdl import pdl_launch, wait_for_inputs
+
 
 @triton.jit
 def _window_shift_kernel(
     window_ptr, frames_ptr, frame_index_ptr, width, columns,
     stride_wb, stride_ww, stride_fb,
-    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, HAS_FRAME_INDEX: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, HAS_FRAME_INDEX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     push = True
     if HAS_FRAME_INDEX:
@@ -56,5 +59,5 @@ def window_shift(window: Tensor, frames: Tensor, frame_index: Tensor | None = No
         window, frames, frame_index if frame_index is not None else frames, width, columns,
         window.stride(0), window.stride(1), frames.stride(0),
         BLOCK_W=triton.next_power_of_2(width), BLOCK_C=triton.next_power_of_2(columns),
-        HAS_FRAME_INDEX=frame_index is not None, num_warps=1,
+        HAS_FRAME_INDEX=frame_index is not None, num_warps=1, **pdl_launch(),
     )  # fmt: skip

@@ -288,30 +288,49 @@ class Fp8Projections:
             return self._buffers[("out", w.n, w.k, m)]
         return torch.empty(m, w.n, dtype=torch.bfloat16, device=device)
 
+    # Inputs quantized by the kernel that produces them ----------------------------------------------
+
+    def fp8_input(self, block: nn.Module, which: str, m: int) -> tuple[Tensor, Tensor] | None:
+        """The reserved (e4m3 [m, K], scales) buffers into which the kernel producing the input of
+        `block`'s projection `which` ("qkv", "out" or "gate_up") should write it already quantized,
+        or None when that projection does not run W8A8 from reserved buffers at this M (then the
+        producer writes bf16 as usual). Pass the pair itself to the projection afterwards: it
+        runs the GEMM on it directly, one quantization launch fewer."""
+        if self.backend != "triton" or not self._static(m):
+            return None
+        b = self.blocks[id(block)]
+        weights = {"qkv": (b.qkv,), "out": (b.wo,), "gate_up": (b.gate_up,) if b.gate_up else (b.w1, b.w3)}
+        chosen = weights[which]
+        if any(self.variant(w.n, w.k, m) != "w8a8" for w in chosen):
+            return None
+        return self._act_buffers(m, chosen[0].k, chosen[0].q.device)
+
     # The projections --------------------------------------------------------------------------
 
-    def qkv(self, block: nn.Module, x: Tensor) -> Tensor:
+    def qkv(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         return self._linear(self.blocks[id(block)].qkv, x)
 
-    def out_proj(self, block: nn.Module, x: Tensor) -> Tensor:
+    def out_proj(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         return self._linear(self.blocks[id(block)].wo, x)
 
-    def mlp(self, block: nn.Module, x: Tensor) -> Tensor:
+    def mlp(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         """w2(silu(w1 x) * w3 x) with SwiGLU fused into the down projection's activation load."""
         b = self.blocks[id(block)]
+        out_dtype = torch.bfloat16 if isinstance(x, tuple) else x.dtype
+        m, device = x[0].shape[0] if isinstance(x, tuple) else x.shape[0], b.w2.q.device
         if b.gate_up is not None:
             gate_up = self._linear(b.gate_up, x, keep_bf16=True)
         else:
-            m, inter = x.shape[0], b.w1.n
+            inter = b.w1.n
             if self.backend == "reference" and not self.emulate_kernels:
-                gate_up = torch.empty(m, 2 * inter, dtype=x.dtype, device=x.device)  # unrounded
+                gate_up = torch.empty(m, 2 * inter, dtype=out_dtype, device=device)  # unrounded
             elif self._static(m):
                 gate_up = self._buffers[("halves", inter, m)]
             else:
-                gate_up = self._halves(m, inter, x.device)
+                gate_up = self._halves(m, inter, device)
             self._linear(b.w1, x, keep_bf16=True, out=gate_up[:, :inter])
             self._linear(b.w3, x, keep_bf16=True, out=gate_up[:, inter:])
-        return self._linear(b.w2, gate_up, swiglu=True, out_dtype=x.dtype)
+        return self._linear(b.w2, gate_up, swiglu=True, out_dtype=out_dtype)
 
     @staticmethod
     def _halves(m: int, inter: int, device) -> Tensor:
@@ -320,7 +339,7 @@ class Fp8Projections:
     def _linear(
         self,
         w: Fp8Weight,
-        x: Tensor,
+        x: Tensor | tuple[Tensor, Tensor],
         *,
         swiglu: bool = False,
         keep_bf16: bool = False,
@@ -328,7 +347,10 @@ class Fp8Projections:
         out_dtype: torch.dtype | None = None,
     ) -> Tensor:
         """x [M, K] (gate | up [M, 2K] with `swiglu`) -> [M, N]: bf16 with `keep_bf16` (an
-        intermediate), else the input's dtype (`out_dtype` when given)."""
+        intermediate), else the input's dtype (`out_dtype` when given). x may be an already
+        quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8)."""
+        if isinstance(x, tuple):
+            return self._linear_prequantized(w, x, keep_bf16=keep_bf16, out=out, out_dtype=out_dtype)
         m = x.shape[0]
         out_dtype = out_dtype or x.dtype
         variant = self.variant(w.n, w.k, m)
@@ -368,6 +390,30 @@ class Fp8Projections:
         if keep_bf16 or out_dtype == torch.bfloat16:
             return out
         return out.to(out_dtype)
+
+    def _linear_prequantized(
+        self,
+        w: Fp8Weight,
+        x: tuple[Tensor, Tensor],
+        *,
+        keep_bf16: bool,
+        out: Tensor | None,
+        out_dtype: torch.dtype | None,
+    ) -> Tensor:
+        """The W8A8 GEMM on activations a producing kernel already quantized (reserved M only)."""
+        from shoal.kernels.fp8_gemm import fp8_gemm
+
+        q, scales = x
+        m = q.shape[0]
+        if self.backend != "triton" or not self._static(m) or self.variant(w.n, w.k, m) != "w8a8":
+            raise RuntimeError("pre-quantized input outside a reserved W8A8 projection (see fp8_input)")
+        if out is None:
+            out = self._out(w, m, q.device, True)
+        fp8_gemm(q, scales, w.q, w.scale, out=out, workspace=self.workspace)
+        if w.bias is not None:
+            out.add_(w.bias.to(out.dtype))
+        out_dtype = out_dtype or torch.bfloat16
+        return out if keep_bf16 or out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     def _reference(self, w: Fp8Weight, x: Tensor, variant: str, swiglu: bool) -> Tensor:
         """The same variant with `kernels/reference.py`, fp32 arithmetic, unrounded output."""

@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL): let the next kernel of the decode step start early.
+
+The decode step is about a thousand small kernels per frame at batch 1, replayed as a CUDA graph;
+between two kernels the GPU drains the first and only then schedules the second's blocks, a fixed
+gap of a few microseconds each time (docs/performance.md: most of the distance to the floor).
+On Hopper a kernel launched with the PDL attribute (`launch_pdl=True`; graph capture keeps it as a
+programmatic edge) may be scheduled while its predecessor is still running. The contract:
+
+- every kernel so launched calls `wait_for_inputs` before it reads anything an earlier kernel
+  writes (griddepcontrol.wait: blocks until the predecessor has finished and its writes are
+  visible); reads of weights and other constants may come before it;
+- `wait_for_inputs` then lets the kernel after it launch (griddepcontrol.launch_dependents).
+  Triggering after the wait, never before, keeps at most one kernel waiting behind a running one.
+
+Kernels compiled with `USE_PDL=False` (CPU interpreter, pre-Hopper GPUs, `SHOAL_PDL=0`) are the
+plain kernels. A kernel compiled with `USE_PDL=True` but launched without the attribute waits on
+nothing: the instructions are no-ops then, so correctness never depends on how it was launched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _enabled() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SHOAL_PDL", "1") == "0":
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels are compiled with the PDL instructions and launched with the attribute
+    (Hopper or newer, not interpreted, `SHOAL_PDL` not "0"; read once per process)."""
+    return _enabled()
+
+
+def pdl_launch() -> dict:
+    """Launch keywords for a kernel that takes `USE_PDL`: `kernel[grid](..., **pdl_launch())`."""
+    return {"USE_PDL": True, "launch_pdl": True} if _enabled() else {"USE_PDL": False}
+
+
+@triton.jit
+def wait_for_inputs(USE_PDL: tl.constexpr):
+    """Block until the previous kernel's writes are visible, then let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
