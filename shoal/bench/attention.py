@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.bench.gemm import memory_ceilings, precompile
+from shoal.bench.timing import time_graph_ms
 from shoal.kernels.attention import (
     DEFAULT_CONFIG,
     PAGE_SIZE,
@@ -38,6 +39,7 @@ HQ, HKV, HEAD_DIM = 32, 8, 128
 BATCHES = (1, 16, 64)
 CONTEXTS = (1024, 4096, 8192)
 L2_FLUSH_BYTES = 256 << 20  # inputs cycled until at least this much is touched per replay
+REPEATS = 50  # timed replays per case (`bench/timing.py`)
 # Split-KV sizing (target programs, shortest split) x keys per iteration x warps x stages x merge.
 # At b=1, ctx 4k, 8 kv heads the default (264, 256) gives min(33, 4096/256) = 16 splits: 128
 # programs (< 1 per SM) of 256 keys, then a merge launch; (528, 64) gives 32 splits: 256 programs.
@@ -58,26 +60,6 @@ PREFIX_SWEEP = [
     replace(DEFAULT_CONFIG, block_n=n, num_warps=w, num_stages=st, prefix_splits=p)
     for n, w, st, p in itertools.product((64, 128), (4, 8), (2, 3), (4, 8))
 ]
-
-
-def time_graph_ms(fn: Callable[[], object], repeats: int = 50) -> float:
-    """Median ms of one `fn()` replayed in a CUDA graph (warmed up and compiled first)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _compile_job(job: tuple[str, AttentionConfig]) -> str | None:
@@ -144,7 +126,7 @@ class DecodeCase:
             for q, k, v, tables, _ in self.inputs:
                 paged_decode_attention(q, k, v, tables, self.seq_lens, config=config)
 
-        return time_graph_ms(step) / self.copies
+        return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
 
     def shared(self, config: AttentionConfig) -> float:
         batch = self.seq_lens.shape[0]
@@ -155,14 +137,14 @@ class DecodeCase:
                     q, k, v, tables, self.seq_lens, self.prefix, self.groups, batch, config=config
                 )
 
-        return time_graph_ms(step) / self.copies
+        return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
 
     def sdpa(self) -> float:
         def step() -> None:
             for q, _, _, _, (k, v) in self.inputs:
                 F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
 
-        return time_graph_ms(step) / self.copies
+        return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
 
 
 def check_against_sdpa() -> None:

@@ -5,7 +5,13 @@ built directly on the GPU: no file, no tokenizer. Prompts are `--prompt-tokens` 
 all different or sharing a voice prefix (`--shared-prefix` tokens). Output length is fixed
 (`ignore_eos`). Per concurrency it reports aggregate frames/s, per-request decode frames/s,
 time to first frame (p50/p95) and peak GPU memory, plus a naive batch-1 loop
-(`models.reference.generate`) on the same model for comparison.
+(`models.reference.generate`) on the same model for comparison. These whole-request numbers
+include prefill, scheduling and host jitter and moved by about 10% between identical runs, so
+each row also carries the decode step alone at batch = concurrency, timed as CUDA-graph replays
+(`bench/timing.py`) on synthetic rows of `--step-context` keys (default prompt + frames / 2): it
+repeats within 0.3%, and the performance gate (`bench/gate.py`) compares it. `--json FILE` writes
+the rows, the sweep and the run's environment (GPU, torch/triton, date, commit, command), which
+`shoal gate performance --results FILE [--write-baseline]` reads.
 
 `--weight-format bf16 fp8` runs both engines in one call, one after the other on the same random
 weights (FP8: quantized at engine start, `quant/engine_fp8.py`), prints fp8/bf16 ratios and checks
@@ -16,14 +22,20 @@ per S2-Pro GEMM shape and M as CUDA-graph replays and prints `VARIANT_TABLE` ent
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import gc
 import json
+import os
+import shlex
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+from shoal.bench.timing import time_graph_ms
 from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason
 from shoal.engine.engine import EngineCore
@@ -136,47 +148,24 @@ def naive_batch1(model, prompt: torch.Tensor, frames: int) -> dict:
     return {"naive_batch1_frames_per_s": out.shape[1] / (time.perf_counter() - start)}
 
 
-def _time_graph(fn, reps: int = 30) -> float:
-    """Median ms of `reps` replays of `fn` captured as one CUDA graph (after a warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+STEP_REPEATS = 50  # timed replays of the decode step per batch (the gate's number)
+PART_REPEATS = 30  # timed replays per part of the breakdown and per FP8 sweep cell
 
 
-@torch.no_grad()
-def breakdown(core: EngineCore, batches: list[int], context: int) -> list[dict]:
-    """Where a decode step's time goes: the whole step, the slow model alone, one layer's
-    attention (Triton paged kernel vs SDPA over a gathered contiguous view), each timed as
-    CUDA-graph replays on synthetic rows of `context` keys in distinct pages."""
-    runner = core.runner
+def _fits(runner, batch: int, context: int) -> bool:
+    """Synthetic rows of `context` keys in distinct pages fit the block tables and the pool."""
     pages_per_row = -(-context // runner.page_size)
-    results = [
-        _breakdown_one(core, batch, context)
-        for batch in batches
-        if batch <= runner.max_batch and (batch + 1) * pages_per_row <= runner.kv.scratch_page
-    ]
-    runner.host.invalidate()
-    return results
+    return (
+        batch <= runner.max_batch
+        and pages_per_row <= runner.max_pages
+        and (batch + 1) * pages_per_row <= runner.kv.scratch_page
+    )
 
 
-def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
-    from shoal.kernels.attention import paged_decode_attention
-
-    runner, step = core.runner, core.runner.step
+def _synthetic_rows(core: EngineCore, batch: int, context: int):
+    """The runner's decode buffers for `batch` rows, each at `context` keys in its own pages (the
+    KV contents are whatever the pool holds: timing does not depend on them)."""
+    runner = core.runner
     kv, page = runner.kv, runner.page_size
     pages_per_row = -(-context // page)
     view = runner.buffers.view(batch)
@@ -189,12 +178,51 @@ def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
     view.slots.copy_(tables[:, -1].long() * page + (context - 1) % page)
     view.frame_index.fill_(5)
     view.top_k.fill_(30)
-    full = _time_graph(lambda: step(view))
-    slow = _time_graph(lambda: step.slow(view))
+    return view
+
+
+@torch.no_grad()
+def decode_step_ms(
+    core: EngineCore, batches: list[int], context: int, repeats: int = STEP_REPEATS
+) -> dict[int, float]:
+    """{batch: ms of one whole decode step} as CUDA-graph replays on synthetic rows of `context`
+    keys. This is what the performance gate compares: unlike whole-request rates (prefill,
+    scheduling and host jitter: about 10% apart between runs 8 and 9) it repeats within 0.3%."""
+    runner = core.runner
+    result = {}
+    for batch in batches:
+        if _fits(runner, batch, context):
+            view = _synthetic_rows(core, batch, context)
+            result[batch] = time_graph_ms(lambda view=view: runner.step(view), repeats=repeats)
+    runner.host.invalidate()
+    return result
+
+
+@torch.no_grad()
+def breakdown(core: EngineCore, batches: list[int], context: int) -> list[dict]:
+    """Where a decode step's time goes: the whole step, the slow model alone, one layer's
+    attention (Triton paged kernel vs SDPA over a gathered contiguous view), each timed as
+    CUDA-graph replays on synthetic rows of `context` keys in distinct pages."""
+    runner = core.runner
+    results = [_breakdown_one(core, batch, context) for batch in batches if _fits(runner, batch, context)]
+    runner.host.invalidate()
+    return results
+
+
+def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
+    from shoal.kernels.attention import paged_decode_attention
+
+    runner, step = core.runner, core.runner.step
+    kv = runner.kv
+    pages_per_row = -(-context // runner.page_size)
+    view = _synthetic_rows(core, batch, context)
+    full = time_graph_ms(lambda: step(view), repeats=PART_REPEATS)
+    slow = time_graph_ms(lambda: step.slow(view), repeats=PART_REPEATS)
     q = torch.randn(batch, 32, 128, device=runner.device, dtype=runner.dtype)
     k_pages, v_pages = kv.k[0], kv.v[0]
-    triton_ms = _time_graph(
-        lambda: paged_decode_attention(q, k_pages, v_pages, view.block_tables, view.kv_lens)
+    triton_ms = time_graph_ms(
+        lambda: paged_decode_attention(q, k_pages, v_pages, view.block_tables, view.kv_lens),
+        repeats=PART_REPEATS,
     )
     index = view.block_tables[:, :pages_per_row].long()
 
@@ -203,7 +231,7 @@ def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
         values = v_pages[index].flatten(1, 2)[:, :context].transpose(1, 2)
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
 
-    sdpa_ms = _time_graph(sdpa)
+    sdpa_ms = time_graph_ms(sdpa, repeats=PART_REPEATS)
     return {
         "batch": batch, "step_ms": full, "slow_ms": slow, "head_fast_ms": full - slow,
         "attn_layer_triton_us": 1000 * triton_ms, "attn_layer_sdpa_gather_us": 1000 * sdpa_ms,
@@ -229,8 +257,13 @@ def run_engine_bench(
     naive: bool = False,
     breakdown_batches: list[int] | None = None,
     weight_format: str = "bf16",
+    step_timing: bool = True,
+    step_context: int | None = None,
 ) -> list[dict]:
-    """One result dict per concurrency (the performance gate reads `per_request_frames_per_s`)."""
+    """One result dict per concurrency. With `step_timing` (on a GPU) each also carries the decode
+    step at batch = concurrency timed as CUDA-graph replays at `step_context` keys (default
+    `prompt_tokens + frames // 2`): `decode_step_ms`, `decode_step_context` and
+    `decode_frames_per_s` = 1000 / step ms, the per-request rate the performance gate compares."""
     concurrencies = concurrencies or [1, 4, 16, 64]
     torch_dtype = getattr(torch, dtype)
     if checkpoint:
@@ -243,7 +276,7 @@ def run_engine_bench(
         device=device,
         dtype=dtype,
         max_running_requests=max(concurrencies),
-        max_seq_len=prompt_tokens + frames + 16,
+        max_seq_len=max(prompt_tokens + frames, step_context or 0) + 16,
         memory_fraction=0.6,
         use_cuda_graphs=use_cuda_graphs,
         ignore_eos=True,
@@ -259,7 +292,15 @@ def run_engine_bench(
         result["weight_format"] = weight_format
         result["prompt_tokens"] = prompt_tokens
         results.append(result)
-    if breakdown_batches and core.runner.step is not None and torch.cuda.is_available():
+    graphs_possible = core.runner.step is not None and core.runner.device.type == "cuda"
+    if step_timing and graphs_possible:
+        context = step_context or prompt_tokens + frames // 2
+        steps = decode_step_ms(core, concurrencies, context)
+        for result in results:
+            ms = steps.get(result["concurrency"])
+            if ms is not None:
+                result.update(decode_step_ms=ms, decode_step_context=context, decode_frames_per_s=1000 / ms)
+    if breakdown_batches and graphs_possible:
         results[0]["breakdown"] = breakdown(core, breakdown_batches, prompt_tokens + frames // 2)
     if naive:
         results[0].update(naive_batch1(model, make_prompts(model, 1, prompt_tokens, 0, 0)[0], frames))
@@ -300,7 +341,7 @@ def fp8_sweep(ms: list[int], device: str = "cuda") -> list[dict]:
                 projections.table.clear()
                 projections.table[(w.n, w.k, m_bucket(m))] = variant
                 call = functools.partial(projections._linear, w, x, swiglu=swiglu)
-                timings[variant] = 1000 * _time_graph(call)
+                timings[variant] = 1000 * time_graph_ms(call, repeats=PART_REPEATS)
             best = min(timings, key=timings.get)
             rows.append({"shape": name, "n": w.n, "k": w.k, "m": m, "us": timings, "best": best})
     return rows
@@ -332,6 +373,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument(
         "--breakdown", type=int, nargs="*", default=[1, 64], help="batches timed part by part (graphs)"
+    )
+    parser.add_argument(
+        "--step-context",
+        type=int,
+        default=None,
+        help="keys per row when timing the decode step at each concurrency (default prompt + frames/2)",
     )
     parser.add_argument(
         "--weight-format",
@@ -371,13 +418,72 @@ def run(args: argparse.Namespace) -> int:
                 naive=not args.no_naive and shared == args.shared_prefix[0],
                 breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
                 weight_format=weight_format,
+                step_context=args.step_context,
             )
             free_gpu()
     print_results(all_results)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"results": all_results, "fp8_sweep": sweep}, f, indent=2)
+            document = {"results": all_results, "fp8_sweep": sweep, "environment": environment()}
+            json.dump(document, f, indent=2)
     return 0
+
+
+def environment(argv: list[str] | None = None) -> dict:
+    """What a measurement ran on, stored beside its numbers (`--json`, the gate's baseline): step
+    times only compare on the same GPU and software. `commit` comes from `SHOAL_COMMIT`, else from
+    the checkout's `.git` files (GPU machines get a copy without them: set `SHOAL_COMMIT` there)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": os.environ.get("SHOAL_COMMIT") or _git_head(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "command": _command_line(sys.argv if argv is None else argv),
+    }
+
+
+def _command_line(argv: list[str]) -> str:
+    """argv as a command to paste: `python -m shoal.cli ...` when run as a module of this package."""
+    program = Path(argv[0]) if argv else Path("python")
+    package = Path(__file__).resolve().parents[1]
+    if program.suffix == ".py" and program.resolve().is_relative_to(package):
+        relative = program.resolve().relative_to(package.parent).with_suffix("")
+        head = ["python", "-m", ".".join(relative.parts)]
+    else:
+        head = [program.name]
+    return shlex.join(head + list(argv[1:]))
+
+
+def _git_head() -> str | None:
+    """The checked-out commit, read from `.git` files (no git process); None when there is none."""
+    git = Path(__file__).resolve().parents[2] / ".git"
+    try:
+        if git.is_file():  # a worktree: "gitdir: PATH"
+            git = (git.parent / git.read_text().split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head[:12]
+        ref = head.split(":", 1)[1].strip()
+        ref_file = git / ref
+        if ref_file.exists():
+            return ref_file.read_text().strip()[:12]
+        common = git / "commondir"
+        root = (git / common.read_text().strip()).resolve() if common.exists() else git
+        if (root / ref).exists():
+            return (root / ref).read_text().strip()[:12]
+        for line in (root / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0][:12]
+    except (OSError, IndexError):
+        return None
+    return None
 
 
 def print_results(all_results: list[dict]) -> None:
@@ -385,15 +491,22 @@ def print_results(all_results: list[dict]) -> None:
 
     header = (
         f"{'format':>6} {'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} "
-        f"{'ttff p50':>9} {'p95':>8} {'GiB':>6}"
+        f"{'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"
     )
     print(header)
     for r in all_results:
+        step = "-" if "decode_step_ms" not in r else f"{r['decode_step_ms']:.3f}"
+        decode = "-" if "decode_frames_per_s" not in r else f"{r['decode_frames_per_s']:.1f}"
         print(
             f"{r['weight_format']:>6} {r['concurrency']:>5} {r['shared_prefix']:>6} "
             f"{r['aggregate_frames_per_s']:>9.1f} {r['per_request_frames_per_s']:>8.1f} "
-            f"{r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m {r['gpu_memory_gib']:>6.1f}"
+            f"{r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m {r['gpu_memory_gib']:>6.1f} "
+            f"{step:>8} {decode:>8}"
         )
+    contexts = sorted({r["decode_step_context"] for r in all_results if "decode_step_context" in r})
+    if contexts:
+        shown = ", ".join(map(str, contexts))
+        print(f"step ms: decode step at batch = conc, CUDA-graph replays at {shown} keys (the gate's number)")
         for b in r.get("breakdown", []):
             print(
                 f"  breakdown bs={b['batch']}: step {b['step_ms']:.2f} ms ({b['frames_per_s']:.0f} f/s), "
@@ -425,6 +538,8 @@ def ratio_lines(all_results: list[dict]) -> list[str]:
             f"fp8/bf16 conc {r['concurrency']} prefix {r['shared_prefix']}: aggregate {agg:.2f}x, "
             f"per-request {req:.2f}x, ttff p50 {ttff:.2f}x faster"
         )
+        if "decode_step_ms" in r and "decode_step_ms" in base:
+            line += f"; decode step {base['decode_step_ms'] / r['decode_step_ms']:.2f}x"
         for b, bb in zip(r.get("breakdown", []), base.get("breakdown", []), strict=False):
             line += f"; step bs={b['batch']} {bb['step_ms'] / b['step_ms']:.2f}x"
         lines.append(line)

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from shoal.bench.timing import cuda_elapsed_ms, per_call_ms, sample_ms, time_graph_ms
+
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 M_VALUES = (1, 4, 16, 64, 128)
 ROTATION_BYTES = 400 * 2**20  # well past the 50 MB L2
@@ -48,19 +50,11 @@ def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def _time_events(fn: Callable[[], object], reps: int, trials: int = 5) -> float:
-    """Median seconds per call over `trials` batches of `reps` back-to-back eager calls."""
+    """Median seconds per call over `trials` batches of `reps` back-to-back eager calls (eager on
+    purpose: `memory_ceilings` explains why not a graph)."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    return per_call_ms(sample_ms(fn, trials, reps, cuda_elapsed_ms), reps) / 1e3
 
 
 def memory_ceilings(verbose: bool = True) -> dict[str, float]:
@@ -100,30 +94,6 @@ def memory_ceilings(verbose: bool = True) -> dict[str, float]:
 def copy_bandwidth() -> float:
     """Bytes/s of a 2 GiB device-to-device copy (read + write counted)."""
     return memory_ceilings(verbose=False)["copy"]
-
-
-def _time_graph(fn: Callable[[], object], replays: int = 50, trials: int = 5) -> float:
-    """Seconds per call of `fn`, captured once into a CUDA graph and replayed (median of batches)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / replays)
-    return sorted(times)[len(times) // 2]
 
 
 def _weight_sets(n: int, k: int, count: int) -> list[dict[str, torch.Tensor]]:
@@ -223,8 +193,14 @@ def _pick_scaled_mm() -> str:
 def time_variant(
     fn: Callable, x, sets: list[dict[str, torch.Tensor]], replays: int = 50, trials: int = 5
 ) -> float:
-    """Seconds per GEMM, rotating over the weight sets inside one graph."""
-    return _time_graph(lambda: [fn(x, w) for w in sets], replays, trials) / len(sets)
+    """Seconds per GEMM, rotating over the weight sets inside one graph; each of the `trials`
+    samples times `replays` back-to-back replays (`bench/timing.py`)."""
+
+    def call() -> list:
+        return [fn(x, w) for w in sets]  # outputs held to the end, as before the shared helper
+
+    ms = time_graph_ms(call, repeats=trials, replays_per_sample=replays, calls_per_replay=len(sets))
+    return ms / 1e3
 
 
 def run_gemm_bench(
@@ -293,7 +269,13 @@ def _mlp_rows(m_values, rows: list[dict]) -> None:
             ("mlp_bf16_compile", compiled),
             ("mlp_ours_w8a16", ours),
         ):
-            seconds = _time_graph(lambda fn=fn, x=x: [fn(x, i) for i in range(2)]) / 2
+            ms = time_graph_ms(
+                lambda fn=fn, x=x: [fn(x, i) for i in range(2)],
+                repeats=5,
+                replays_per_sample=50,
+                calls_per_replay=2,
+            )
+            seconds = ms / 1e3
             rows.append({"shape": "mlp", "m": m, "variant": variant, "us": seconds * 1e6})
             print(f"{'mlp':>8} {m:>4} {variant:>18} {seconds * 1e6:8.1f}")
 
