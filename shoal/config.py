@@ -56,6 +56,11 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     graph_max_batch: int | None = None  # None: min(max_running_requests, 256)
     graph_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max
+    # A request's first frame (sampled when its prefill completes) from static buffers replayed
+    # as one CUDA graph per bucket instead of hundreds of eager launches (time to first frame).
+    # None: wherever the decode graphs are captured (the fast step on CUDA); True: also without
+    # graphs, eagerly on the same static buffers (the CPU tests); False: eager, fresh buffers.
+    first_frame_graphs: bool | None = None
 
     # The decode step: "fast" (graph-safe fused step, `engine/decode_step.py`) or "reference"
     # (`models/reference.decode_frame`, the oracle's code); None: fast on CUDA, else reference.

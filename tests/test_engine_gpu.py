@@ -1,5 +1,6 @@
 """CUDA-graph decode: replay equals eager for every bucket, needs no host sync, and the fused
-step agrees with the model's torch forward.
+step agrees with the model's torch forward. First-frame graphs (bf16 and FP8): replay equals the
+same static buffers run eagerly and the eager path, with no host sync.
 
 Run on a GPU box with `pytest -m gpu tests/test_engine_gpu.py`."""
 
@@ -197,3 +198,139 @@ def test_step_ahead_makes_no_host_sync(core):
     assert len(ahead_core.end_step(pending)) == 5
     ahead_core.run_until_idle()
     assert ahead_core.kv.pool.num_used == 0
+
+
+# First-frame graphs (`runner.FirstFrameBatch`, `graphs.FirstFrameGraphs`) --------------------
+
+
+def first_frame_core(golden_dir, weight_format: str, first_frame_graphs: bool | None) -> EngineCore:
+    """A fresh model each time: `weight_format="fp8"` quantizes it in place."""
+    model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
+        weight_format=weight_format, first_frame_graphs=first_frame_graphs,
+    )  # fmt: skip
+    return EngineCore(model, config)
+
+
+def resumed_requests(runner, count: int, salt: int) -> list:
+    """Requests as they complete a prefill: fresh ones (frame index 0) and resumed ones (frames
+    already, so a frame index > 0 and a window; main tokens repeat, so RAS can fire)."""
+    from shoal.engine.request import Request
+
+    c = runner.model.config
+    requests = []
+    for i in range(count):
+        params = SamplingParams(
+            seed=salt * 100 + i, temperature=0.5 + 0.05 * i, top_p=0.7 + 0.02 * i, top_k=(3, 30, 64)[i % 3]
+        )
+        request = Request(
+            f"ff{salt}-{i}", torch.zeros(runner.num_rows, 2, dtype=torch.long), params, max_new_frames=30
+        )
+        g = torch.Generator().manual_seed(salt * 100 + i)
+        for f in range((0, 1, 4, 13)[i % 4]):
+            frame = torch.randint(0, c.codebook_size, (runner.num_rows,), generator=g, dtype=torch.int32)
+            frame[0] = c.semantic_begin_id + (f % 3)
+            request.append_frame(frame)
+        requests.append(request)
+    return requests
+
+
+def fresh_first_frames(runner, requests, hidden, normed, last_rows) -> torch.Tensor:
+    """The eager path of `ModelRunner.prefill` (fresh buffers of n rows, whole-row sampling)."""
+    from shoal.engine.batch import DecodeBuffers
+
+    n = len(requests)
+    buffers = DecodeBuffers.allocate(n, 1, runner.window_size, runner.num_rows, "cuda")
+    buffers.window.copy_(torch.stack([r.window(runner.window_size) for r in requests]))
+    buffers.frame_index.copy_(torch.tensor([r.num_frames for r in requests]))
+    params = runner.params_for(requests)
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        getattr(buffers, name).copy_(getattr(params, name))
+    rows = torch.tensor(last_rows, device="cuda")
+    with torch.no_grad():
+        runner.step.frames_from_hidden(hidden[rows], normed[rows], buffers, capped=False)
+    return buffers.frames
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_first_frame_graph_replay_equals_eager_and_makes_no_host_sync(golden_dir, weight_format: str):
+    """Replay == the same static buffers run eagerly, for every bucket size class (exact fit and
+    padded, stale rows from a larger batch before); == the eager whole-row path where the row
+    count is a bucket (the same GEMM shapes); and no host sync inside `first_frames`."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    core = first_frame_core(golden_dir, weight_format, None)
+    runner = core.runner
+    batch, graphs = runner.first_frame, runner.first_frame_graphs
+    assert batch is not None and graphs is not None and graphs.buckets == runner.graphs.buckets
+    assert graphs.pool == runner.graphs.pool  # one memory pool for both sets of graphs
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, runner.model.config.dim, generator=g).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        normed = runner.model.norm(hidden)
+    for salt, n in enumerate((16, 3, 1, 12, 2, 5, 4)):
+        requests = resumed_requests(runner, n, salt)
+        last_rows = [(7 * i + salt) % 40 for i in range(n)]
+        with torch.no_grad():
+            bucket = batch.fill(requests, hidden, normed, last_rows)
+            batch.buffers.frames.fill_(-1)
+            batch.compute(bucket)
+            want = batch.buffers.frames[:n].clone()
+            batch.buffers.frames.fill_(-1)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = runner.first_frames(requests, hidden, normed, last_rows)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want), (n, bucket)
+        if n == bucket:
+            assert torch.equal(got, fresh_first_frames(runner, requests, hidden, normed, last_rows)), n
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_engine_first_frames_with_graphs_equal_without(golden_dir, weight_format: str):
+    """Waves of requests that all complete in one prefill step (max_new_frames=1), through two
+    engines: first-frame graphs (default) and the eager path (`first_frame_graphs=False`). Waves
+    whose size is a bucket run the same GEMM shapes both ways and must give the same frames."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    waves = (1, 3, 2, 12, 4, 16)
+    outputs = {}
+    for graphs in (None, False):
+        core = first_frame_core(golden_dir, weight_format, graphs)
+        runner = core.runner
+        assert (runner.first_frame_graphs is not None) == (graphs is None)
+        replays = []
+        if runner.first_frame_graphs is not None:
+            replay = runner.first_frame_graphs.replay
+            runner.first_frame_graphs.replay = lambda bucket, replay=replay, seen=replays: (
+                seen.append(bucket),
+                replay(bucket),
+            )
+        frames = {}
+        for wave, size in enumerate(waves):
+            requests = []
+            for i in range(size):
+                prompt = build_prompt(
+                    core.model.config, core.model.tokenizer, "text " * (1 + (wave + i) % 7), []
+                )
+                params = SamplingParams(
+                    seed=100 * wave + i,
+                    temperature=0.6 + 0.02 * i,
+                    top_p=0.7 + 0.015 * i,
+                    top_k=(5, 30, 64)[i % 3],
+                )
+                requests.append(core.new_request(prompt, params, max_new_frames=1))
+                core.add(requests[-1])
+            assert len(core.step()) == size  # one prefill step completes the whole wave
+            core.run_until_idle()
+            frames[wave] = torch.stack([r.frames[0] for r in requests])
+        if graphs is None:
+            assert replays == [runner.first_frame.bucket_for(size) for size in waves]
+        assert core.kv.pool.num_used == 0
+        outputs[graphs] = frames
+    for wave, size in enumerate(waves):
+        if size in core.runner.graphs.buckets:
+            assert torch.equal(outputs[None][wave], outputs[False][wave]), (wave, size)

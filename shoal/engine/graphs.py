@@ -1,30 +1,53 @@
-"""CUDA graphs of the whole decode step, one per batch-size bucket.
+"""CUDA graphs of the engine's fixed-shape GPU work, one per batch-size bucket.
 
-All buckets share the runner's static `DecodeBuffers` (sized for max_running_requests) and one
-private memory pool. A batch of n rows replays the smallest bucket >= n; rows n.. of that
-bucket are padding (`HostBatch` points them at the KV cache's scratch page). A replay is one
-graph launch; the inputs were copied in before it (non-blocking, pinned) and the frames are
-copied out after it by the runner. Nothing inside needs the host.
+`DecodeGraphs`: the whole decode step. All buckets share the runner's static `DecodeBuffers`
+(sized for max_running_requests) and one private memory pool. A batch of n rows replays the
+smallest bucket >= n; rows n.. of that bucket are padding (`HostBatch` points them at the KV
+cache's scratch page). A replay is one graph launch; the inputs were copied in before it
+(non-blocking, pinned) and the frames are copied out after it by the runner. Nothing inside
+needs the host.
+
+`FirstFrameGraphs`: a request's first frame, sampled at the end of its prefill
+(`DecodeStep.frames_from_hidden`: output head, main-token sampling, the fast loop). Eagerly that
+is hundreds of small launches on the time-to-first-frame path; replayed it is one. Its static
+inputs are the runner's `FirstFrameBatch` (runner.py), separate from the decode step's buffers
+because a prefill's completing rows are not the decode batch's rows. Captured after the decode
+graphs, into their pool (both run on one stream, one after the other, so their temporaries may
+share memory), with the same buckets, hence the same GEMM row counts (FP8's reserved M values).
+
+Both capture the same way (`BucketGraphs.capture`): warm every bucket up on a side stream, then
+capture from the largest bucket down so smaller graphs reuse the pool's memory.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
 
-class DecodeGraphs:
-    def __init__(self, runner, buckets: tuple[int, ...]) -> None:
+class BucketGraphs:
+    """One CUDA graph per bucket of `body(bucket)`, a function of static buffers only.
+
+    `reset()` makes every row of those buffers harmless padding (before warm-up and again after
+    capture, which wrote into them). `pool`: a memory pool of graphs captured before these
+    (`BucketGraphs.pool`), shared when the two sets never run concurrently."""
+
+    def __init__(
+        self,
+        buckets: tuple[int, ...],
+        body: Callable[[int], None],
+        reset: Callable[[], None],
+        pool: tuple | None = None,
+    ) -> None:
         if not buckets:
             raise ValueError("at least one graph bucket is needed")
-        self.runner = runner
         self.buckets = tuple(sorted(buckets))
         self.max_batch = self.buckets[-1]
-        if self.max_batch > runner.max_batch:
-            raise ValueError("graph buckets exceed max_running_requests")
+        self._body, self._reset = body, reset
+        self.pool = pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture()
 
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
@@ -32,37 +55,59 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Warm every bucket up on a side stream (Triton compiles, cuBLAS picks kernels), then
+        capture from the largest bucket down so smaller graphs reuse the pool's memory."""
+        self._reset()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bucket in self.buckets:
+                for _ in range(2):
+                    self._body(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for bucket in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._body(bucket)
+            self.pool = graph.pool() if self.pool is None else self.pool
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+        self._reset()  # warm-up and capture wrote into the buffers
+
+    def replay(self, bucket: int) -> None:
+        self.graphs[bucket].replay()
+
+
+class DecodeGraphs(BucketGraphs):
+    """The whole decode step over the runner's static `DecodeBuffers`."""
+
+    def __init__(self, runner, buckets: tuple[int, ...]) -> None:
+        if buckets and max(buckets) > runner.max_batch:
+            raise ValueError("graph buckets exceed max_running_requests")
+        self.runner = runner
+        super().__init__(
+            buckets, lambda bucket: runner.decode_step(runner.buffers.view(bucket)), self._padded_inputs
+        )
+        self.capture()
+        runner.host.invalidate()
+
     def _padded_inputs(self) -> None:
         """Every row harmless padding (the host batch's padding, sent whole)."""
         host = self.runner.host
         host.reset()
         for name in host.host.names:
             getattr(self.runner.buffers, name).copy_(getattr(host.host, name))
+        host.invalidate()
 
-    @torch.no_grad()
-    def capture(self) -> None:
-        """Warm every bucket up on a side stream (Triton compiles, cuBLAS picks kernels), then
-        capture from the largest bucket down so smaller graphs reuse the pool's memory."""
-        runner = self.runner
-        self._padded_inputs()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for bucket in self.buckets:
-                for _ in range(2):
-                    runner.decode_step(runner.buffers.view(bucket))
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        pool = None
-        for bucket in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                runner.decode_step(runner.buffers.view(bucket))
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
-        self._padded_inputs()  # warmup and capture wrote into the buffers
-        runner.host.invalidate()
 
-    def replay(self, bucket: int) -> None:
-        self.graphs[bucket].replay()
+class FirstFrameGraphs(BucketGraphs):
+    """`FirstFrameBatch.compute` (runner.py) per bucket: head, main-token sampling and fast loop
+    of the rows that complete their prefill, over that batch's static buffers. `pool`: the decode
+    graphs' pool (`DecodeGraphs.pool`); capture after them, and after `Fp8Projections.reserve`."""
+
+    def __init__(self, batch, pool: tuple | None) -> None:
+        super().__init__(batch.buckets, batch.compute, batch.reset, pool)
+        self.capture()

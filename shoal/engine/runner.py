@@ -10,6 +10,12 @@ batching never changes a request's frames. With `weight_format="fp8"` the model'
 FP8 (`quant/engine_fp8.py`): the fused step runs them through `Fp8Projections`, whose GEMM buffers
 are reserved for every captured batch size before the graphs are captured.
 
+A request's first frame is sampled when its prefill completes (`DecodeStep.frames_from_hidden`:
+head, main-token sampling, fast loop). Where the decode graphs are captured it runs on static
+buffers (`FirstFrameBatch`) replayed as a CUDA graph per bucket (`graphs.FirstFrameGraphs`): one
+launch instead of hundreds on the time-to-first-frame path. Rows whose top_k exceeds the
+sampling kernels' bound, and more completing rows than the largest bucket, run it eagerly.
+
 A decode is split in `launch_decode` (host fill, non-blocking copies, replay, non-blocking
 copy of the frames into pinned memory, an event) and `PendingDecode.result` (wait for the
 event), so the caller can prepare other work while the GPU runs; with `overlap_steps` the
@@ -18,8 +24,10 @@ next decode of the same rows can be launched (`ahead=1`) before that wait.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,7 +38,10 @@ from shoal.engine.request import Request
 from shoal.models.reference import decode_frame
 from shoal.models.sampling import Sampler, SamplingBatch, push_frames
 
-__all__ = ["DecodeBuffers", "ModelRunner", "PendingDecode"]
+__all__ = ["DecodeBuffers", "FirstFrameBatch", "ModelRunner", "PendingDecode"]
+
+# The per-row inputs `DecodeStep.frames_from_hidden` reads besides the hidden states.
+FIRST_FRAME_FIELDS = ("window", "frame_index", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
 
 
 @dataclass
@@ -45,6 +56,113 @@ class PendingDecode:
         if self.event is not None:
             self.event.synchronize()
         return self.host_frames[: self.rows].clone()
+
+
+class FirstFrameBatch:
+    """Static inputs and outputs of the first frames of requests that complete their prefill:
+    slow hidden states (`hidden` before, `normed` after the final norm), a `DecodeBuffers` of
+    the per-row fields (`FIRST_FRAME_FIELDS`; `frames` is the output) and one pinned host
+    staging copy of those fields. `FirstFrameGraphs` captures `compute` per bucket; without
+    graphs `compute` runs eagerly on the same buffers, so the CPU tests exercise the same fill.
+
+    Separate from the decode step's `DecodeBuffers`: a prefill's completing rows are not the
+    decode batch's rows. The fast transformer's per-row cache (`DecodeStep.fast_k/fast_v`) is
+    shared with the decode step; both run on one stream, one after the other, and every frame
+    writes a row's fast positions before reading them, so nothing carries over.
+
+    Rows [:n] of a bucket are the requests; rows n.. are padding: zero hidden states, frame
+    index 0 (no RAS, no penalty), temperature, top_p and penalty 1, top_k 1, seed 0, empty
+    window. Every op of the first-frame step is row-wise (GEMMs, per-token quantization, the
+    sampling kernels, a fast-cache page per row), so a padding row cannot touch a live row,
+    and its indices stay in range (code 0 is clamped, sampled ids are columns of the heads)."""
+
+    def __init__(self, runner: ModelRunner, buckets: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.buckets = tuple(sorted(buckets))
+        self.max_batch = self.buckets[-1]
+        device, rows = runner.device, self.max_batch
+        pin = device.type == "cuda"
+        # hidden and normed in one tensor: their padding rows are zeroed by one launch.
+        self.states = torch.zeros(2, rows, runner.model.config.dim, dtype=runner.dtype, device=device)
+        self.hidden, self.normed = self.states[0], self.states[1]
+        self.buffers = DecodeBuffers.allocate(rows, 1, runner.window_size, runner.num_rows, device)
+        self.rows = torch.zeros(rows, dtype=torch.int64, device=device)  # rows of the prefill output
+        self.host = DecodeBuffers.allocate(rows, 1, runner.window_size, runner.num_rows, "cpu", pin=pin)
+        self.host_rows = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        self.np = {name: getattr(self.host, name).numpy() for name in FIRST_FRAME_FIELDS}
+        self.live = 0  # rows holding a request's data (host staging and states); the rest is padding
+        # Recorded after each fill's copies out of the staging (a GPU only).
+        self._uploaded = torch.cuda.Event() if pin else None
+        self.reset()
+
+    def bucket_for(self, batch: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, batch)]
+
+    def _pad(self, start: int, end: int) -> None:
+        a = self.np
+        for name in ("window", "frame_index", "seed"):
+            a[name][start:end] = 0
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            a[name][start:end] = 1.0
+        a["top_k"][start:end] = 1
+
+    def reset(self) -> None:
+        """Every row padding, on the host and the device (before and after graph capture)."""
+        self._pad(0, self.max_batch)
+        for name in FIRST_FRAME_FIELDS:
+            getattr(self.buffers, name).copy_(getattr(self.host, name))
+        self.states.zero_()
+        self.buffers.frames.zero_()
+        self.live = 0
+
+    def fill(
+        self, requests: list[Request], hidden: Tensor, normed: Tensor | None, last_rows: list[int]
+    ) -> int:
+        """Rows [:n] from `requests` and rows `last_rows` of the prefill's `hidden` / `normed`
+        ([T, dim]; `normed` None: the model's final norm of `hidden`), padding up to the
+        bucket; returns the bucket. Copies are non-blocking, through the pinned staging."""
+        n = len(requests)
+        bucket = self.bucket_for(n)
+        if self._uploaded is not None:
+            # The previous fill's non-blocking copies read the staging. Done long ago in the
+            # engine (its frames were read back since), so this does not wait there; an
+            # event never recorded returns at once.
+            self._uploaded.synchronize()
+        a, width = self.np, self.runner.window_size
+        if n < self.live:
+            self._pad(n, self.live)
+            self.states[:, n : self.live].zero_()
+        self.live = n
+        for i, r in enumerate(requests):
+            a["frame_index"][i] = r.num_frames
+            count = min(width, max(0, r.num_frames - 1))  # `Request.window`: frame 0 never enters
+            a["window"][i, : width - count] = 0
+            if count:
+                a["window"][i, width - count :] = r.frames.numpy()[r.num_frames - count : r.num_frames]
+        params = self.runner.params_for(requests, device="cpu")
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+            a[name][:n] = getattr(params, name).numpy()
+        self.host_rows.numpy()[:n] = np.asarray(last_rows, dtype=np.int64)
+        for name in FIRST_FRAME_FIELDS:
+            getattr(self.buffers, name)[:bucket].copy_(getattr(self.host, name)[:bucket], non_blocking=True)
+        rows = self.rows[:n]
+        rows.copy_(self.host_rows[:n], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        torch.index_select(hidden, 0, rows, out=self.hidden[:n])
+        if normed is None:
+            self.normed[:n].copy_(self.runner.model.norm(self.hidden[:n]))
+        else:
+            torch.index_select(normed, 0, rows, out=self.normed[:n])
+        return bucket
+
+    def compute(self, bucket: int) -> None:
+        """The first frames of the bucket's rows into `buffers.frames` (what the graphs capture).
+        Capped sampling (the eager path sorts whole rows): only rows whose top_k fits the bound
+        come here (`ModelRunner.uses_first_frame_batch`), and for those `kernels/sample.py`
+        extracts every candidate the draw can take, so the tokens are the same."""
+        view = self.buffers.view(bucket)
+        self.runner.step.frames_from_hidden(self.hidden[:bucket], self.normed[:bucket], view, capped=True)
 
 
 class ModelRunner:
@@ -85,9 +203,15 @@ class ModelRunner:
             for _ in range(copies)
         ]
         self._launches = 0
+        graphs = on_gpu and config.use_cuda_graphs
+        self.first_frame: FirstFrameBatch | None = None
+        wanted = config.first_frame_graphs
+        if self.step is not None and (wanted or (graphs and wanted is None)):
+            self.first_frame = FirstFrameBatch(self, config.resolved_graph_buckets())
         self.graphs = None
-        if on_gpu and config.use_cuda_graphs:
-            from shoal.engine.graphs import DecodeGraphs
+        self.first_frame_graphs = None
+        if graphs:
+            from shoal.engine.graphs import DecodeGraphs, FirstFrameGraphs
 
             if self.step is not None and self.step.fp8 is not None:
                 from shoal.quant.engine_fp8 import graph_row_counts
@@ -97,6 +221,9 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self, config.resolved_graph_buckets())
             self.host.invalidate()
+            if self.first_frame is not None:
+                # Same buckets, so the same FP8 row counts (reserved above); the decode graphs' pool.
+                self.first_frame_graphs = FirstFrameGraphs(self.first_frame, self.graphs.pool)
 
     def params_for(self, requests: list[Request], device=None) -> SamplingBatch:
         p = [r.params for r in requests]
@@ -139,6 +266,8 @@ class ModelRunner:
             hidden = self.model.forward_slow(tokens, positions, self.kv)
         if not completing:
             return [], None
+        if self.uses_first_frame_batch(completing):  # static buffers, a graph replay on CUDA
+            return completing, self.first_frames(completing, hidden, normed if fused else None, last_rows)
         rows = _to_device(torch.tensor(last_rows), self.device)
         hidden = hidden[rows]
         normed = normed[rows] if fused else self.model.norm(hidden)
@@ -168,6 +297,27 @@ class ModelRunner:
             frame_index.to(self.device),
         )
         return completing, frames.to(torch.int32)
+
+    def uses_first_frame_batch(self, requests: list[Request]) -> bool:
+        """Whether these completing rows take the static first-frame path (`FirstFrameBatch`):
+        it exists, they fit its largest bucket, and their top_k fits the sampling bound."""
+        batch = self.first_frame
+        return batch is not None and len(requests) <= batch.max_batch and self.capped(requests)
+
+    def first_frames(
+        self, requests: list[Request], hidden: Tensor, normed: Tensor | None, last_rows: list[int]
+    ) -> Tensor:
+        """First frames of `requests` from rows `last_rows` of the prefill's hidden states:
+        fill the static batch, replay its bucket's graph (or run it eagerly without graphs).
+        Returns int32 [n, N+1], a copy: the static output is overwritten by the next call, and
+        on the CPU the caller's `.cpu()` would not copy it (a delivered frame would change)."""
+        batch = self.first_frame
+        bucket = batch.fill(requests, hidden, normed, last_rows)
+        if self.first_frame_graphs is not None:
+            self.first_frame_graphs.replay(bucket)
+        else:
+            batch.compute(bucket)
+        return batch.buffers.frames[: len(requests)].clone()
 
     # Decode -------------------------------------------------------------------------------
 

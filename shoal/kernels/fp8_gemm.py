@@ -118,6 +118,16 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 11.1 us
     (2560, 9728, 8): _G(16, 64, 7, 4, 4, swap_ab=True),
     (2560, 9728, 16): _G(16, 64, 7, 4, 4, swap_ab=True),  # 12.1 us
+    # H200 sweep 2026-11-30 session 2 (`shoal bench gemm --sweep --m 64 128 --modes w8a8`, run 11);
+    # bucket 32 is not swept and keeps the default heuristic.
+    (6144, 2560, 64): _G(64, 64, 3, 4, 4),  # qkv 11.3 us (bf16 cuBLAS 11.2)
+    (6144, 2560, 128): _G(64, 64, 2, 4, 4),  # qkv 12.7 us (bf16 11.3)
+    (2560, 4096, 64): _G(64, 32, 4, 4, 4),  # o 10.8 us (default 12.6; bf16 9.8)
+    (2560, 4096, 128): _G(64, 64, 4, 4, 4),  # o 12.8 us (bf16 10.6)
+    (19456, 2560, 64): _G(64, 64, 1, 4, 4),  # gate_up 18.2 us (default 31.0; bf16 31.3)
+    (19456, 2560, 128): _G(64, 64, 1, 4, 4),  # gate_up 29.2 us (bf16 30.1)
+    (2560, 9728, 64): _G(64, 64, 7, 4, 4),  # down 15.7 us (bf16 18.6)
+    (2560, 9728, 128): _G(64, 64, 4, 4, 4),  # down 20.1 us (bf16 21.4)
 }
 
 

@@ -58,10 +58,20 @@ LARGE_M = 1 << 30  # bucket of every M above 128 (eager prefill)
 # Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
 DEFAULT_QUANTIZE_ACTIVATIONS = DEFAULT_QUANTIZE_INPUT
 
-# (N, K, M bucket) -> variant, measured on the H200 with `shoal bench engine --fp8-sweep`.
+# (N, K, M bucket) -> variant, measured on the H200 (docs/performance.md run 11: `shoal bench gemm
+# --sweep --m 64 128 --modes w8a8`, the tuned W8A8 kernel against bf16 cuBLAS on the same shapes).
 # S2-Pro shapes: qkv (6144, 2560), o (2560, 4096), gate+up (19456, 2560), down (2560, 9728).
-# Empty until that run; `default_variant` decides meanwhile.
-VARIANT_TABLE: dict[tuple[int, int, int], str] = {}
+# Shapes and buckets absent here follow `default_variant` (W8A8 up to 32 rows, measured in run 6).
+VARIANT_TABLE: dict[tuple[int, int, int], str] = {
+    (6144, 2560, 64): "w8a8",  # 11.3 vs 11.2 us: a tie; FP8 reads half the bytes
+    (2560, 4096, 64): "bf16",  # 10.8 vs 9.8
+    (19456, 2560, 64): "w8a8",  # 18.2 vs 31.3
+    (2560, 9728, 64): "w8a8",  # 15.7 vs 18.6
+    (6144, 2560, 128): "bf16",  # 12.7 vs 11.3
+    (2560, 4096, 128): "bf16",  # 12.8 vs 10.6
+    (19456, 2560, 128): "w8a8",  # 29.2 vs 30.1
+    (2560, 9728, 128): "w8a8",  # 20.1 vs 21.4
+}
 
 
 def m_bucket(m: int) -> int:
