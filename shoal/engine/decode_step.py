@@ -25,6 +25,8 @@ in the full row).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -102,6 +104,10 @@ class DecodeStep:
         # FP8 projections (`quant/engine_fp8.py`) when the model holds Fp8Linear layers; the
         # torch-ops path runs the layers' own forward instead.
         self.fp8 = None
+        # Which kernels write the W8A8 projections' inputs already quantized (saving a launch each);
+        # switches for same-run A/B measurements (`SHOAL_FUSE_NORM_QUANT=0`, `SHOAL_FUSE_ATTN_QUANT=0`).
+        self.fuse_norm_quant = os.environ.get("SHOAL_FUSE_NORM_QUANT", "1") != "0"
+        self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -228,7 +234,8 @@ class DecodeStep:
         fuse_quantization = fp8 is not None and self.dtype == torch.bfloat16  # kernels quantize bf16
 
         def fp8_target(block, which: str):
-            return fp8.fp8_input(block, which, tokens) if fuse_quantization else None
+            wanted = self.fuse_attention_quant if which == "out" else self.fuse_norm_quant
+            return fp8.fp8_input(block, which, tokens) if fuse_quantization and wanted else None
 
         normed, _ = rms_norm(
             residual, layers[0].attention_norm.weight, eps, out_fp8=fp8_target(layers[0], "qkv")

@@ -47,11 +47,6 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Activation scales for a whole split are preloaded into registers up to BLOCK_M x steps this big.
 PRELOAD_A_SCALES_LIMIT = 2048
-# With PDL, each program asks L2 for its first this-many weight K-steps (one 128-byte line per row
-# per step) before waiting for the previous kernel, so the weight stream is already under way when
-# the activations become readable. Weights are constants of the step, so the early read is safe.
-# A power of two; 0 turns it off.
-PREFETCH_STEPS = int(os.environ.get("SHOAL_GEMM_PREFETCH", "0"))
 
 
 @dataclass(frozen=True)
@@ -208,14 +203,6 @@ def _workspace_for(device: torch.device, m: int, n: int, config: GemmConfig) -> 
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line at each pointer (no registers written, nothing waited on)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU: tl.constexpr):
     """[BLOCK_M, BLOCK_K] fp32 activations; with SWIGLU, silu(gate) * up of a [M, 2K] input."""
     rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
@@ -262,7 +249,6 @@ def _fp8_gemm_kernel(
     DOT_IN_FP32: tl.constexpr,
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Grid (m tiles, n tiles, splits): the M tiles of one weight tile run back to back (L2 reuse).
@@ -284,11 +270,6 @@ def _fp8_gemm_kernel(
     step_ok = (steps < STEPS_PER_SPLIT) & (step_kb < k_blocks)
     w_scale_row = w_scale_ptr + ((pid_n * BLOCK_N) // BLOCK_K_) * stride_wsn
     w_scales = tl.load(w_scale_row + step_kb * stride_wsk, mask=step_ok, other=0.0)
-    if PREFETCH > 0:
-        first = kb_start + tl.arange(0, PREFETCH)
-        lines = w_rows + (first * BLOCK_K_)[None, :]
-        wanted = (first < k_blocks) & (first < kb_start + STEPS_PER_SPLIT)
-        _prefetch_l2(tl.where(n_mask[:, None] & wanted[None, :], lines, w_ptr))
     # Everything above reads constants of the step (weights, their scales); from here on the
     # inputs may come from the previous kernel.
     wait_for_inputs(USE_PDL)
@@ -424,7 +405,6 @@ def _launch(
     steps = triton.cdiv(k_blocks, config.split_k)
     steps_p2 = max(2, triton.next_power_of_2(steps))
     launch = pdl_launch()
-    pdl = launch["USE_PDL"]
     _fp8_gemm_kernel[grid](
         a,
         a_scale_arg,
@@ -457,7 +437,6 @@ def _launch(
         DOT_IN_FP32=_INTERPRETED,
         FP8_MAX_=FP8_MAX,
         MIN_SCALE_=MIN_SCALE,
-        PREFETCH=PREFETCH_STEPS if pdl else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,

@@ -154,15 +154,18 @@ def qk_norm_rope_kv_write(
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, dim, stride_x, stride_r, stride_o,
     stride_sm, stride_sg,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr, QUANT_OUT: tl.constexpr,
+    GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr, QUANT_OUT: tl.constexpr,
     GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One row per program: optional residual add (stored back into `residual`), then RMSNorm;
     with QUANT_OUT the bf16 result is quantized per 128 columns (e4m3 + fp32 scales) instead of
-    stored, exactly as `kernels/quant.py` would quantize the stored bf16 row."""
+    stored, exactly as `kernels/quant.py` would quantize the stored bf16 row. The row is held as
+    a [GROUPS, 128] tile from the start, so the quantization's per-group reductions need no
+    change of register layout (a reshape there cost more than the launch it saved)."""
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
+    groups = tl.arange(0, GROUPS)
+    offs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     ok = offs < dim
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RESIDUAL:
@@ -170,16 +173,14 @@ def _rms_norm_kernel(
         x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
         tl.store(residual_ptr + row * stride_r + offs, x, mask=ok)
     f = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(f * f, 0) / dim + eps)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(f * f, 1), 0) / dim + eps)
     w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
     if QUANT_OUT:
-        groups: tl.constexpr = BLOCK // GROUP_SIZE
         rounded = tl.where(ok, cast_rne(y, tl.bfloat16, EMULATE).to(tl.float32), 0.0)
-        q, scale = _quantize_groups(tl.reshape(rounded, (groups, GROUP_SIZE)), FP8_MAX_, MIN_SCALE_)
-        tl.store(out_ptr + row * stride_o + offs, tl.reshape(q, (BLOCK,)), mask=ok)
-        g = tl.arange(0, groups)
-        tl.store(scale_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP_SIZE < dim)
+        q, scale = _quantize_groups(rounded, FP8_MAX_, MIN_SCALE_)
+        tl.store(out_ptr + row * stride_o + offs, q, mask=ok)
+        tl.store(scale_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP_SIZE < dim)
     else:
         tl.store(out_ptr + row * stride_o + offs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
@@ -218,12 +219,12 @@ def rms_norm(
         out = torch.empty(rows, dim, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if rows == 0:
         return (out_fp8 if out_fp8 is not None else out), residual
-    block = max(triton.next_power_of_2(dim), GROUP)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, scales, eps, dim, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
         scales.stride(0) if out_fp8 is not None else 0, scales.stride(1) if out_fp8 is not None else 0,
-        BLOCK=block, HAS_RESIDUAL=residual is not None, EMULATE=interpreting(),
+        GROUPS=triton.next_power_of_2(triton.cdiv(dim, GROUP)), HAS_RESIDUAL=residual is not None,
+        EMULATE=interpreting(),
         QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
         num_warps=num_warps, **pdl_launch(),
     )  # fmt: skip
