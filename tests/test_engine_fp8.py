@@ -338,6 +338,7 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
     runner = core.runner
     fused = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
     fused.fp8.reserve(graph_row_counts([2]))
+    fused.fuse_norm_quant = fused.fuse_attention_quant = True  # the norm's is opt-in (run 13)
     separate = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)  # nothing reserved
     block = model.layers[0]
     assert fused.fp8.fp8_input(block, "qkv", 2) is not None

@@ -104,9 +104,13 @@ class DecodeStep:
         # FP8 projections (`quant/engine_fp8.py`) when the model holds Fp8Linear layers; the
         # torch-ops path runs the layers' own forward instead.
         self.fp8 = None
-        # Which kernels write the W8A8 projections' inputs already quantized (saving a launch each);
-        # switches for same-run A/B measurements (`SHOAL_FUSE_NORM_QUANT=0`, `SHOAL_FUSE_ATTN_QUANT=0`).
-        self.fuse_norm_quant = os.environ.get("SHOAL_FUSE_NORM_QUANT", "1") != "0"
+        # Which kernels write the W8A8 projections' inputs already quantized (a launch fewer each).
+        # Measured on the H200 at batch 1 (docs/performance.md run 13): the attention's is free
+        # (its merge program quantizes a head per row) and stays on; the norm's adds 0.18 ms per
+        # step (one program per row does the row's quantization serially, slower than the 5-program
+        # launch it replaces), so it is off unless `SHOAL_FUSE_NORM_QUANT=1`. Both exist as switches
+        # for same-run A/B measurements.
+        self.fuse_norm_quant = os.environ.get("SHOAL_FUSE_NORM_QUANT", "0") == "1"
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
