@@ -457,7 +457,7 @@ def _launch_attention(
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=_interpreting(),
         QUANT_OUT=out_fp8 is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
 
 
@@ -471,7 +471,7 @@ def _merge(
         part_out, part_lse, out, hq, slots, out.stride(0), out.stride(1),
         q8, scales, q8.stride(0), scales.stride(0), scales.stride(1),
         BLOCK_S=triton.next_power_of_2(slots), HEAD_DIM=d, QUANT_OUT=out_fp8 is not None,
-        num_warps=4, **pdl_launch(),
+        num_warps=4, **pdl_launch("attention"),
     )  # fmt: skip
 
 
@@ -599,7 +599,7 @@ def shared_prefix_decode_attention(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
         HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=_interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)
     return out

@@ -41,9 +41,18 @@ def pdl_enabled() -> bool:
     return _enabled()
 
 
-def pdl_launch() -> dict:
-    """Launch keywords for a kernel that takes `USE_PDL`: `kernel[grid](..., **pdl_launch())`."""
-    return {"USE_PDL": True, "launch_pdl": True} if _enabled() else {"USE_PDL": False}
+@functools.cache
+def _skipped() -> frozenset[str]:
+    return frozenset(name.strip() for name in os.environ.get("SHOAL_PDL_SKIP", "").split(",") if name.strip())
+
+
+def pdl_launch(family: str | None = None) -> dict:
+    """Launch keywords for a kernel that takes `USE_PDL`: `kernel[grid](..., **pdl_launch())`.
+    `family` (e.g. "attention") lets `SHOAL_PDL_SKIP=attention,...` launch those kernels plainly,
+    for same-run A/B measurements of where PDL pays."""
+    if not _enabled() or (family is not None and family in _skipped()):
+        return {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True}
 
 
 @triton.jit
