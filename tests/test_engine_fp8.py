@@ -252,10 +252,11 @@ def test_reserved_buffers_are_reused(planted) -> None:
         projections.reserve({4})
 
 
-def test_kernel_decode_step_with_fp8_tracks_the_torch_step(golden_dir) -> None:
-    model = tiny(golden_dir)
+def _two_running_requests(model, dtype: str):
+    """An FP8 engine (torch-ops step on the CPU) with two requests two frames into decoding:
+    (its runner, the requests), whose host batch gives a kernel step realistic inputs."""
     config = EngineConfig(
-        device="cpu", dtype="float32", num_pages=64, page_size=16, decode_step="fast", weight_format="fp8"
+        device="cpu", dtype=dtype, num_pages=64, page_size=16, decode_step="fast", weight_format="fp8"
     )
     core = EngineCore(model, config)
     requests = []
@@ -265,7 +266,12 @@ def test_kernel_decode_step_with_fp8_tracks_the_torch_step(golden_dir) -> None:
         requests.append(request)
     while not all(r.num_frames >= 2 for r in requests):
         core.step()
-    runner = core.runner
+    return core.runner, requests
+
+
+def test_kernel_decode_step_with_fp8_tracks_the_torch_step(golden_dir) -> None:
+    model = tiny(golden_dir)
+    runner, requests = _two_running_requests(model, "float32")
     kernel_step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
     assert kernel_step.fp8 is not None and runner.step.fp8 is None  # torch-ops step: the modules
     fields = runner.host.fill(requests)
@@ -324,18 +330,7 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
     W8A8 projections' inputs already quantized; the step's outputs are bit for bit those of the
     unfused step (bf16 output, then a quantization launch)."""
     model = tiny(golden_dir, torch.bfloat16) if heads == "golden" else _wide_head_model(tmp_path)
-    config = EngineConfig(
-        device="cpu", dtype="bfloat16", num_pages=64, page_size=16, decode_step="fast", weight_format="fp8"
-    )
-    core = EngineCore(model, config)
-    requests = []
-    for i in range(2):
-        request = core.new_request(prompt_for(model, 12 + i, i), SamplingParams(seed=i), max_new_frames=20)
-        core.add(request)
-        requests.append(request)
-    while not all(r.num_frames >= 2 for r in requests):
-        core.step()
-    runner = core.runner
+    runner, requests = _two_running_requests(model, "bfloat16")
     fused = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
     fused.fp8.reserve(graph_row_counts([2]))
     fused.fuse_norm_quant = fused.fuse_attention_quant = True  # the norm's is opt-in (run 13)

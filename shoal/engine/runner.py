@@ -135,10 +135,7 @@ class FirstFrameBatch:
         self.live = n
         for i, r in enumerate(requests):
             a["frame_index"][i] = r.num_frames
-            count = min(width, max(0, r.num_frames - 1))  # `Request.window`: frame 0 never enters
-            a["window"][i, : width - count] = 0
-            if count:
-                a["window"][i, width - count :] = r.frames.numpy()[r.num_frames - count : r.num_frames]
+            a["window"][i] = r.window(width).numpy()
         params = self.runner.params_for(requests, device="cpu")
         for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
             a[name][:n] = getattr(params, name).numpy()

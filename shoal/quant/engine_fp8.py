@@ -359,11 +359,13 @@ class Fp8Projections:
         """x [M, K] (gate | up [M, 2K] with `swiglu`) -> [M, N]: bf16 with `keep_bf16` (an
         intermediate), else the input's dtype (`out_dtype` when given). x may be an already
         quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8)."""
-        if isinstance(x, tuple):
-            return self._linear_prequantized(w, x, keep_bf16=keep_bf16, out=out, out_dtype=out_dtype)
-        m = x.shape[0]
-        out_dtype = out_dtype or x.dtype
+        quantized = x if isinstance(x, tuple) else None  # (e4m3, scales) from `fp8_input`
+        lead = x[0] if quantized is not None else x
+        m = lead.shape[0]
+        out_dtype = out_dtype or (torch.bfloat16 if quantized is not None else x.dtype)
         variant = self.variant(w.n, w.k, m)
+        if quantized is not None and (self.backend != "triton" or not self._static(m) or variant != "w8a8"):
+            raise RuntimeError("pre-quantized input outside a reserved W8A8 projection (see fp8_input)")
         if self.backend == "reference":
             if self.emulate_kernels:
                 y = self._reference(w, x.to(torch.bfloat16), variant, swiglu).to(torch.bfloat16)
@@ -376,10 +378,14 @@ class Fp8Projections:
             return y
         static = self._static(m)
         if out is None:
-            out = self._out(w, m, x.device, static)
-        a = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            out = self._out(w, m, lead.device, static)
         workspace = self.workspace if static else None
-        if variant == "bf16":
+        if quantized is not None:
+            from shoal.kernels.fp8_gemm import fp8_gemm
+
+            fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace)
+        elif variant == "bf16":
+            a = x.to(torch.bfloat16)
             if swiglu:  # as the bf16 model computes it: silu and product in bf16
                 a = F.silu(a[:, : w.k]) * a[:, w.k :]
             torch.mm(a, w.dense.t(), out=out)
@@ -389,41 +395,18 @@ class Fp8Projections:
 
             q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
             quantize = swiglu_quantize if swiglu else quantize_activations
-            q, s = quantize(a, out=q_out, scales=scales)
+            q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
             fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace)
         else:
             from shoal.kernels.fp8_gemm import fp8_linear
 
+            a = x.to(torch.bfloat16)
             fp8_linear(a, w.q, w.scale, variant == "w8a8_inline", swiglu, out=out, workspace=workspace)
         if w.bias is not None:
             out.add_(w.bias.to(out.dtype))
         if keep_bf16 or out_dtype == torch.bfloat16:
             return out
         return out.to(out_dtype)
-
-    def _linear_prequantized(
-        self,
-        w: Fp8Weight,
-        x: tuple[Tensor, Tensor],
-        *,
-        keep_bf16: bool,
-        out: Tensor | None,
-        out_dtype: torch.dtype | None,
-    ) -> Tensor:
-        """The W8A8 GEMM on activations a producing kernel already quantized (reserved M only)."""
-        from shoal.kernels.fp8_gemm import fp8_gemm
-
-        q, scales = x
-        m = q.shape[0]
-        if self.backend != "triton" or not self._static(m) or self.variant(w.n, w.k, m) != "w8a8":
-            raise RuntimeError("pre-quantized input outside a reserved W8A8 projection (see fp8_input)")
-        if out is None:
-            out = self._out(w, m, q.device, True)
-        fp8_gemm(q, scales, w.q, w.scale, out=out, workspace=self.workspace)
-        if w.bias is not None:
-            out.add_(w.bias.to(out.dtype))
-        out_dtype = out_dtype or torch.bfloat16
-        return out if keep_bf16 or out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     def _reference(self, w: Fp8Weight, x: Tensor, variant: str, swiglu: bool) -> Tensor:
         """The same variant with `kernels/reference.py`, fp32 arithmetic, unrounded output."""
