@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200: the GPU tests, then the benchmarks, each printing a short table.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|engine|all]...
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|engine|all]...
 # Logs go to $OUT (when set) so the device tool brings them back; TAG=x suffixes their names (A/B runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +28,6 @@ fi
 want gemm && step bench_gemm ${GEMM_LIMIT:-240} python3 -m shoal.cli bench gemm ${GEMM_ARGS:-}
 want attention && step bench_attention ${ATTN_LIMIT:-240} python3 -m shoal.cli bench attention ${ATTN_ARGS:-}
 want codec && step bench_codec 240 python3 -m shoal.cli bench codec ${CODEC_ARGS:-}
+want profile && step bench_profile ${PROFILE_LIMIT:-300} python3 -m shoal.cli bench profile ${PROFILE_ARGS:-}
 want engine && step bench_engine ${ENGINE_LIMIT:-400} python3 -m shoal.cli bench engine ${ENGINE_ARGS:-}
 exit 0

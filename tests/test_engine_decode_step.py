@@ -114,11 +114,18 @@ def decoding_core(golden_dir, count: int):
     return core, requests
 
 
-@pytest.mark.parametrize("capped", [True, False])
-def test_kernel_step_equals_torch_step(golden_dir, capped: bool) -> None:
+@pytest.mark.parametrize(
+    "capped,fused_fast", [(True, False), (False, False), (True, True)], ids=["capped", "full", "fused-fast"]
+)
+def test_kernel_step_equals_torch_step(
+    golden_dir, capped: bool, fused_fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fused-fast`: the fast transformer through `kernels/fast_attention.py` (one launch per layer)."""
+    monkeypatch.setenv("SHOAL_FUSED_FAST_ATTENTION", "1" if fused_fast else "0")
     core, requests = decoding_core(golden_dir, 3)
     runner = core.runner
     kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
+    assert kernel_step.fused_fast_attention == fused_fast
     torch_step = runner.step
     fields = runner.host.fill(requests)
     n = len(requests)

@@ -11,6 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dataclasses import replace  # noqa: E402
+
 import pytest  # noqa: E402
 
 from shoal.kernels import fp8_gemm as gemm  # noqa: E402
@@ -65,6 +67,25 @@ def test_activation_scales_loaded_per_step(monkeypatch: pytest.MonkeyPatch) -> N
     for config in (CONFIGS[0], SWAPPED):
         out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=config)
         assert _rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
+
+
+@pytest.mark.parametrize("base", [CONFIGS[0], CONFIGS[1], SWAPPED], ids=["nosplit", "split3", "swap-split2"])
+def test_tma_loads_equal_pointer_loads(base: gemm.GemmConfig) -> None:
+    """Descriptor loads zero-fill past M, N and K exactly as the masked pointer loads do: the
+    same tiles, the same products, bit-identical output (M, N and K all ragged here)."""
+    m, n, k = 5, 160, 400
+    w_q, w_s = _weight(n, k)
+    x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    plain = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=base)
+    tma = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=replace(base, tma=True))
+    assert torch.isfinite(plain).all() and torch.equal(tma, plain)
+
+
+def test_tma_needs_aligned_rows() -> None:
+    w_q, w_s = _weight(64, 136)
+    x_q, x_s = quant.quantize_activations(torch.randn(2, 136, device=DEVICE).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="K % 16"):
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=replace(CONFIGS[0], tma=True))
 
 
 def test_rejects_block_n_that_does_not_divide_128() -> None:
@@ -155,6 +176,29 @@ def test_full_s2_shapes_gpu(m: int, shape: str, mode: str) -> None:
         expected = ref.fp8_linear(x, w_q, w_s, mode == "w8a8-inline", swiglu)
     torch.cuda.synchronize()
     assert _rel_err(out, expected) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 128])
+@pytest.mark.parametrize("shape", list(S2_SHAPES), ids=list(S2_SHAPES))
+def test_tma_full_s2_shapes_gpu(m: int, shape: str) -> None:
+    """On the GPU the descriptor loads (real TMA) give what the pointer loads give, bit for bit,
+    inside a CUDA graph."""
+    n, k = S2_SHAPES[shape]
+    w_q, w_s = _weight(n, k)
+    x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    config = replace(gemm.pick_config(n, k, m, x_q.device, fp8_activations=True), tma=True)
+    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config), DEVICE)
+    plain = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=replace(config, tma=False))
+    out = _poisoned_out(m, n)
+    gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=out, workspace=workspace, config=config)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=out, workspace=workspace, config=config)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
 
 
 @pytest.mark.gpu

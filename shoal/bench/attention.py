@@ -1,9 +1,10 @@
 """Decode-attention benchmark (GPU only; torch + triton): paged Triton kernels vs torch SDPA.
 
 Shapes are S2-Pro's slow layer (32 q heads, 8 kv heads, head_dim 128, bf16). For batch 1/16/64 x
-context 1k/4k/8k it times `paged_decode_attention` (pages scattered at random, page size 16)
-against `F.scaled_dot_product_attention(enable_gqa=True)` on contiguous KV, and 64 requests
-sharing a 1k voice prefix (+ 64 own tokens each) with and without the shared-prefix kernel.
+context 1k/4k/8k it times `paged_decode_attention` with the engine's tuned config (pages
+scattered at random, page size 16) against `F.scaled_dot_product_attention(enable_gqa=True)` on
+contiguous KV, and 64 requests sharing a 1k voice prefix (+ 64 own tokens each) with and
+without the shared-prefix kernel.
 Every time is the median of CUDA-graph replays over several input copies (so a small KV does
 not sit in L2); "GB/s" is the fewest bytes the step must read divided by the time, next to the
 copy (read + write) and read-only ceilings measured in the same run on 2 GiB buffers.
@@ -31,6 +32,7 @@ from shoal.kernels.attention import (
     PAGE_SIZE,
     AttentionConfig,
     choose_num_splits,
+    decode_config,
     paged_decode_attention,
     shared_prefix_decode_attention,
 )
@@ -212,7 +214,9 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
     sweeps: dict[int, list[dict]] = {}
     for batch, context in itertools.product(BATCHES, CONTEXTS):
         case = DecodeCase([context] * batch)
-        ours, sdpa = case.paged(DEFAULT_CONFIG), case.sdpa()
+        # The config the engine launches at this batch (the tuned table), not DEFAULT_CONFIG: run 14
+        # timed the default by mistake and read its 4-5 µs more per call as a regression.
+        ours, sdpa = case.paged(decode_config(batch)), case.sdpa()
         row = {"case": f"decode b={batch} ctx={context}", "bytes": kv_bytes(batch * context)}
         row.update(ours_us=ours * 1e3, sdpa_us=sdpa * 1e3)
         if sweep:
@@ -241,7 +245,7 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
     case = DecodeCase([prefix + own] * batch, shared_prefix=prefix)
     row = {"case": f"shared {prefix}-token prefix b={batch} +{own}", "bytes": kv_bytes(prefix + batch * own)}
     row.update(ours_us=case.shared(DEFAULT_CONFIG) * 1e3, sdpa_us=case.sdpa() * 1e3)
-    row["unshared_us"] = case.paged(DEFAULT_CONFIG) * 1e3
+    row["unshared_us"] = case.paged(decode_config(batch)) * 1e3
     if sweep:
         tuned, config = min(timed_configs(case.shared, PREFIX_SWEEP), key=lambda item: item[0])
         row.update(tuned_us=tuned * 1e3, config=config)

@@ -1,4 +1,4 @@
-"""`shoal bench engine|codec|gemm|attention|serve`: dispatch to one benchmark module.
+"""`shoal bench engine|codec|gemm|attention|profile|serve`: dispatch to one benchmark module.
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`, and is imported only when
 chosen, so the engine benchmark runs on a GPU box without the web stack."""
@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "codec": ("shoal.bench.codec", "codec decode throughput"),
     "gemm": ("shoal.bench.gemm", "FP8/bf16 GEMM kernels at decode shapes"),
     "attention": ("shoal.bench.attention", "paged attention kernels"),
+    "profile": ("shoal.bench.profile", "one decode step, kernel by kernel (marginal time)"),
     "serve": ("shoal.bench.serve", "HTTP/WebSocket load against a running server"),
 }
 

@@ -284,11 +284,12 @@ SWEEP_MODES = ("w8a8", "w8a16")  # pre-quantized activations; bf16 activations (
 H200_SMS = 132
 
 
-def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS) -> list:
+def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = False) -> list:
     """The plausible winners, not a grid: per tile width (32/64/128 weight rows, each dividing the
     128-row scale block), split-K counts that put about 2 and 4 programs on every SM (one per SM
     leaves too few loads in flight; at least 2 K steps per split); A/B swapped or not; 4 or 6
-    pipeline stages (8 warps instead of 6 stages for 64+ row M tiles)."""
+    pipeline stages (8 warps instead of 6 stages for 64+ row M tiles). With `tma` (W8A8), each
+    also with TMA descriptor loads."""
     from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
     k_blocks = -(-k // BLOCK_K)
@@ -302,7 +303,10 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS) -> list:
             for split in splits:
                 for swap in (False, True):
                     for warps, stages in ((4, 4), (4, 6)) if bm <= 32 else ((4, 4), (8, 4)):
-                        configs.append(GemmConfig(bm, bn, split, warps, stages, swap_ab=swap))
+                        for use_tma in (False, True) if tma else (False,):
+                            configs.append(
+                                GemmConfig(bm, bn, split, warps, stages, swap_ab=swap, tma=use_tma)
+                            )
     return configs
 
 
@@ -368,7 +372,7 @@ def sweep(
         for mode in modes:
             seen = set()
             for m in m_values:
-                for config in candidate_configs(n, k, m):
+                for config in candidate_configs(n, k, m, tma=mode == "w8a8"):
                     if config not in seen:
                         seen.add(config)
                         jobs.append((mode, n, k, m, config))
@@ -386,7 +390,7 @@ def sweep(
             for mode in modes:
                 x = _sweep_input(mode, m, k)
                 timed = []
-                for config in [None, *candidate_configs(n, k, m)]:
+                for config in [None, *candidate_configs(n, k, m, tma=mode == "w8a8")]:
                     try:
                         t = time_variant(_sweep_fn(mode, config), x, sets, 20, 3)
                     except Exception:  # noqa: BLE001 - out of shared memory, etc.: already reported

@@ -85,6 +85,14 @@ class DecodeStep:
         else:
             self.column_ids = torch.arange(mc.vocab_size, device=device)
             self.head_weight = head.detach()
+        # cuBLAS picks a slow kernel for S2's 4,097-row slice (a 39 µs CUTLASS fallback at batch 64
+        # on the H200, docs/performance.md run 16): on CUDA that slice (a copy already) gets zero
+        # rows up to a multiple of 64 and the step reads only the first `head_rows` logits.
+        self.head_rows = self.head_weight.shape[0]
+        padded_rows = -(-self.head_rows // 64) * 64
+        if self.rules.constrain_to_semantic and device.type == "cuda" and padded_rows != self.head_rows:
+            padding = self.head_weight.new_zeros(padded_rows - self.head_rows, self.head_weight.shape[1])
+            self.head_weight = torch.cat([self.head_weight, padding])
         self.column_ids32 = self.column_ids.to(torch.int32)
         self.main_ranks = torch.arange(self.column_ids.numel(), device=device)
         limit = self.rules.codebook_logit_limit or mc.codebook_size
@@ -112,6 +120,10 @@ class DecodeStep:
         # for same-run A/B measurements.
         self.fuse_norm_quant = os.environ.get("SHOAL_FUSE_NORM_QUANT", "0") == "1"
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
+        # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
+        # (`kernels/fast_attention.py`), opt-in (`SHOAL_FUSED_FAST_ATTENTION=1`): with one warp it
+        # measured 1 µs per layer slower than the two launches (docs/performance.md run 19).
+        self.fused_fast_attention = use_kernels and os.environ.get("SHOAL_FUSED_FAST_ATTENTION", "0") == "1"
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -166,7 +178,7 @@ class DecodeStep:
         """Head, main-token sampling and the fast loop for slow hidden states (`residual`
         before, `normed` after the final norm) of `buffers`' rows; writes `buffers.frames`."""
         mc, frames = self.config, buffers.frames
-        logits = F.linear(normed, self.head_weight)
+        logits = F.linear(normed, self.head_weight)[:, : self.head_rows]
         self.sample_main(logits, buffers, capped)
         fast_input = normed if mc.norm_fastlayer_input else residual
         code0 = torch.clamp(frames[:, 0].long() - mc.semantic_begin_id, 0, mc.codebook_size - 1)
@@ -224,11 +236,15 @@ class DecodeStep:
             ),
         )  # fmt: skip
 
-    def _layers(self, layers, residual, final_weight, positions, rope, pages, slots, attend):
+    def _layers(
+        self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None
+    ):
         """Pre-norm blocks with the fused kernels; `residual` is updated in place. With FP8
         weights, a norm or attention whose output feeds a W8A8 projection writes it quantized
         (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `attend(q, k_pages,
-        v_pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair it filled."""
+        v_pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair it filled. `rope_attend(i, qkv,
+        out_fp8)`, when given, replaces QK-norm/RoPE/KV write and `attend` by one call (the fast
+        transformer's `kernels/fast_attention.py`)."""
         from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
 
@@ -250,20 +266,24 @@ class DecodeStep:
                 qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
             else:
                 qkv = fp8.qkv(layer, normed)
-            k_pages, v_pages = pages(i)
-            q = qk_norm_rope_kv_write(
-                qkv, positions, rope, k_pages, v_pages, slots, attn.n_head, attn.n_local_heads,
-                attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
-                attn.q_norm.eps if attn.qk_norm else 1e-6,
-            )  # fmt: skip
-            if fp8 is None:
-                out = F.linear(
-                    attend(q, k_pages, v_pages, None).reshape(tokens, -1), attn.wo.weight, attn.wo.bias
-                )
+            head_dim = qkv.shape[1] // (attn.n_head + 2 * attn.n_local_heads)
+            target = fp8_target(layer, "out") if head_dim == GROUP else None  # a head per group
+            if rope_attend is not None:
+                attended = rope_attend(i, qkv, target)
             else:
-                target = fp8_target(layer, "out") if q.shape[-1] == GROUP else None  # a head per group
-                attended = attend(q, k_pages, v_pages, target)
-                out = fp8.out_proj(layer, attended if target is not None else attended.reshape(tokens, -1))
+                k_pages, v_pages = pages(i)
+                q = qk_norm_rope_kv_write(
+                    qkv, positions, rope, k_pages, v_pages, slots, attn.n_head, attn.n_local_heads,
+                    attn.q_norm.weight if attn.qk_norm else None,
+                    attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
+                )  # fmt: skip
+                attended = attend(q, k_pages, v_pages, target)  # `target` filled, or [T, Hq, D]
+            if target is None:
+                attended = attended.reshape(tokens, -1)
+            if fp8 is None:
+                out = F.linear(attended, attn.wo.weight, attn.wo.bias)
+            else:
+                out = fp8.out_proj(layer, attended)
             normed, residual = rms_norm(
                 out, layer.ffn_norm.weight, eps, residual=residual, out_fp8=fp8_target(layer, "gate_up")
             )
@@ -307,10 +327,25 @@ class DecodeStep:
             def attend(q, kp, vp, out_fp8):
                 return paged_decode_attention(q, kp, vp, tables, lens, out_fp8=out_fp8)
 
+        rope_attend = None
+        if self.fused_fast_attention:
+            from shoal.kernels.fast_attention import fast_rope_attention
+
+            tokens_per_row = 2 if k == 0 else 1
+
+            def rope_attend(i, qkv, out_fp8):
+                attn = model.fast_layers[i].attention
+                return fast_rope_attention(
+                    qkv, positions, model.fast_rope, self.fast_k[i], self.fast_v[i], tokens_per_row,
+                    attn.n_head, attn.n_local_heads, attn.q_norm.weight if attn.qk_norm else None,
+                    attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
+                    out_fp8=out_fp8,
+                )  # fmt: skip
+
         residual = x.contiguous()
         residual, normed = self._layers(
             model.fast_layers, residual, model.fast_norm.weight, positions, model.fast_rope,
-            lambda i: (self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend,
+            lambda i: (self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend, rope_attend,
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 from shoal.kernels.quant import (
@@ -61,6 +62,10 @@ class GemmConfig:
     # Compute out^T = W @ A^T: the weight tile is the MMA's M side (>= 64 rows reach Hopper's
     # wgmma, and in W8A16 the dequantized tile can feed it from registers), M becomes the N side.
     swap_ab: bool = False
+    # Pre-quantized activations and weights through Hopper's tensor memory accelerator (TMA
+    # descriptors: bulk async tile copies, out-of-range rows and columns zero-filled) instead of
+    # per-thread pointer loads. W8A8 only; needs K % 16 == 0 (16-byte aligned rows).
+    tma: bool = False
 
 
 # Measured winners per (N, K, M bucket), filled from `shoal bench gemm --sweep` on the H200, for
@@ -93,7 +98,9 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 16): _G(16, 64, 14, 4, 4, swap_ab=True),  # 21.8 us
 }
 TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
-    (6144, 2560, 1): _G(16, 64, 6, 4, 4, swap_ab=True),  # qkv 7.8 us (default 9.4)
+    (6144, 2560, 1): _G(
+        16, 64, 6, 4, 4, swap_ab=True
+    ),  # qkv 7.8 us (split 3: 7.4 alone, slower in the step, run 19)
     (6144, 2560, 2): _G(16, 64, 6, 4, 4, swap_ab=False),
     (6144, 2560, 4): _G(16, 64, 6, 4, 4, swap_ab=False),  # 8.2 us
     (6144, 2560, 8): _G(16, 64, 3, 4, 4, swap_ab=True),
@@ -103,26 +110,26 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 4096, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 7.2 us
     (2560, 4096, 8): _G(16, 32, 4, 4, 4, swap_ab=False),
     (2560, 4096, 16): _G(16, 32, 4, 4, 4, swap_ab=False),  # 7.9 us
-    (19456, 2560, 1): _G(16, 64, 1, 4, 4, swap_ab=True),  # gate_up 16.0 us (default 18.3)
+    (19456, 2560, 1): _G(16, 64, 1, 4, 4, swap_ab=True, tma=True),  # gate_up 14.7 us (run 18; 15.2 no TMA)
     (19456, 2560, 2): _G(16, 64, 1, 4, 4, swap_ab=True),
     (19456, 2560, 4): _G(16, 64, 1, 4, 4, swap_ab=True),  # 16.1 us
     (19456, 2560, 8): _G(16, 64, 1, 4, 4, swap_ab=True),
     (19456, 2560, 16): _G(16, 64, 1, 4, 4, swap_ab=True),  # 16.2 us
-    (2560, 9728, 1): _G(16, 64, 7, 4, 4, swap_ab=True),  # down 10.9 us (default 12.6)
+    (2560, 9728, 1): _G(16, 64, 7, 4, 4, swap_ab=True, tma=True),  # down 10.2 us (run 18; 10.3 no TMA)
     (2560, 9728, 2): _G(16, 64, 7, 4, 4, swap_ab=True),
     (2560, 9728, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 11.1 us
     (2560, 9728, 8): _G(16, 64, 7, 4, 4, swap_ab=True),
     (2560, 9728, 16): _G(16, 64, 7, 4, 4, swap_ab=True),  # 12.1 us
-    # H200 sweep 2026-11-30 session 2 (`shoal bench gemm --sweep --m 64 128 --modes w8a8`, run 11);
-    # bucket 32 is not swept and keeps the default heuristic.
-    (6144, 2560, 64): _G(64, 64, 3, 4, 4),  # qkv 11.3 us (bf16 cuBLAS 11.2)
-    (6144, 2560, 128): _G(64, 64, 2, 4, 4),  # qkv 12.7 us (bf16 11.3)
-    (2560, 4096, 64): _G(64, 32, 4, 4, 4),  # o 10.8 us (default 12.6; bf16 9.8)
-    (2560, 4096, 128): _G(64, 64, 4, 4, 4),  # o 12.8 us (bf16 10.6)
-    (19456, 2560, 64): _G(64, 64, 1, 4, 4),  # gate_up 18.2 us (default 31.0; bf16 31.3)
-    (19456, 2560, 128): _G(64, 64, 1, 4, 4),  # gate_up 29.2 us (bf16 30.1)
-    (2560, 9728, 64): _G(64, 64, 7, 4, 4),  # down 15.7 us (bf16 18.6)
-    (2560, 9728, 128): _G(64, 64, 4, 4, 4),  # down 20.1 us (bf16 21.4)
+    # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
+    # run 18 with TMA candidates); bucket 32 is not swept and keeps the default heuristic.
+    (6144, 2560, 64): _G(64, 32, 2, 4, 4, tma=True),  # qkv 10.2 us (run 11: 11.3; bf16 cuBLAS 11.2)
+    (6144, 2560, 128): _G(64, 64, 2, 4, 4, tma=True),  # qkv 11.9 us (bf16 11.3)
+    (2560, 4096, 64): _G(64, 32, 4, 4, 4, tma=True),  # o 9.8 us (run 11: 10.8; bf16 9.8)
+    (2560, 4096, 128): _G(64, 64, 4, 4, 4, tma=True),  # o 12.1 us (bf16 10.6)
+    (19456, 2560, 64): _G(64, 64, 1, 4, 4, tma=True),  # gate_up 16.5 us (run 11: 18.2; bf16 31.0)
+    (19456, 2560, 128): _G(64, 64, 1, 4, 4, tma=True),  # gate_up 24.1 us (run 11: 29.2; bf16 30.1)
+    (2560, 9728, 64): _G(64, 64, 7, 4, 4),  # down 16.0 us (TMA no faster; bf16 18.6)
+    (2560, 9728, 128): _G(64, 64, 4, 4, 4, tma=True),  # down 17.7 us (run 11: 20.1; bf16 21.3)
 }
 
 
@@ -221,6 +228,8 @@ def _fp8_gemm_kernel(
     a_ptr,
     a_scale_ptr,
     w_ptr,
+    a_desc,
+    w_desc,
     w_scale_ptr,
     out_ptr,
     partial_ptr,
@@ -249,6 +258,7 @@ def _fp8_gemm_kernel(
     DOT_IN_FP32: tl.constexpr,
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
+    USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Grid (m tiles, n tiles, splits): the M tiles of one weight tile run back to back (L2 reuse).
@@ -289,11 +299,17 @@ def _fp8_gemm_kernel(
         kb = kb_start + step
         offs_k = kb * BLOCK_K_ + tl.arange(0, BLOCK_K_)
         k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_TMA:  # zero-filled past N and K, like the masked load
+            w = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K_])
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         w_scale = tl.sum(tl.where(steps == step, w_scales, 0.0), 0)
         if ACT_MODE == 1:  # pre-quantized e4m3 activations + per-token group scales
-            a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
-            a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if USE_TMA:
+                a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K_])
+            else:
+                a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+                a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             if PRELOAD_A_SCALES:
                 a_scale = tl.sum(tl.where((steps == step)[None, :], a_scales, 0.0), 1)
             else:
@@ -405,10 +421,20 @@ def _launch(
     steps = triton.cdiv(k_blocks, config.split_k)
     steps_p2 = max(2, triton.next_power_of_2(steps))
     launch = pdl_launch()
+    use_tma = config.tma and mode == ACT_FP8
+    if use_tma:
+        if k % 16:
+            raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
+        a_desc = TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K])
+        w_desc = TensorDescriptor.from_tensor(w_q, [config.block_n, BLOCK_K])
+    else:
+        a_desc, w_desc = a, w_q  # unused pointers
     _fp8_gemm_kernel[grid](
         a,
         a_scale_arg,
         w_q,
+        a_desc,
+        w_desc,
         w_scale,
         out,
         workspace.partials,
@@ -437,6 +463,7 @@ def _launch(
         DOT_IN_FP32=_INTERPRETED,
         FP8_MAX_=FP8_MAX,
         MIN_SCALE_=MIN_SCALE,
+        USE_TMA=use_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,

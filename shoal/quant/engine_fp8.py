@@ -58,19 +58,20 @@ LARGE_M = 1 << 30  # bucket of every M above 128 (eager prefill)
 # Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
 DEFAULT_QUANTIZE_ACTIVATIONS = DEFAULT_QUANTIZE_INPUT
 
-# (N, K, M bucket) -> variant, measured on the H200 (docs/performance.md run 11: `shoal bench gemm
-# --sweep --m 64 128 --modes w8a8`, the tuned W8A8 kernel against bf16 cuBLAS on the same shapes).
+# (N, K, M bucket) -> variant, measured on the H200 (docs/performance.md run 18: `shoal bench gemm
+# --sweep --m 1 64 128 --modes w8a8`, the tuned W8A8 kernel, TMA loads among the candidates,
+# against bf16 cuBLAS on the same shapes).
 # S2-Pro shapes: qkv (6144, 2560), o (2560, 4096), gate+up (19456, 2560), down (2560, 9728).
 # Shapes and buckets absent here follow `default_variant` (W8A8 up to 32 rows, measured in run 6).
 VARIANT_TABLE: dict[tuple[int, int, int], str] = {
-    (6144, 2560, 64): "w8a8",  # 11.3 vs 11.2 us: a tie; FP8 reads half the bytes
-    (2560, 4096, 64): "bf16",  # 10.8 vs 9.8
-    (19456, 2560, 64): "w8a8",  # 18.2 vs 31.3
-    (2560, 9728, 64): "w8a8",  # 15.7 vs 18.6
-    (6144, 2560, 128): "bf16",  # 12.7 vs 11.3
-    (2560, 4096, 128): "bf16",  # 12.8 vs 10.6
-    (19456, 2560, 128): "w8a8",  # 29.2 vs 30.1
-    (2560, 9728, 128): "w8a8",  # 20.1 vs 21.4
+    (6144, 2560, 64): "w8a8",  # 10.2 vs 11.2 us
+    (2560, 4096, 64): "w8a8",  # 9.8 vs 9.8: a tie; FP8 reads half the bytes
+    (19456, 2560, 64): "w8a8",  # 16.5 vs 31.0
+    (2560, 9728, 64): "w8a8",  # 16.0 vs 18.6
+    (6144, 2560, 128): "bf16",  # 11.9 vs 11.3
+    (2560, 4096, 128): "bf16",  # 12.1 vs 10.6
+    (19456, 2560, 128): "w8a8",  # 24.1 vs 30.1
+    (2560, 9728, 128): "w8a8",  # 17.7 vs 21.3
 }
 
 

@@ -1,0 +1,235 @@
+"""`shoal bench profile`: where one decode step's time goes, kernel by kernel.
+
+The engine bench times whole steps; this one records a few CUDA-graph replays of the step under
+the PyTorch profiler and attributes the step's wall time to its kernels. With programmatic
+dependent launch (`kernels/pdl.py`) a kernel starts while its predecessor still runs and waits
+inside, so a kernel's own duration double-counts. What a kernel adds to the step is its *marginal*
+time: its end minus the previous kernel's end (never below zero). The marginals sum to the step's
+wall time, so the table answers "what would the step lose without this kernel", which is the
+question fusion and kernel tuning ask.
+
+Kernels are keyed by name and launch grid, which tells the projections apart (the FP8 GEMM has
+one name but a different grid per weight shape). The analysis (`kernel_events`, `one_replay`,
+`marginal_table`) works on the Chrome trace JSON alone and is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelEvent:
+    name: str
+    grid: tuple[int, ...]
+    start_us: float
+    duration_us: float
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.duration_us
+
+    @property
+    def key(self) -> str:
+        short = self.name if len(self.name) <= 48 else self.name[:45] + "..."
+        return f"{short} {list(self.grid)}"
+
+
+def kernel_events(trace: dict) -> list[KernelEvent]:
+    """GPU kernel events of a Chrome trace (`torch.profiler`'s export), in start order."""
+    events = []
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") != "kernel" or "dur" not in event:
+            continue
+        grid = tuple(int(g) for g in event.get("args", {}).get("grid", ()))
+        events.append(KernelEvent(event["name"], grid, float(event["ts"]), float(event["dur"])))
+    return sorted(events, key=lambda e: e.start_us)
+
+
+def one_replay(events: list[KernelEvent], replays: int) -> list[KernelEvent]:
+    """The kernels of the middle replay of `replays` identical ones recorded back to back."""
+    if replays < 1 or len(events) % replays:
+        raise ValueError(f"{len(events)} kernel events do not split into {replays} equal replays")
+    per = len(events) // replays
+    middle = replays // 2
+    return events[middle * per : (middle + 1) * per]
+
+
+def marginals(events: list[KernelEvent]) -> list[float]:
+    """Per kernel, the µs it adds to the step: its end minus the latest earlier end (>= 0)."""
+    out, latest_end = [], None
+    for event in events:
+        if latest_end is None:
+            out.append(event.duration_us)
+            latest_end = event.end_us
+        else:
+            out.append(max(0.0, event.end_us - latest_end))
+            latest_end = max(latest_end, event.end_us)
+    return out
+
+
+def marginal_table(events: list[KernelEvent]) -> list[dict]:
+    """Rows {key, count, marginal_us, mean_us, own_us} per (name, grid), largest marginal first."""
+    rows: dict[str, dict] = {}
+    for event, marginal in zip(events, marginals(events), strict=True):
+        row = rows.setdefault(event.key, {"key": event.key, "count": 0, "marginal_us": 0.0, "own_us": 0.0})
+        row["count"] += 1
+        row["marginal_us"] += marginal
+        row["own_us"] += event.duration_us
+    for row in rows.values():
+        row["mean_us"] = row["marginal_us"] / row["count"]
+    return sorted(rows.values(), key=lambda r: -r["marginal_us"])
+
+
+def step_summary(events: list[KernelEvent]) -> dict:
+    wall = events[-1].end_us - events[0].start_us if events else 0.0
+    return {"kernels": len(events), "wall_us": wall, "marginal_sum_us": sum(marginals(events))}
+
+
+def print_profile(title: str, events: list[KernelEvent], top: int = 24, window: Iterable[int] = ()) -> None:
+    summary = step_summary(events)
+    print(f"{title}: {summary['kernels']} kernels, wall {summary['wall_us'] / 1e3:.3f} ms")
+    print(f"  {'marginal µs':>11} {'share':>6} {'count':>5} {'mean':>7}  kernel [grid]")
+    for row in marginal_table(events)[:top]:
+        share = row["marginal_us"] / max(summary["wall_us"], 1e-9)
+        counts = f"{row['count']:5d} {row['mean_us']:7.2f}"
+        print(f"  {row['marginal_us']:11.1f} {100 * share:5.1f}% {counts}  {row['key']}")
+    indices = list(window)
+    if indices:
+        print("  in order (marginal / own µs):")
+        margins = marginals(events)
+        for i in indices:
+            if 0 <= i < len(events):
+                print(f"    {i:5d} {margins[i]:7.2f} / {events[i].duration_us:7.2f}  {events[i].key}")
+
+
+def profile_step(core, batch: int, context: int, replays: int = 5) -> list[KernelEvent]:
+    """Kernel events of the middle of `replays` decode-step graph replays at `batch` rows."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from shoal.bench.engine import _synthetic_rows
+    from shoal.bench.timing import capture_graph
+
+    runner = core.runner
+    view = _synthetic_rows(core, batch, context)
+    graph = capture_graph(lambda: runner.step(view))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            trace = json.load(f)
+    runner.host.invalidate()
+    return one_replay(kernel_events(trace), replays)
+
+
+def sample_kernel_table() -> None:
+    """The sampling kernel alone (CUDA-graph replays), pruned top-k against the full network, at
+    the decode step's shapes: codebook rows (4,096 columns) and S2's main row (4,097, with token
+    ids and RAS), batch 1 and 64, `max_top_k` 64."""
+    import torch
+
+    from shoal.bench.timing import time_graph_ms
+    from shoal.kernels.sample import sample_tokens
+
+    device = "cuda"
+    for rows, columns in ((1, 4096), (1, 4097), (64, 4096), (64, 4097)):
+        logits = torch.randn(rows, columns, device=device).to(torch.bfloat16)
+        params = (
+            torch.full((rows,), 0.8, device=device),
+            torch.full((rows,), 0.8, device=device),
+            torch.full((rows,), 30, device=device, dtype=torch.long),
+            torch.arange(rows, device=device, dtype=torch.long),
+            torch.full((rows,), 5, device=device, dtype=torch.long),
+        )
+        main = columns == 4097
+        extra = {}
+        if main:
+            extra = {
+                "token_ids": torch.arange(columns, device=device, dtype=torch.int32),
+                "window": torch.zeros(rows, 16, 11, device=device, dtype=torch.int32),
+                "semantic_range": (0, columns - 2),
+            }
+        out = torch.empty(rows, dtype=torch.long, device=device)
+        times = {}
+        for group in (None, 1):
+            for warps in (4, 8):
+                call = functools.partial(
+                    sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
+                    num_warps=warps, group_size=group, **extra,
+                )  # fmt: skip
+                times[(group, warps)] = 1000 * time_graph_ms(call, repeats=30)
+        cells = "  ".join(f"{'pruned' if g is None else 'full'}/{w}w {t:6.1f}" for (g, w), t in times.items())
+        print(f"sample kernel rows={rows} columns={columns}: µs  {cells}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=332, help="keys per row")
+    parser.add_argument("--weight-format", choices=("bf16", "fp8"), default="fp8")
+    parser.add_argument("--top", type=int, default=24)
+    parser.add_argument(
+        "--layer-window", type=int, default=14, help="print this many kernels of slow layer 10"
+    )
+    parser.add_argument("--json", default=None, help="write every kernel event of each profiled step here")
+    parser.add_argument(
+        "--sample-kernel", action="store_true", help="first time the sampling kernel's variants alone"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("the step profile needs a CUDA GPU")
+        return 2
+    if args.sample_kernel:
+        sample_kernel_table()
+    from shoal.bench.engine import build_random_s2, decode_step_ms
+    from shoal.config import EngineConfig
+    from shoal.engine.engine import EngineCore
+
+    model = build_random_s2("cuda", torch.bfloat16)
+    config = EngineConfig(
+        max_running_requests=max(args.batch), max_seq_len=args.context + 32, memory_fraction=0.5,
+        ignore_eos=True, weight_format=args.weight_format, graph_buckets=tuple(sorted(set(args.batch))),
+    )  # fmt: skip
+    core = EngineCore(model, config)
+    dump = {}
+    for batch in args.batch:
+        step_ms = decode_step_ms(core, [batch], args.context)[batch]
+        label = f"decode step, {args.weight_format}, batch {batch}"
+        print(f"{label}: {step_ms:.3f} ms (graph replays, unprofiled)")
+        events = profile_step(core, batch, args.context)
+        # Slow layer 10 starts after the embedding, the first norm and 10 layers' kernels; the
+        # exact offset depends on the kernel count per layer, so print a window around it.
+        per_layer = max(1, len(events) // (2 * core.model.config.n_layer))
+        start = 2 + 10 * per_layer
+        print_profile(
+            f"decode step, {args.weight_format}, batch {batch}, {args.context} keys",
+            events, args.top, range(start, start + args.layer_window),
+        )  # fmt: skip
+        dump[str(batch)] = [e.__dict__ for e in events]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(dump, f)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
