@@ -125,7 +125,7 @@ def test_kernel_step_equals_torch_step(
     core, requests = decoding_core(golden_dir, 3)
     runner = core.runner
     kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
-    assert kernel_step.fused_fast_attention == fused_fast
+    assert kernel_step.fused_fast_max_batch == (runner.max_batch if fused_fast else 0)
     torch_step = runner.step
     fields = runner.host.fill(requests)
     n = len(requests)
@@ -180,3 +180,19 @@ def test_fused_prefill_equals_model_forward(golden_dir) -> None:
     torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1][1], outputs[0][1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1][2][:, :7], outputs[0][2][:, :7], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_fast_attention_switch(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.engine.decode_step import FUSED_FAST_MAX_BATCH
+
+    core, _ = decoding_core(golden_dir, 1)
+    runner = core.runner
+
+    def step() -> DecodeStep:
+        return DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True)
+
+    monkeypatch.delenv("SHOAL_FUSED_FAST_ATTENTION", raising=False)
+    assert step().fused_fast_max_batch == FUSED_FAST_MAX_BATCH
+    monkeypatch.setenv("SHOAL_FUSED_FAST_ATTENTION", "sometimes")
+    with pytest.raises(ValueError, match="SHOAL_FUSED_FAST_ATTENTION"):
+        step()

@@ -40,6 +40,7 @@ from shoal.kernels.attention import (
 HQ, HKV, HEAD_DIM = 32, 8, 128
 BATCHES = (1, 16, 64)
 CONTEXTS = (1024, 4096, 8192)
+SHORT_CONTEXTS = (332, 512)  # S2 prompts with a voice prompt and a few seconds of audio
 L2_FLUSH_BYTES = 256 << 20  # inputs cycled until at least this much is touched per replay
 REPEATS = 50  # timed replays per case (`bench/timing.py`)
 # Split-KV sizing (target programs, shortest split) x keys per iteration x warps x stages x merge.
@@ -94,7 +95,12 @@ def kv_bytes(tokens: int) -> int:
 class DecodeCase:
     """`copies` independent inputs for one (batch, lens) shape, paged and contiguous."""
 
-    def __init__(self, seq_lens: list[int], shared_prefix: int = 0, contiguous: bool = True) -> None:
+    def __init__(
+        self, seq_lens: list[int], shared_prefix: int = 0, contiguous: bool = True, capacity: int = 0
+    ) -> None:
+        """`capacity`: block tables this many keys wide (the engine sizes them for its longest
+        sequence, and the split count follows the width), the columns past each row's pages
+        unused."""
         batch, longest = len(seq_lens), max(seq_lens)
         touched = kv_bytes(sum(seq_lens) - (batch - 1) * shared_prefix)
         self.copies = max(1, min(64, math.ceil(L2_FLUSH_BYTES / touched)))
@@ -106,7 +112,8 @@ class DecodeCase:
         self.inputs = []
         for _ in range(self.copies):
             perm = torch.randperm(num_pages, device="cuda").to(torch.int32)
-            tables = torch.empty(batch, pages_per_seq, dtype=torch.int32, device="cuda")
+            width = max(pages_per_seq, -(-capacity // PAGE_SIZE))
+            tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
             tables[:, :shared_pages] = perm[:shared_pages]
             tables[:, shared_pages:] = perm[shared_pages:].view(batch, own_pages)
             shape = (num_pages, PAGE_SIZE, HKV, HEAD_DIM)
@@ -241,6 +248,16 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
             )
         rows.append(row)
         del case
+    # Engine-like short rows in tables 32k keys wide (`shoal serve` sizes them for the model's
+    # max_seq_len): the split count is then the largest, and single-pass rows skip the merge.
+    for batch, context in itertools.product((1, 16), SHORT_CONTEXTS):
+        case = DecodeCase([context] * batch, capacity=32768)
+        config = decode_config(batch)
+        row = {"case": f"decode b={batch} ctx={context} (32k table)", "bytes": kv_bytes(batch * context)}
+        row.update(ours_us=case.paged(config) * 1e3, sdpa_us=case.sdpa() * 1e3)
+        row["split_merge_us"] = case.paged(replace(config, single_pass_tokens=0)) * 1e3
+        rows.append(row)
+        del case
     prefix, own, batch = 1024, 64, 64
     case = DecodeCase([prefix + own] * batch, shared_prefix=prefix)
     row = {"case": f"shared {prefix}-token prefix b={batch} +{own}", "bytes": kv_bytes(prefix + batch * own)}
@@ -259,6 +276,8 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
             f"{row['case']:34} {row['bytes'] / 1e6:9.1f}M {row['ours_us']:9.1f} {row['sdpa_us']:9.1f} "
             f"{row['sdpa_us'] / row['ours_us']:7.2f}x {gbs:7.0f} {gbs / read_gbs:7.0%}"
         )
+        if "split_merge_us" in row:
+            print(f"{'  same, split and merged':34} {'':10} {row['split_merge_us']:9.1f}")
         if "unshared_us" in row:
             print(f"{'  same, prefix read per request':34} {'':10} {row['unshared_us']:9.1f}")
         if "tuned_us" in row:

@@ -137,9 +137,9 @@ def profile_step(core, batch: int, context: int, replays: int = 5) -> list[Kerne
 
 
 def sample_kernel_table() -> None:
-    """The sampling kernel alone (CUDA-graph replays), pruned top-k against the full network, at
-    the decode step's shapes: codebook rows (4,096 columns) and S2's main row (4,097, with token
-    ids and RAS), batch 1 and 64, `max_top_k` 64."""
+    """The sampling kernel alone (CUDA-graph replays) at 4 to 32 warps, at the decode step's
+    shapes: codebook rows (4,096 columns) and S2's main row (4,097, with token ids and RAS),
+    batch 1 and 64, `max_top_k` 64."""
     import torch
 
     from shoal.bench.timing import time_graph_ms
@@ -165,14 +165,13 @@ def sample_kernel_table() -> None:
             }
         out = torch.empty(rows, dtype=torch.long, device=device)
         times = {}
-        for group in (None, 1):
-            for warps in (4, 8):
-                call = functools.partial(
-                    sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
-                    num_warps=warps, group_size=group, **extra,
-                )  # fmt: skip
-                times[(group, warps)] = 1000 * time_graph_ms(call, repeats=30)
-        cells = "  ".join(f"{'pruned' if g is None else 'full'}/{w}w {t:6.1f}" for (g, w), t in times.items())
+        for warps in (4, 8, 16, 32):
+            call = functools.partial(
+                sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
+                num_warps=warps, **extra,
+            )  # fmt: skip
+            times[warps] = 1000 * time_graph_ms(call, repeats=30)
+        cells = "  ".join(f"{w} warps {t:6.1f}" for w, t in times.items())
         print(f"sample kernel rows={rows} columns={columns}: µs  {cells}")
 
 

@@ -44,6 +44,7 @@ from shoal.models.sampling import (
 )
 
 FAST_PAGE = 16  # one page per row holds a frame's fast positions (num_codebooks <= 16)
+FUSED_FAST_MAX_BATCH = 16  # the largest batch whose fast layers use the fused attention kernel
 
 
 def sampling_probs(
@@ -121,9 +122,14 @@ class DecodeStep:
         self.fuse_norm_quant = os.environ.get("SHOAL_FUSE_NORM_QUANT", "0") == "1"
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
-        # (`kernels/fast_attention.py`), opt-in (`SHOAL_FUSED_FAST_ATTENTION=1`): with one warp it
-        # measured 1 µs per layer slower than the two launches (docs/performance.md run 19).
-        self.fused_fast_attention = use_kernels and os.environ.get("SHOAL_FUSED_FAST_ATTENTION", "0") == "1"
+        # (`kernels/fast_attention.py`) for batches up to `fused_fast_max_batch`: on the H200 it
+        # took the step from 4.46 to 4.42 ms at batch 1 and from 6.87 to 6.91 ms at batch 64
+        # (docs/performance.md run 20). `SHOAL_FUSED_FAST_ATTENTION=1` / `0`: always / never.
+        switch = os.environ.get("SHOAL_FUSED_FAST_ATTENTION", "auto")
+        if switch not in ("auto", "0", "1"):
+            raise ValueError(f"SHOAL_FUSED_FAST_ATTENTION must be auto, 0 or 1, got {switch!r}")
+        limits = {"auto": FUSED_FAST_MAX_BATCH, "0": 0, "1": max_batch}
+        self.fused_fast_max_batch = limits[switch] if use_kernels else 0
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -328,7 +334,7 @@ class DecodeStep:
                 return paged_decode_attention(q, kp, vp, tables, lens, out_fp8=out_fp8)
 
         rope_attend = None
-        if self.fused_fast_attention:
+        if batch <= self.fused_fast_max_batch:
             from shoal.kernels.fast_attention import fast_rope_attention
 
             tokens_per_row = 2 if k == 0 else 1

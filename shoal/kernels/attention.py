@@ -74,19 +74,35 @@ class AttentionConfig:
     # Decode: the last split program of each (sequence, kv head) to finish merges the partials
     # (per-(sequence, kv head) arrival counters), so split-KV costs one launch instead of two.
     fused_merge: bool = False
+    # Decode with fused_merge: a sequence with at most this many keys is attended by split 0
+    # alone, which stores the finished rows itself (no partials, counters or merge); its other
+    # split programs return at once. The split count is fixed when a CUDA graph is captured,
+    # from the block table's capacity, so short sequences would otherwise pay for the merge.
+    single_pass_tokens: int = 0
 
 
 DEFAULT_CONFIG = AttentionConfig()
+SINGLE_PASS_TOKENS = 384  # the tuned batch-1/16 configs' `single_pass_tokens` (a guess until run 21)
 # Measured winners for `paged_decode_attention` per batch bucket (the smallest key >= batch),
 # filled from `shoal bench attention --sweep` on the H200; batches above every key use the largest.
 # H200 sweep 2026-11-30 (`shoal bench attention --sweep`), default -> tuned at 4k context:
 # b=1 14.7 -> 11.2 us, b=16 80.6 -> 74.9 us, b=64 253 -> 248.5 us.
 TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     1: AttentionConfig(
-        block_n=128, num_stages=3, target_programs=264, min_split_tokens=128, fused_merge=True
+        block_n=128,
+        num_stages=3,
+        target_programs=264,
+        min_split_tokens=128,
+        fused_merge=True,
+        single_pass_tokens=SINGLE_PASS_TOKENS,
     ),
     16: AttentionConfig(
-        block_n=64, num_stages=3, target_programs=264, min_split_tokens=256, fused_merge=True
+        block_n=64,
+        num_stages=3,
+        target_programs=264,
+        min_split_tokens=256,
+        fused_merge=True,
+        single_pass_tokens=SINGLE_PASS_TOKENS,
     ),
     64: AttentionConfig(
         block_n=64, num_stages=3, target_programs=264, min_split_tokens=256, fused_merge=False
@@ -227,6 +243,44 @@ def _merge_group_partials(
     )  # fmt: skip
 
 
+@triton.jit
+def _attend_split(
+    q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr, scale_ptr,
+    scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
+    stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr,
+):  # fmt: skip
+    """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
+    the last split of the (sequence, kv head) to arrive)."""
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc, m_i, l_i = _attend_key_range(
+        acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
+        CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+    )  # fmt: skip
+    _store_rows(
+        acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
+        stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8, stride_st,
+        stride_sh, HEAD_DIM, WRITE_PARTIAL, QUANT_OUT,
+    )  # fmt: skip
+    if FUSED_MERGE:
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        counter = counter_ptr + seq * (tl.num_programs(2) // num_splits) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            _merge_group_partials(
+                part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_q_heads, num_slots,
+                stride_ot, stride_oh, q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
+                GROUP, BLOCK_G, BLOCK_S, HEAD_DIM, QUANT_OUT,
+            )  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["num_slots", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
@@ -238,7 +292,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, SINGLE_PASS_TOKENS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
@@ -272,34 +326,38 @@ def _paged_attention_kernel(
             kv_lo = tl.load(kv_start_ptr + seq)
         last_query = tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len) - 1
         kv_hi = seq_len - q_len + last_query + 1
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N
+        span = tl.maximum(kv_hi - kv_lo, 0)
+        chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        single = span < 0  # False, as a tensor: only the single-pass case below sets it
+        if FUSED_MERGE:
+            if SINGLE_PASS_TOKENS > 0:
+                single = span <= SINGLE_PASS_TOKENS
+                chunk = tl.where(single, tl.maximum(span, 1), chunk)  # split 0 takes every key
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_hi)
-
-        acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-        m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc, m_i, l_i = _attend_key_range(
-            acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-            kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
-            CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
-        )  # fmt: skip
-        _store_rows(
-            acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
-            stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8, stride_st,
-            stride_sh, HEAD_DIM, WRITE_PARTIAL, QUANT_OUT,
-        )  # fmt: skip
-        if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            counter = counter_ptr + seq * (tl.num_programs(2) // num_splits) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                _merge_group_partials(
-                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_q_heads, num_slots,
-                    stride_ot, stride_oh, q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
-                    GROUP, BLOCK_G, BLOCK_S, HEAD_DIM, QUANT_OUT,
+        if single:
+            if split == 0:
+                acc, m_i, l_i = _attend_key_range(
+                    tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32),
+                    tl.full([BLOCK_R], -1.0e30, dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32),
+                    q, query_pos, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                    kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
+                    CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
                 )  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _store_rows(
+                    acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
+                    stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8,
+                    stride_st, stride_sh, HEAD_DIM, False, QUANT_OUT,
+                )  # fmt: skip
+        else:
+            _attend_split(
+                q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, out_ptr,
+                part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr, scale_ptr,
+                scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
+                stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
+                GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
+                BLOCK_S, UPCAST, QUANT_OUT,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -456,7 +514,7 @@ def _launch_attention(
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=_interpreting(),
-        QUANT_OUT=out_fp8 is not None,
+        QUANT_OUT=out_fp8 is not None, SINGLE_PASS_TOKENS=config.single_pass_tokens if fused_merge else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
 
