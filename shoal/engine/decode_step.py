@@ -124,7 +124,8 @@ class DecodeStep:
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
         # (`kernels/fast_attention.py`) for batches up to `fused_fast_max_batch`: on the H200 it
         # took the step from 4.46 to 4.42 ms at batch 1 and from 6.87 to 6.91 ms at batch 64
-        # (docs/performance.md run 20). `SHOAL_FUSED_FAST_ATTENTION=1` / `0`: always / never.
+        # (docs/performance.md run 20), from 5.41 to 5.37 ms at batch 16 (run 21).
+        # `SHOAL_FUSED_FAST_ATTENTION=1` / `0`: always / never.
         switch = os.environ.get("SHOAL_FUSED_FAST_ATTENTION", "auto")
         if switch not in ("auto", "0", "1"):
             raise ValueError(f"SHOAL_FUSED_FAST_ATTENTION must be auto, 0 or 1, got {switch!r}")

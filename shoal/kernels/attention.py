@@ -82,7 +82,10 @@ class AttentionConfig:
 
 
 DEFAULT_CONFIG = AttentionConfig()
-SINGLE_PASS_TOKENS = 384  # the tuned batch-1/16 configs' `single_pass_tokens` (a guess until run 21)
+# The tuned batch-1/16 configs' `single_pass_tokens`: off. With 384 the FP8 step at batch 1 (332
+# keys, 3 splits) measured 4.51 ms against 4.39 without, in two calls (docs/performance.md run 21);
+# the case it targets, short rows in the wide tables of `shoal serve` (32 splits), is unmeasured.
+SINGLE_PASS_TOKENS = 0
 # Measured winners for `paged_decode_attention` per batch bucket (the smallest key >= batch),
 # filled from `shoal bench attention --sweep` on the H200; batches above every key use the largest.
 # H200 sweep 2026-11-30 (`shoal bench attention --sweep`), default -> tuned at 4k context:
