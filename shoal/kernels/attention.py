@@ -165,6 +165,22 @@ def _attend_key_range(
 
 
 @triton.jit
+def _attend_fresh(
+    q, query_pos, k_ptr, v_ptr, table_row_ptr, kv_head, lo, hi, stride_kp, stride_kt, stride_kh,
+    scale_log2e, CAUSAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """(acc, m, l) of q's rows over keys [lo, hi), from the empty state."""
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    return _attend_key_range(
+        acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, table_row_ptr, kv_head, lo, hi,
+        stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+    )  # fmt: skip
+
+
+@triton.jit
 def _write_rows(
     x, token, head, row_ok, out_ptr, stride_ot, stride_oh,
     q8_ptr, scale_ptr, stride_q8, stride_st, stride_sh,
@@ -258,13 +274,9 @@ def _attend_split(
 ):  # fmt: skip
     """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
     the last split of the (sequence, kv head) to arrive)."""
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc, m_i, l_i = _attend_key_range(
-        acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
-        CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+    acc, m_i, l_i = _attend_fresh(
+        q, query_pos, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi,
+        stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
     )  # fmt: skip
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
@@ -339,18 +351,14 @@ def _paged_attention_kernel(
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_hi)
         if single:
-            if split == 0:
-                acc, m_i, l_i = _attend_key_range(
-                    tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32),
-                    tl.full([BLOCK_R], -1.0e30, dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32),
-                    q, query_pos, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                    kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
-                    CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
-                )  # fmt: skip
-                _store_rows(
-                    acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
-                    stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8,
-                    stride_st, stride_sh, HEAD_DIM, False, QUANT_OUT,
+            if split == 0:  # every key; stores the finished rows (no partial, no merge)
+                _attend_split(
+                    q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr,
+                    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr,
+                    scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp,
+                    stride_kt, stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
+                    GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, False, False,
+                    BLOCK_S, UPCAST, QUANT_OUT,
                 )  # fmt: skip
         else:
             _attend_split(
@@ -395,13 +403,9 @@ def _shared_prefix_kernel(
         chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, prefix_len)
-        acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-        m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc, m_i, l_i = _attend_key_range(
-            acc, m_i, l_i, q, seq, k_ptr, v_ptr, block_tables_ptr + first.to(tl.int64) * stride_bt,
-            kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e,
-            False, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+        acc, m_i, l_i = _attend_fresh(
+            q, seq, k_ptr, v_ptr, block_tables_ptr + first.to(tl.int64) * stride_bt, kv_head, lo, hi,
+            stride_kp, stride_kt, stride_kh, scale_log2e, False, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
         )  # fmt: skip
         _store_rows(
             acc, m_i, l_i, seq, head, row_ok, first_slot + split, q_ptr, part_out_ptr, part_lse_ptr,
