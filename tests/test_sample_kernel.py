@@ -124,3 +124,45 @@ def test_full_s2_shapes() -> None:
     codes = (torch.randn(rows, 4096, generator=gen) * 3).to(DEVICE)
     got = sample_tokens(codes, *params, slot=3)
     assert (got == sample_reference(codes, *params, slot=3)).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("layout", ["random", "last-likely", "ties", "mostly-inf"])
+def test_row_one_past_a_power_of_two_splits_off_its_last_column(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """257 columns (S2's main row has 4,097): the 256-wide network plus the last column inserted
+    afterwards draws what the 512-wide tile draws, RAS included, in every layout that stresses the
+    insertion (the last column among the top, tied with others, or nearly alone)."""
+    gen = torch.Generator().manual_seed(len(layout))
+    rows, columns, begin = 6, 257, 1000
+    token_ids = (begin + torch.arange(columns)).to(torch.int32)
+    token_ids[-1] = 7  # `<|im_end|>`-like: outside the semantic range
+    logits = torch.randn(rows, columns, generator=gen) * 2
+    if layout == "last-likely":
+        logits[:, -1] = logits.max() + torch.arange(rows) - 3.0  # from rank 0 down to the middle
+    elif layout == "ties":  # the reference breaks ties like the kernel only with a stable sort
+        logits = (torch.randint(-3, 3, (rows, columns), generator=gen) * 0.5).to(torch.bfloat16).float()
+        unstable_sort = torch.sort
+        monkeypatch.setattr(torch, "sort", lambda *a, **k: unstable_sort(*a, **{**k, "stable": True}))
+    elif layout == "mostly-inf":
+        logits[:, 10:-1] = float("-inf")
+    params = random_params(rows, gen)
+    params[2] = torch.full((rows,), 64, dtype=torch.long, device=DEVICE)  # every candidate counts
+    params[1] = torch.ones(rows, device=DEVICE)
+    window = torch.randint(begin, begin + 8, (rows, 4, 11), generator=gen, dtype=torch.int32).to(DEVICE)
+    args = (logits.to(DEVICE), *params)
+    kwargs = {
+        "slot": 0,
+        "token_ids": token_ids.to(DEVICE),
+        "window": window,
+        "semantic_range": (begin, begin + 255),
+    }
+    split = sample_tokens(*args, **kwargs, max_top_k=64)
+    whole = sample_tokens(*args, **kwargs, max_top_k=64, split_last_column=False)
+    assert torch.equal(split, whole)
+    assert torch.equal(
+        split.cpu(),
+        sample_reference(
+            *[a.cpu() for a in args], **{**kwargs, "token_ids": token_ids, "window": window.cpu()}
+        ),
+    )

@@ -137,9 +137,10 @@ def profile_step(core, batch: int, context: int, replays: int = 5) -> list[Kerne
 
 
 def sample_kernel_table() -> None:
-    """The sampling kernel alone (CUDA-graph replays) at 4 to 32 warps, at the decode step's
-    shapes: codebook rows (4,096 columns) and S2's main row (4,097, with token ids and RAS),
-    batch 1 and 64, `max_top_k` 64."""
+    """The sampling kernel alone (CUDA-graph replays) at the decode step's shapes: codebook rows
+    (4,096 columns) and S2's main row (4,097, with token ids and RAS), batch 1 and 64, `max_top_k`
+    64; the main row with its last column split off (the default) and without. (Run 20 timed 4 to
+    32 warps: 8 was fastest.)"""
     import torch
 
     from shoal.bench.timing import time_graph_ms
@@ -165,13 +166,13 @@ def sample_kernel_table() -> None:
             }
         out = torch.empty(rows, dtype=torch.long, device=device)
         times = {}
-        for warps in (4, 8, 16, 32):
+        for split in (True, False) if main else (True,):
             call = functools.partial(
                 sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
-                num_warps=warps, **extra,
+                split_last_column=split, **extra,
             )  # fmt: skip
-            times[warps] = 1000 * time_graph_ms(call, repeats=30)
-        cells = "  ".join(f"{w} warps {t:6.1f}" for w, t in times.items())
+            times[split] = 1000 * time_graph_ms(call, repeats=30)
+        cells = "  ".join(f"{'split' if split else 'whole'} {t:6.1f}" for split, t in times.items())
         print(f"sample kernel rows={rows} columns={columns}: µs  {cells}")
 
 

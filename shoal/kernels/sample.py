@@ -12,6 +12,10 @@ semantic slice + `<|im_end|>`, with `token_ids` giving each column's vocabulary 
 equals the full constrained row's), or a codebook row (1024 / 4096). Sorting packs (value, id)
 into one 64-bit key, so ties break toward the lower vocabulary id as a stable sort does; with
 `max_top_k` only the top-k keys are extracted (`tl.topk`), otherwise the whole row is sorted.
+Triton's sort networks cost per stage over the whole power-of-two tile: S2's main row (4,096
+semantic ids + `<|im_end|>`) would take an 8,192-wide tile, 50 µs against 20 µs for a 4,096-column
+row on the H200 (docs/performance.md run 19). So a row of 2^n + 1 columns extracts the top k of
+its first 2^n and inserts the last column's key into that sorted list (`_insert_key`).
 
 RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
 the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
@@ -75,11 +79,30 @@ def _race(values, ids, ranks, top, total, temperature, top_p, top_k, h):
 
 
 @triton.jit
+def _sort_keys(x, ids):
+    """Order-preserving unsigned image of the float, then the id's complement: descending keys
+    give descending values, ties by ascending id."""
+    bits = x.to(tl.uint32, bitcast=True)
+    ordered = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    return (ordered.to(tl.uint64) << 32) | (0xFFFFFFFF - ids.to(tl.uint32)).to(tl.uint64)
+
+
+@triton.jit
+def _insert_key(keys, key, K: tl.constexpr):
+    """The K largest of descending `keys` [K] and one more `key`, descending (keys are unique)."""
+    above = tl.sum((keys > key).to(tl.int32), 0)  # the new key's rank
+    i = tl.arange(0, K)
+    # keys[i - 1] for every i, as a [K, K] select (a register shift by one)
+    previous = tl.sum(tl.where(tl.arange(0, K)[None, :] == (i - 1)[:, None], keys[None, :], 0), 1)
+    return tl.where(i < above, keys, tl.where(i == above, key, previous))
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr,
     window_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
     stride_logits, stride_wb, stride_ww, stride_out, window_width,
-    BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
     HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
@@ -92,16 +115,23 @@ def _sample_kernel(
     else:
         ids = cols
     top = tl.max(x, 0)
-    total = tl.sum(tl.exp(x - top), 0)
-    # Order-preserving unsigned image of the float, then the id's complement: descending keys
-    # give descending values, ties by ascending id.
-    bits = x.to(tl.uint32, bitcast=True)
-    ordered = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    keys = (ordered.to(tl.uint64) << 32) | (0xFFFFFFFF - ids.to(tl.uint32)).to(tl.uint64)
+    if EXTRA_LAST:  # the row's last column, outside the BLOCK_V = columns - 1 tile
+        x_last = tl.load(logits_ptr + row * stride_logits + BLOCK_V).to(tl.float32)
+        top = tl.maximum(top, x_last)
+        total = tl.sum(tl.exp(x - top), 0) + tl.exp(x_last - top)
+    else:
+        total = tl.sum(tl.exp(x - top), 0)
+    keys = _sort_keys(x, ids)
     if K == BLOCK_V:
         keys = tl.sort(keys, descending=True)
     else:
         keys = tl.topk(keys, K)
+    if EXTRA_LAST:
+        if HAS_TOKEN_IDS:
+            id_last = tl.load(token_ids_ptr + BLOCK_V)
+        else:
+            id_last = BLOCK_V
+        keys = _insert_key(keys, _sort_keys(x_last, id_last), K)
     ordered = (keys >> 32).to(tl.uint32)
     sorted_bits = tl.where((ordered >> 31) != 0, ordered ^ 0x80000000, ordered ^ 0xFFFFFFFF)
     values = sorted_bits.to(tl.float32, bitcast=True)
@@ -143,12 +173,15 @@ def sample_tokens(
     max_top_k: int | None = None,
     out: Tensor | None = None,
     num_warps: int = 8,
+    split_last_column: bool = True,
 ) -> Tensor:
     """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
     and stride, e.g. `frames[:, 0]`), default int64. `token_ids` int32 [V] maps columns to ids.
     RAS when `window` int32 [B, W, N+1] and `semantic_range` (inclusive) are given (slot 0).
     `max_top_k`: a bound on every row's top_k that lets the kernel extract only that many
-    candidates; rows with a larger top_k are then treated as top_k = that bound."""
+    candidates; rows with a larger top_k are then treated as top_k = that bound.
+    `split_last_column` (with `max_top_k`): a row of 2^n + 1 columns runs the 2^n-wide network and
+    inserts the last column after (False: the 2^(n+1)-wide tile; same draws, for A/B)."""
     rows, columns = logits.shape
     if columns > MAX_COLUMNS or logits.stride(1) != 1:
         raise ValueError(f"need contiguous rows of at most {MAX_COLUMNS} columns (got {columns})")
@@ -159,6 +192,15 @@ def sample_tokens(
         return out
     block_v = triton.next_power_of_2(columns)
     k = block_v if max_top_k is None else min(block_v, triton.next_power_of_2(max(2, max_top_k)))
+    # A row one column past a power of two (S2's 4,096 semantic ids + `<|im_end|>`) would double
+    # the tile, and the top-k network with it: the tile takes the first columns - 1 and the last
+    # one is inserted into the extracted top k afterwards (the same keys, in the same order).
+    # Only when the k extracted fit in the smaller tile (else the last of k > columns - 1 is lost).
+    extra_last = (
+        split_last_column and max_top_k is not None and block_v == 2 * (columns - 1) and 2 <= k <= columns - 1
+    )
+    if extra_last:
+        block_v = columns - 1
     begin, end = semantic_range if semantic_range is not None else (0, -1)
     _sample_kernel[(rows,)](
         logits, token_ids if token_ids is not None else seed, temperature, top_p, top_k, seed, frame,
@@ -167,6 +209,7 @@ def sample_tokens(
         window.stride(0) if window is not None else 0, window.stride(1) if window is not None else 0,
         out.stride(0), window.shape[1] if window is not None else 0,
         BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
+        EXTRA_LAST=extra_last,
         HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None, num_warps=num_warps,
         **pdl_launch(),
     )  # fmt: skip
