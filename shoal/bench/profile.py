@@ -139,8 +139,8 @@ def profile_step(core, batch: int, context: int, replays: int = 5) -> list[Kerne
 def sample_kernel_table() -> None:
     """The sampling kernel alone (CUDA-graph replays) at the decode step's shapes: codebook rows
     (4,096 columns) and S2's main row (4,097, with token ids and RAS), batch 1 and 64, `max_top_k`
-    64; the main row with its last column split off (the default) and without. (Run 20 timed 4 to
-    32 warps: 8 was fastest.)"""
+    64; the main row with its last column split off (`split_last_column`) and without. (Run 20
+    timed 4 to 32 warps: 8 was fastest.)"""
     import torch
 
     from shoal.bench.timing import time_graph_ms

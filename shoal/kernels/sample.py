@@ -15,7 +15,8 @@ into one 64-bit key, so ties break toward the lower vocabulary id as a stable so
 Triton's sort networks cost per stage over the whole power-of-two tile: S2's main row (4,096
 semantic ids + `<|im_end|>`) would take an 8,192-wide tile, 50 µs against 20 µs for a 4,096-column
 row on the H200 (docs/performance.md run 19). So a row of 2^n + 1 columns extracts the top k of
-its first 2^n and inserts the last column's key into that sorted list (`_insert_key`).
+its first 2^n and inserts the last column's key into that sorted list (`_insert_key`), with
+`split_last_column` (off until measured on the GPU).
 
 RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
 the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
@@ -130,7 +131,7 @@ def _sample_kernel(
         if HAS_TOKEN_IDS:
             id_last = tl.load(token_ids_ptr + BLOCK_V)
         else:
-            id_last = BLOCK_V
+            id_last = tl.full([], BLOCK_V, tl.int32)
         keys = _insert_key(keys, _sort_keys(x_last, id_last), K)
     ordered = (keys >> 32).to(tl.uint32)
     sorted_bits = tl.where((ordered >> 31) != 0, ordered ^ 0x80000000, ordered ^ 0xFFFFFFFF)
@@ -173,7 +174,7 @@ def sample_tokens(
     max_top_k: int | None = None,
     out: Tensor | None = None,
     num_warps: int = 8,
-    split_last_column: bool = True,
+    split_last_column: bool = False,
 ) -> Tensor:
     """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
     and stride, e.g. `frames[:, 0]`), default int64. `token_ids` int32 [V] maps columns to ids.
@@ -181,7 +182,8 @@ def sample_tokens(
     `max_top_k`: a bound on every row's top_k that lets the kernel extract only that many
     candidates; rows with a larger top_k are then treated as top_k = that bound.
     `split_last_column` (with `max_top_k`): a row of 2^n + 1 columns runs the 2^n-wide network and
-    inserts the last column after (False: the 2^(n+1)-wide tile; same draws, for A/B)."""
+    inserts the last column after, instead of the 2^(n+1)-wide tile (same draws). Off by default
+    until it has run on a GPU (written when the session's device time was spent)."""
     rows, columns = logits.shape
     if columns > MAX_COLUMNS or logits.stride(1) != 1:
         raise ValueError(f"need contiguous rows of at most {MAX_COLUMNS} columns (got {columns})")
