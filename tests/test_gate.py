@@ -273,6 +273,8 @@ def test_write_baseline_refuses_rows_without_step_timing(tmp_path: Path, capsys)
     [
         (_step_rows(STEPS, context=332), H200),  # e.g. `--frames 64`: another context
         (_step_rows(STEPS), {**H200, "gpu": "NVIDIA A100-SXM4-80GB"}),
+        # `--max-seq-len 32768`: wider block tables, more attention splits than the baseline's
+        ([{**row, "max_seq_len": 32768} for row in _step_rows(STEPS)], H200),
     ],
 )
 def test_not_comparable_results_exit_2(tmp_path: Path, capsys, rows, environment) -> None:
@@ -284,6 +286,14 @@ def test_not_comparable_results_exit_2(tmp_path: Path, capsys, rows, environment
     ]
     assert gate.run_performance(_args(*argv), bench=_no_bench) == gate.EXIT_NOT_COMPARABLE == 2
     assert "NOT COMPARABLE" in capsys.readouterr().out
+
+
+def test_default_table_width_is_comparable(tmp_path: Path) -> None:
+    """Rows that record the bench's default width (prompt + frames + 16) match a baseline that
+    predates the field."""
+    rows = [{**row, "max_seq_len": 300 + 128 + 16} for row in _step_rows(STEPS)]
+    argv = ["--baseline", str(_baseline_file(tmp_path)), "--results", str(_results_file(tmp_path, rows))]
+    assert gate.run_performance(_args(*argv), bench=_no_bench) == 0
 
 
 def test_old_schema_baseline_is_not_comparable(tmp_path: Path, capsys) -> None:

@@ -260,13 +260,16 @@ def run_engine_bench(
     step_timing: bool = True,
     step_context: int | None = None,
     ttff_samples: int = 7,
+    max_seq_len: int | None = None,
 ) -> list[dict]:
     """One result dict per concurrency. With `step_timing` (on a GPU) each also carries the decode
     step at batch = concurrency timed as CUDA-graph replays at `step_context` keys (default
     `prompt_tokens + frames // 2`): `decode_step_ms`, `decode_step_context` and
     `decode_frames_per_s` = 1000 / step ms, the per-request rate the performance gate compares.
     At concurrency 1 the first-frame time is the median over the level's request and
-    `ttff_samples` more single requests (p95 column: the worst of them)."""
+    `ttff_samples` more single requests (p95 column: the worst of them). `max_seq_len` (default:
+    just what the requests need) sizes the block tables, hence the decode attention's split count:
+    `shoal serve` uses the model's (32,768 for S2-Pro), so pass that to measure its step."""
     concurrencies = concurrencies or [1, 4, 16, 64]
     torch_dtype = getattr(torch, dtype)
     if checkpoint:
@@ -279,7 +282,7 @@ def run_engine_bench(
         device=device,
         dtype=dtype,
         max_running_requests=max(concurrencies),
-        max_seq_len=max(prompt_tokens + frames, step_context or 0) + 16,
+        max_seq_len=max_seq_len or max(prompt_tokens + frames, step_context or 0) + 16,
         memory_fraction=0.6,
         use_cuda_graphs=use_cuda_graphs,
         ignore_eos=True,
@@ -304,6 +307,7 @@ def run_engine_bench(
         result["shared_prefix"] = shared_prefix
         result["weight_format"] = weight_format
         result["prompt_tokens"] = prompt_tokens
+        result["max_seq_len"] = config.max_seq_len
         results.append(result)
     graphs_possible = core.runner.step is not None and core.runner.device.type == "cuda"
     if step_timing and graphs_possible:
@@ -394,6 +398,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keys per row when timing the decode step at each concurrency (default prompt + frames/2)",
     )
     parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="engine max_seq_len (block-table width; default prompt + frames + 16; shoal serve: the model's)",
+    )
+    parser.add_argument(
         "--weight-format",
         nargs="+",
         choices=("bf16", "fp8"),
@@ -432,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
                 breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
                 weight_format=weight_format,
                 step_context=args.step_context,
+                max_seq_len=args.max_seq_len,
             )
             free_gpu()
     print_results(all_results)

@@ -242,7 +242,17 @@ EXIT_FAIL = 1  # a concurrency more than --tolerance slower than the baseline, o
 EXIT_NOT_COMPARABLE = 2  # no usable baseline entry, a different context length or GPU (and argparse)
 EXIT_PLACEHOLDER = 3  # the baseline entry was never measured ("measured": false)
 BASELINE_SCHEMA = 2
-METADATA_KEYS = ("date", "commit", "gpu", "torch", "triton", "command", "prompt_tokens", "frames")
+METADATA_KEYS = (
+    "date",
+    "commit",
+    "gpu",
+    "torch",
+    "triton",
+    "command",
+    "prompt_tokens",
+    "frames",
+    "max_seq_len",
+)
 
 
 BASELINE_DESCRIPTION = (
@@ -506,6 +516,15 @@ def current_environment() -> dict:
     return environment()
 
 
+def _table_width(metadata: dict) -> int | None:
+    """The engine max_seq_len a baseline was measured with: recorded, or the bench's default for
+    its prompt and frames (baselines before it was recorded)."""
+    if metadata.get("max_seq_len"):
+        return int(metadata["max_seq_len"])
+    prompt, frames = metadata.get("prompt_tokens"), metadata.get("frames")
+    return int(prompt) + int(frames) + 16 if prompt and frames else None
+
+
 def _not_comparable(entry: FormatBaseline, results: Sequence[dict], env: dict | None) -> str | None:
     """Why these results cannot be held against this entry, or None."""
     contexts = {int(r["decode_step_context"]) for r in results if "decode_step_context" in r}
@@ -514,6 +533,14 @@ def _not_comparable(entry: FormatBaseline, results: Sequence[dict], env: dict | 
         return (
             f"step timed at {shown} keys, baseline at {entry.context_tokens} "
             f"(rerun `shoal bench engine` with --step-context {entry.context_tokens})"
+        )
+    widths = {int(r["max_seq_len"]) for r in results if r.get("max_seq_len")}
+    expected = _table_width(entry.metadata)
+    if widths and expected and widths != {expected}:
+        shown = ", ".join(map(str, sorted(widths)))
+        return (
+            f"block tables {shown} keys wide (--max-seq-len), baseline {expected}: the decode "
+            "attention's split count follows the width"
         )
     gpu, measured_gpu = entry.metadata.get("gpu"), (env or {}).get("gpu")
     if gpu and measured_gpu and gpu != measured_gpu:
@@ -663,6 +690,7 @@ def write_baseline(
             commit=args.commit or env.get("commit"),
             prompt_tokens=rows[0].get("prompt_tokens"),
             frames=rows[0].get("frames"),
+            max_seq_len=rows[0].get("max_seq_len"),
         )
         entries[weight_format] = FormatBaseline(
             measured=True,
