@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -90,26 +90,13 @@ SINGLE_PASS_TOKENS = 0
 # filled from `shoal bench attention --sweep` on the H200; batches above every key use the largest.
 # H200 sweep 2026-11-30 (`shoal bench attention --sweep`), default -> tuned at 4k context:
 # b=1 14.7 -> 11.2 us, b=16 80.6 -> 74.9 us, b=64 253 -> 248.5 us.
+_FUSED_SMALL_BATCH = AttentionConfig(
+    num_stages=3, target_programs=264, fused_merge=True, single_pass_tokens=SINGLE_PASS_TOKENS
+)
 TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
-    1: AttentionConfig(
-        block_n=128,
-        num_stages=3,
-        target_programs=264,
-        min_split_tokens=128,
-        fused_merge=True,
-        single_pass_tokens=SINGLE_PASS_TOKENS,
-    ),
-    16: AttentionConfig(
-        block_n=64,
-        num_stages=3,
-        target_programs=264,
-        min_split_tokens=256,
-        fused_merge=True,
-        single_pass_tokens=SINGLE_PASS_TOKENS,
-    ),
-    64: AttentionConfig(
-        block_n=64, num_stages=3, target_programs=264, min_split_tokens=256, fused_merge=False
-    ),
+    1: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=128),
+    16: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=256),
+    64: AttentionConfig(block_n=64, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 
 
