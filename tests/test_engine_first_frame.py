@@ -26,7 +26,6 @@ from test_engine_batching import TEXTS, Collector, expected, submit  # noqa: E40
 
 from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.api import Priority  # noqa: E402
-from shoal.engine.batch import DecodeBuffers  # noqa: E402
 from shoal.engine.core import EngineCore  # noqa: E402
 from shoal.engine.decode_step import DecodeStep  # noqa: E402
 from shoal.engine.request import Request, SamplingParams  # noqa: E402
@@ -75,14 +74,8 @@ def make_request(
 
 def eager_frames(runner, requests, hidden, normed, last_rows) -> torch.Tensor:
     """The eager first frames: fresh buffers of exactly n rows, whole-row sampling."""
-    n = len(requests)
-    buffers = DecodeBuffers.allocate(n, 1, runner.window_size, runner.num_rows, "cpu")
-    buffers.window.copy_(torch.stack([r.window(runner.window_size) for r in requests]))
-    buffers.frame_index.copy_(torch.tensor([r.num_frames for r in requests]))
-    params = runner.params_for(requests, device="cpu")
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
-        getattr(buffers, name).copy_(getattr(params, name))
-    buffers.frames.fill_(-7)
+    buffers = runner.fresh_first_frame_buffers(requests)
+    buffers.frames.fill_(-7)  # poison: every element must be written
     rows = torch.tensor(last_rows)
     with torch.no_grad():
         runner.step.frames_from_hidden(hidden[rows], normed[rows], buffers, capped=False)

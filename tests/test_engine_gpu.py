@@ -238,15 +238,7 @@ def resumed_requests(runner, count: int, salt: int) -> list:
 
 def fresh_first_frames(runner, requests, hidden, normed, last_rows) -> torch.Tensor:
     """The eager path of `ModelRunner.prefill` (fresh buffers of n rows, whole-row sampling)."""
-    from shoal.engine.batch import DecodeBuffers
-
-    n = len(requests)
-    buffers = DecodeBuffers.allocate(n, 1, runner.window_size, runner.num_rows, "cuda")
-    buffers.window.copy_(torch.stack([r.window(runner.window_size) for r in requests]))
-    buffers.frame_index.copy_(torch.tensor([r.num_frames for r in requests]))
-    params = runner.params_for(requests)
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
-        getattr(buffers, name).copy_(getattr(params, name))
+    buffers = runner.fresh_first_frame_buffers(requests)
     rows = torch.tensor(last_rows, device="cuda")
     with torch.no_grad():
         runner.step.frames_from_hidden(hidden[rows], normed[rows], buffers, capped=False)

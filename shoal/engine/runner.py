@@ -268,20 +268,12 @@ class ModelRunner:
         rows = _to_device(torch.tensor(last_rows), self.device)
         hidden = hidden[rows]
         normed = normed[rows] if fused else self.model.norm(hidden)
-        window = torch.stack([r.window(self.window_size) for r in completing])
-        frame_index = torch.tensor([r.num_frames for r in completing])
         if self.step is not None:
-            buffers = DecodeBuffers.allocate(len(completing), 1, self.window_size, self.num_rows, "cpu")
-            buffers.window.copy_(window)
-            buffers.frame_index.copy_(frame_index)
-            params = self.params_for(completing, device="cpu")
-            for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
-                getattr(buffers, name).copy_(getattr(params, name))
-            buffers = DecodeBuffers(
-                **{n: _to_device(getattr(buffers, n), self.device) for n in buffers.names}
-            )
+            buffers = self.fresh_first_frame_buffers(completing)
             self.step.frames_from_hidden(hidden, normed, buffers, capped=False)
             return completing, buffers.frames
+        window = torch.stack([r.window(self.window_size) for r in completing])
+        frame_index = torch.tensor([r.num_frames for r in completing])
         logits, fast_input = self.model.slow_head(hidden)
         params = self.params_for(completing)
         frames = decode_frame(
@@ -294,6 +286,17 @@ class ModelRunner:
             frame_index.to(self.device),
         )
         return completing, frames.to(torch.int32)
+
+    def fresh_first_frame_buffers(self, requests: list[Request]) -> DecodeBuffers:
+        """Device buffers of exactly these rows for `DecodeStep.frames_from_hidden`: window,
+        frame index and sampling fields filled (the first frame outside `FirstFrameBatch`)."""
+        buffers = DecodeBuffers.allocate(len(requests), 1, self.window_size, self.num_rows, "cpu")
+        buffers.window.copy_(torch.stack([r.window(self.window_size) for r in requests]))
+        buffers.frame_index.copy_(torch.tensor([r.num_frames for r in requests]))
+        params = self.params_for(requests, device="cpu")
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+            getattr(buffers, name).copy_(getattr(params, name))
+        return DecodeBuffers(**{n: _to_device(getattr(buffers, n), self.device) for n in buffers.names})
 
     def uses_first_frame_batch(self, requests: list[Request]) -> bool:
         """Whether these completing rows take the static first-frame path (`FirstFrameBatch`):
