@@ -41,6 +41,19 @@ async def synthesize(engine: LocalEngine, request: SynthesisRequest):
     return handle, chunks
 
 
+def synthesize_on_thread(engine: LocalEngine, request: SynthesisRequest):
+    """(handle, chunks) of one request on the engine's own thread, started and stopped here."""
+
+    async def scenario():
+        engine.start_thread()
+        try:
+            return await asyncio.wait_for(synthesize(engine, request), 120)
+        finally:
+            engine.stop_thread()
+
+    return asyncio.run(scenario())
+
+
 def test_long_text_streams_audio_of_the_reference_frames(model, codec):
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 32, (4, 6), generator=g)
@@ -50,15 +63,7 @@ def test_long_text_streams_audio_of_the_reference_frames(model, codec):
     request = SynthesisRequest(text, (voice,), sampling=options, max_new_frames=12, chunk_length=10)
     config = EngineConfig(device="cpu", dtype="float64", num_pages=256, page_size=4, vocoder_chunk_frames=3)
     engine = LocalEngine(model, config, codec=codec)
-
-    async def scenario():
-        engine.start_thread()
-        try:
-            return await asyncio.wait_for(synthesize(engine, request), 120)
-        finally:
-            engine.stop_thread()
-
-    handle, chunks = asyncio.run(scenario())
+    handle, chunks = synthesize_on_thread(engine, request)
     assert handle.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     oracle = generate_long(
         model,
@@ -280,15 +285,7 @@ def test_v15_long_text_slides_the_history_as_the_reference(tmp_path):
     request = SynthesisRequest(text, sampling=options, max_new_frames=6, chunk_length=12)
     engine = LocalEngine(model, EngineConfig(device="cpu", dtype="float64", num_pages=256, page_size=4))
     engine.v15_max_length = max_length
-
-    async def scenario():
-        engine.start_thread()
-        try:
-            return await asyncio.wait_for(synthesize(engine, request), 120)
-        finally:
-            engine.stop_thread()
-
-    handle, chunks = asyncio.run(scenario())
+    handle, chunks = synthesize_on_thread(engine, request)
     assert handle.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     oracle = generate_long(
         model, text, chunk_length=12, max_frames=6, temperature=0.7, top_p=0.8, seed=3,

@@ -104,6 +104,14 @@ def _no_bench(*_args, **_kwargs):
     raise AssertionError("--results must not benchmark again")
 
 
+def _gate_results(tmp_path: Path, baseline: Path, rows: list[dict], *extra: str, environment=H200) -> int:
+    """Exit code of `shoal gate performance --baseline B --results (rows) [extra]`."""
+    results = _results_file(tmp_path, rows, environment)
+    return gate.run_performance(
+        _args("--baseline", str(baseline), "--results", str(results), *extra), bench=_no_bench
+    )
+
+
 @pytest.mark.parametrize(
     "steps,expected_rc",
     [
@@ -143,23 +151,11 @@ def test_performance_gate_ignores_whole_request_rates(tmp_path: Path) -> None:
     for row in rows:
         row["per_request_frames_per_s"] *= 0.5
         row["aggregate_frames_per_s"] *= 0.5
-    assert (
-        gate.run_performance(
-            _args("--baseline", str(baseline), "--results", str(_results_file(tmp_path, rows))),
-            bench=_no_bench,
-        )
-        == 0
-    )
+    assert _gate_results(tmp_path, baseline, rows) == 0
     rows = _step_rows(_slower(0.06, 64))
     for row in rows:
         row["per_request_frames_per_s"] *= 2
-    assert (
-        gate.run_performance(
-            _args("--baseline", str(baseline), "--results", str(_results_file(tmp_path, rows))),
-            bench=_no_bench,
-        )
-        == 1
-    )
+    assert _gate_results(tmp_path, baseline, rows) == 1
 
 
 def test_performance_table_content() -> None:
@@ -263,8 +259,7 @@ def test_write_baseline_refuses_rows_without_step_timing(tmp_path: Path, capsys)
     baseline = tmp_path / "out.json"
     rows = _step_rows(STEPS)
     del rows[1]["decode_step_ms"]  # e.g. a CPU run, or --concurrency 1 64
-    argv = ["--baseline", str(baseline), "--results", str(_results_file(tmp_path, rows)), "--write-baseline"]
-    assert gate.run_performance(_args(*argv), bench=_no_bench) == gate.EXIT_NOT_COMPARABLE
+    assert _gate_results(tmp_path, baseline, rows, "--write-baseline") == gate.EXIT_NOT_COMPARABLE
     assert not baseline.exists() and "nothing written" in capsys.readouterr().out
 
 
@@ -278,13 +273,8 @@ def test_write_baseline_refuses_rows_without_step_timing(tmp_path: Path, capsys)
     ],
 )
 def test_not_comparable_results_exit_2(tmp_path: Path, capsys, rows, environment) -> None:
-    argv = [
-        "--baseline",
-        str(_baseline_file(tmp_path)),
-        "--results",
-        str(_results_file(tmp_path, rows, environment)),
-    ]
-    assert gate.run_performance(_args(*argv), bench=_no_bench) == gate.EXIT_NOT_COMPARABLE == 2
+    rc = _gate_results(tmp_path, _baseline_file(tmp_path), rows, environment=environment)
+    assert rc == gate.EXIT_NOT_COMPARABLE == 2
     assert "NOT COMPARABLE" in capsys.readouterr().out
 
 
@@ -292,15 +282,13 @@ def test_default_table_width_is_comparable(tmp_path: Path) -> None:
     """Rows that record the bench's default width (prompt + frames + 16) match a baseline that
     predates the field."""
     rows = [{**row, "max_seq_len": 300 + 128 + 16} for row in _step_rows(STEPS)]
-    argv = ["--baseline", str(_baseline_file(tmp_path)), "--results", str(_results_file(tmp_path, rows))]
-    assert gate.run_performance(_args(*argv), bench=_no_bench) == 0
+    assert _gate_results(tmp_path, _baseline_file(tmp_path), rows) == 0
 
 
 def test_old_schema_baseline_is_not_comparable(tmp_path: Path, capsys) -> None:
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"measured": True, "per_request_frames_per_s": {"1": 150.0}}))
-    argv = ["--baseline", str(path), "--results", str(_results_file(tmp_path, _step_rows(STEPS)))]
-    assert gate.run_performance(_args(*argv), bench=_no_bench) == 2
+    assert _gate_results(tmp_path, path, _step_rows(STEPS)) == 2
     assert "--write-baseline" in capsys.readouterr().out
 
 

@@ -138,23 +138,8 @@ def test_disconnect_before_first_audio_aborts(tmp_path):
         "root_path": "", "headers": [(b"content-type", b"application/msgpack")],
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {},
     }  # fmt: skip
-    sent: list[dict] = []
-    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
-
-    async def receive() -> dict:
-        for message in messages:
-            return message
-        await anyio.sleep(0.2)  # then the client goes away
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    async def scenario() -> None:
-        with anyio.fail_after(10):
-            await app(scope, receive, send)
-
-    anyio.run(scenario)
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = drive_asgi(app, scope, messages, leave_after_s=0.2)  # then the client goes away
     assert len(engine.submitted) == 1 and engine.pages_used == 0 and not engine.running
     assert sent[0]["status"] == 499
 
@@ -167,13 +152,22 @@ def send_half_a_body_then_leave(app, method: str, path: str) -> list[dict]:
         "root_path": "", "state": {}, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
         "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
     }  # fmt: skip
-    messages = iter([{"type": "http.request", "body": b'{"text": "hel', "more_body": True}])
+    messages = [{"type": "http.request", "body": b'{"text": "hel', "more_body": True}]
+    return drive_asgi(app, scope, messages)  # the rest of the body never comes
+
+
+def drive_asgi(app, scope: dict, messages: list[dict], leave_after_s: float = 0.0) -> list[dict]:
+    """Run one ASGI request through `app`: `messages` are received in turn, then (after
+    `leave_after_s`) the client disconnects. Returns what the app sent."""
+    pending = iter(messages)
     sent: list[dict] = []
 
     async def receive() -> dict:
-        for message in messages:
+        for message in pending:
             return message
-        return {"type": "http.disconnect"}  # the rest of the body never comes
+        if leave_after_s:
+            await anyio.sleep(leave_after_s)
+        return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         sent.append(message)
