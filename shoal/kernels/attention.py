@@ -330,7 +330,7 @@ def _paged_attention_kernel(
         kv_hi = seq_len - q_len + last_query + 1
         span = tl.maximum(kv_hi - kv_lo, 0)
         chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-        single = span < 0  # False, as a tensor: only the single-pass case below sets it
+        single = False  # a constant (folded away) unless the single pass is compiled in below
         if FUSED_MERGE:
             if SINGLE_PASS_TOKENS > 0:
                 single = span <= SINGLE_PASS_TOKENS
