@@ -79,29 +79,6 @@ def test_decode_matches_reference(hq: int, hkv: int, num_splits: int, fused: boo
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8-out"])
-def test_decode_single_pass_for_short_sequences(quantized: bool) -> None:
-    """With `single_pass_tokens`, rows with few keys skip the split/merge (split 0 stores them)
-    while longer rows of the same launch still split and merge; the arrival counters stay 0."""
-    gen = torch.Generator().manual_seed(11)
-    seq_lens, hq, hkv, d = [1, 15, 16, 20, 21, 40], 4, 2, 128 if quantized else 32
-    k, v, tables = make_paged_cache(seq_lens, hkv, d, 16, gen)
-    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    split = replace(SMALL, fused_merge=True)
-    single = replace(split, single_pass_tokens=20)
-    ref = paged_attention_reference(q, k, v, tables, lens)
-    plain = paged_decode_attention(q, k, v, tables, lens, num_splits=3, config=split, out=poisoned(q.shape))
-    out = paged_decode_attention(q, k, v, tables, lens, num_splits=3, config=single, out=poisoned(q.shape))
-    assert relative_error(out, ref) < 1e-2
-    assert torch.equal(out[4:], plain[4:]), "rows over the limit take the split path unchanged"
-    assert not attention._merge_counters[out.device].any()
-    if quantized:
-        out_fp8 = poisoned_fp8_output(len(seq_lens), hq * d)
-        paged_decode_attention(q, k, v, tables, lens, num_splits=3, config=single, out_fp8=out_fp8)
-        assert_fp8_output_matches(out_fp8, out)
-
-
 def test_decode_config_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "TUNED_DECODE_CONFIGS", {})
     assert attention.decode_config(7) is attention.DEFAULT_CONFIG
@@ -245,7 +222,7 @@ def test_fp8_output_rejects_bad_shapes() -> None:
         paged_decode_attention(q, k, v, tables, lens, config=SMALL, out_fp8=(wrong_dtype, _))
 
 
-# The last two: rows at or under the tuned single_pass_tokens (384) next to rows over it.
+# The last two: short rows (a few hundred keys), as in the engine at the start of a request.
 S2_DECODE_SHAPES = [(1, 8192), (16, 4096), (64, 1024), (1, 300), (16, 500)]
 S2_PREFIX_LENS = [1025 + 5 * i for i in range(64)]  # every row longer than the 1024 shared
 

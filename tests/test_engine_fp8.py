@@ -324,17 +324,26 @@ def _wide_head_model(directory) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("heads", ["golden", "wide"])
+@pytest.mark.parametrize("heads", ["golden", "wide", "split-rows"])
 def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path, heads: str) -> None:
     """With reserved row counts the norms (and, with 128-wide heads, the attention) write the
     W8A8 projections' inputs already quantized; the step's outputs are bit for bit those of the
-    unfused step (bf16 output, then a quantization launch)."""
-    model = tiny(golden_dir, torch.bfloat16) if heads == "golden" else _wide_head_model(tmp_path)
+    unfused step (bf16 output, then a quantization launch, one norm program per row, residual in
+    place). `split-rows`: a 256-wide model whose fused step splits every norm row over two
+    programs (`slice_groups` 1, the residual stream in two buffers)."""
+    if heads == "split-rows":
+        model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16)
+        model.build_rope_tables("cpu")
+    else:
+        model = tiny(golden_dir, torch.bfloat16) if heads == "golden" else _wide_head_model(tmp_path)
     runner, requests = _two_running_requests(model, "bfloat16")
     fused = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
     fused.fp8.reserve(graph_row_counts([2]))
-    fused.fuse_norm_quant = fused.fuse_attention_quant = True  # the norm's is opt-in (run 13)
+    fused.fuse_attention_quant, fused.norm_split_max_rows = True, 1 << 20
+    if heads == "split-rows":
+        fused.norm_slice_groups = 1
     separate = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)  # nothing reserved
+    separate.norm_split_max_rows = 0
     block = model.layers[0]
     assert fused.fp8.fp8_input(block, "qkv", 2) is not None
     assert fused.fp8.fp8_input(block, "gate_up", 4) is not None

@@ -111,6 +111,17 @@ def test_full_s2_shapes() -> None:
     rms_norm(x, weight, 1e-6, residual.clone(), out_fp8=(q, scales))
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scales, want_s)
+    # the decode step's split rows (four groups per program, residual into a second buffer)
+    for rows in (1, 64):
+        summed, rows_in = torch.empty_like(residual[:rows]), residual[:rows].clone()
+        split, _ = rms_norm(x[:rows], weight, 1e-6, rows_in, residual_out=summed, slice_groups=4)
+        assert torch.equal(split, out[:rows])
+        assert torch.equal(summed, rms_norm_reference(x[:rows], weight, 1e-6, residual[:rows])[1])
+        q_split, s_split = torch.empty_like(q[:rows]), new_activation_scales(rows, 2560, DEVICE)
+        rms_norm(x[:rows], weight, 1e-6, residual[:rows].clone(), out_fp8=(q_split, s_split),
+                 residual_out=summed, slice_groups=4)  # fmt: skip
+        assert torch.equal(q_split.view(torch.uint8), q[:rows].view(torch.uint8))
+        assert torch.equal(s_split, scales[:rows])
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 256), (3, 320)])
@@ -145,3 +156,52 @@ def test_rms_norm_fp8_output_checks_layout() -> None:
         rms_norm(x, weight, 1e-6, out_fp8=(q, row_major))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         rms_norm(x, weight, 1e-6, out_fp8=(q.view(torch.uint8), new_activation_scales(4, 256, DEVICE)))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_row_split_over_programs_gives_the_same_bits(quantized: bool, with_residual: bool) -> None:
+    """Rows split into slices of 128-column groups (dim 640: five groups, the last slice partly
+    past the row) write what one program per row writes, residual included."""
+    rows, dim = 3, 640
+    gen = torch.Generator().manual_seed(7 + 2 * quantized + with_residual)
+    x = random_bf16(rows, dim, generator=gen, scale=3.0)
+    residual = random_bf16(rows, dim, generator=gen) if with_residual else None
+    weight = random_bf16(dim, generator=gen)
+
+    def run(slice_groups):
+        res_in = residual.clone() if with_residual else None
+        res_out = torch.full_like(residual, float("nan")) if with_residual and slice_groups else None
+        target = None
+        if quantized:
+            target = (
+                torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=DEVICE),
+                new_activation_scales(rows, dim, DEVICE),
+            )
+        normed, new_residual = rms_norm(
+            x, weight, 1e-6, res_in, out_fp8=target, residual_out=res_out, slice_groups=slice_groups
+        )
+        if with_residual and slice_groups:
+            assert new_residual is res_out and torch.equal(res_in, residual)  # input left alone
+        return normed, new_residual
+
+    whole, whole_residual = run(None)
+    for slice_groups in (1, 2):
+        split, split_residual = run(slice_groups)
+        if quantized:
+            assert torch.equal(split[0].view(torch.uint8), whole[0].view(torch.uint8))
+            assert torch.equal(split[1], whole[1])
+        else:
+            assert torch.equal(split, whole)
+        if with_residual:
+            assert torch.equal(split_residual, whole_residual)
+
+
+def test_rms_norm_row_split_refuses_an_in_place_residual() -> None:
+    x = torch.zeros(2, 256, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.ones(256, dtype=torch.bfloat16, device=DEVICE)
+    residual = torch.zeros_like(x)
+    with pytest.raises(ValueError, match="distinct"):
+        rms_norm(x, weight, 1e-6, residual, slice_groups=1)
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm(x, weight, 1e-6, slice_groups=3)

@@ -249,14 +249,12 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         rows.append(row)
         del case
     # Engine-like short rows in tables 32k keys wide (`shoal serve` sizes them for the model's
-    # max_seq_len): the split count is then the largest; against the single pass (one program
-    # per kv head, no merge: `AttentionConfig.single_pass_tokens`).
+    # max_seq_len): the split count is then the largest.
     for batch, context in itertools.product((1, 16), SHORT_CONTEXTS):
         case = DecodeCase([context] * batch, capacity=32768)
         config = decode_config(batch)
         row = {"case": f"decode b={batch} ctx={context} (32k table)", "bytes": kv_bytes(batch * context)}
         row.update(ours_us=case.paged(config) * 1e3, sdpa_us=case.sdpa() * 1e3)
-        row["single_pass_us"] = case.paged(replace(config, single_pass_tokens=context)) * 1e3
         rows.append(row)
         del case
     prefix, own, batch = 1024, 64, 64
@@ -277,8 +275,6 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
             f"{row['case']:34} {row['bytes'] / 1e6:9.1f}M {row['ours_us']:9.1f} {row['sdpa_us']:9.1f} "
             f"{row['sdpa_us'] / row['ours_us']:7.2f}x {gbs:7.0f} {gbs / read_gbs:7.0%}"
         )
-        if "single_pass_us" in row:
-            print(f"{'  same, single pass':34} {'':10} {row['single_pass_us']:9.1f}")
         if "unshared_us" in row:
             print(f"{'  same, prefix read per request':34} {'':10} {row['unshared_us']:9.1f}")
         if "tuned_us" in row:

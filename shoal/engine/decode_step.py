@@ -45,6 +45,14 @@ from shoal.models.sampling import (
 
 FAST_PAGE = 16  # one page per row holds a frame's fast positions (num_codebooks <= 16)
 FUSED_FAST_MAX_BATCH = 16  # the largest batch whose fast layers use the fused attention kernel
+# Small decode batches (at most this many rows) split each RMSNorm row over programs of this many
+# 128-column groups (`kernels.norm_rope.rms_norm`'s `slice_groups`; 0: one program per row) and
+# let the norm write the next W8A8 projection's input quantized. On the H200 (docs/performance.md
+# run 23) that took the FP8 step from 4.42 to 4.30 ms at batch 1 and 5.49 to 5.45 at 16; at
+# batch 64 the fused quantization was 2% slower (7.04 against 6.91 ms), so bigger batches keep
+# one program per row and the separate quantization launch, as prefill does.
+NORM_SLICE_GROUPS = 4
+NORM_SPLIT_MAX_ROWS = 16
 
 
 def sampling_probs(
@@ -114,12 +122,16 @@ class DecodeStep:
         # torch-ops path runs the layers' own forward instead.
         self.fp8 = None
         # Which kernels write the W8A8 projections' inputs already quantized (a launch fewer each).
-        # Measured on the H200 at batch 1 (docs/performance.md run 13): the attention's is free
-        # (its merge program quantizes a head per row) and stays on; the norm's adds 0.18 ms per
-        # step (one program per row does the row's quantization serially, slower than the 5-program
-        # launch it replaces), so it is off unless `SHOAL_FUSE_NORM_QUANT=1`. Both exist as switches
-        # for same-run A/B measurements.
-        self.fuse_norm_quant = os.environ.get("SHOAL_FUSE_NORM_QUANT", "0") == "1"
+        # The attention's is free (its merge program quantizes a head per row, run 13) and stays on.
+        # The norm's pays only with rows split over programs (one program quantizing a whole row
+        # serially cost 0.18 ms per step in run 13): `NORM_SPLIT_MAX_ROWS` above. Switches for
+        # same-run A/B runs: `SHOAL_FUSE_NORM_QUANT=auto|0|1` (1: at every decode batch),
+        # `SHOAL_NORM_SLICE_GROUPS` (0: never split rows).
+        switch = os.environ.get("SHOAL_FUSE_NORM_QUANT", "auto")
+        if switch not in ("auto", "0", "1"):
+            raise ValueError(f"SHOAL_FUSE_NORM_QUANT must be auto, 0 or 1, got {switch!r}")
+        self.norm_split_max_rows = {"auto": NORM_SPLIT_MAX_ROWS, "0": 0, "1": max_batch * 2}[switch]
+        self.norm_slice_groups = int(os.environ.get("SHOAL_NORM_SLICE_GROUPS", NORM_SLICE_GROUPS))
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
         # (`kernels/fast_attention.py`) for batches up to `fused_fast_max_batch`: on the H200 it
@@ -246,7 +258,9 @@ class DecodeStep:
     def _layers(
         self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None
     ):
-        """Pre-norm blocks with the fused kernels; `residual` is updated in place. With FP8
+        """Pre-norm blocks with the fused kernels; returns (residual, final-normed hidden). With
+        `norm_slice_groups` and a decode-sized batch the norms split rows over programs and write
+        the residual stream into the other of two buffers (ping-pong), else in place. With FP8
         weights, a norm or attention whose output feeds a W8A8 projection writes it quantized
         (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `attend(q, k_pages,
         v_pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair it filled. `rope_attend(i, qkv,
@@ -259,14 +273,31 @@ class DecodeStep:
         tokens = residual.shape[0]
         fp8 = self.fp8
         fuse_quantization = fp8 is not None and self.dtype == torch.bfloat16  # kernels quantize bf16
+        split_rows = 0 < tokens <= self.norm_split_max_rows  # small batches: see NORM_SPLIT_MAX_ROWS
 
         def fp8_target(block, which: str):
-            wanted = self.fuse_attention_quant if which == "out" else self.fuse_norm_quant
+            wanted = self.fuse_attention_quant if which == "out" else split_rows
             return fp8.fp8_input(block, which, tokens) if fuse_quantization and wanted else None
 
+        slice_groups = self.norm_slice_groups if split_rows else 0
+        spare = torch.empty_like(residual) if slice_groups else None
+
+        def add_and_norm(x, weight, out_fp8):
+            """residual += x, then the norm; with a split row the sum goes to `spare` (swapped)."""
+            nonlocal residual, spare
+            if not slice_groups:
+                return rms_norm(x, weight, eps, residual=residual, out_fp8=out_fp8)[0]
+            normed, summed = rms_norm(
+                x, weight, eps, residual=residual, out_fp8=out_fp8, residual_out=spare,
+                slice_groups=slice_groups,
+            )  # fmt: skip
+            residual, spare = summed, residual
+            return normed
+
         normed, _ = rms_norm(
-            residual, layers[0].attention_norm.weight, eps, out_fp8=fp8_target(layers[0], "qkv")
-        )
+            residual, layers[0].attention_norm.weight, eps, out_fp8=fp8_target(layers[0], "qkv"),
+            slice_groups=slice_groups or None,
+        )  # fmt: skip
         for i, layer in enumerate(layers):
             attn = layer.attention
             if fp8 is None:
@@ -291,9 +322,7 @@ class DecodeStep:
                 out = F.linear(attended, attn.wo.weight, attn.wo.bias)
             else:
                 out = fp8.out_proj(layer, attended)
-            normed, residual = rms_norm(
-                out, layer.ffn_norm.weight, eps, residual=residual, out_fp8=fp8_target(layer, "gate_up")
-            )
+            normed = add_and_norm(out, layer.ffn_norm.weight, fp8_target(layer, "gate_up"))
             ff = layer.feed_forward
             if fp8 is None:
                 out = F.linear(
@@ -304,7 +333,7 @@ class DecodeStep:
             last = i + 1 == len(layers)
             following = final_weight if last else layers[i + 1].attention_norm.weight
             target = None if last else fp8_target(layers[i + 1], "qkv")
-            normed, residual = rms_norm(out, following, eps, residual=residual, out_fp8=target)
+            normed = add_and_norm(out, following, target)
         return residual, normed
 
     # Fast transformer (kernel path) -------------------------------------------------------------

@@ -74,25 +74,17 @@ class AttentionConfig:
     # Decode: the last split program of each (sequence, kv head) to finish merges the partials
     # (per-(sequence, kv head) arrival counters), so split-KV costs one launch instead of two.
     fused_merge: bool = False
-    # Decode with fused_merge: a sequence with at most this many keys is attended by split 0
-    # alone, which stores the finished rows itself (no partials, counters or merge); its other
-    # split programs return at once. The split count is fixed when a CUDA graph is captured,
-    # from the block table's capacity, so short sequences would otherwise pay for the merge.
-    single_pass_tokens: int = 0
 
 
 DEFAULT_CONFIG = AttentionConfig()
-# The tuned batch-1/16 configs' `single_pass_tokens`: off. With 384 the FP8 step at batch 1 (332
-# keys, 3 splits) measured 4.51 ms against 4.39 without, in two calls (docs/performance.md run 21);
-# the case it targets, short rows in the wide tables of `shoal serve` (32 splits), is unmeasured.
-SINGLE_PASS_TOKENS = 0
 # Measured winners for `paged_decode_attention` per batch bucket (the smallest key >= batch),
 # filled from `shoal bench attention --sweep` on the H200; batches above every key use the largest.
 # H200 sweep 2026-11-30 (`shoal bench attention --sweep`), default -> tuned at 4k context:
 # b=1 14.7 -> 11.2 us, b=16 80.6 -> 74.9 us, b=64 253 -> 248.5 us.
-_FUSED_SMALL_BATCH = AttentionConfig(
-    num_stages=3, target_programs=264, fused_merge=True, single_pass_tokens=SINGLE_PASS_TOKENS
-)
+# Short rows stay split too: attending a row of <= 512 keys in one program per kv head (no
+# partials, no merge) was slower at batch 1 and 16 in the engine's 32k-key tables (run 22: 8.7
+# against 6.7 us at 332 keys) and in the step (run 21), and was removed.
+_FUSED_SMALL_BATCH = AttentionConfig(num_stages=3, target_programs=264, fused_merge=True)
 TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     1: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=128),
     16: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=256),
@@ -294,7 +286,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, SINGLE_PASS_TOKENS: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
@@ -330,32 +322,16 @@ def _paged_attention_kernel(
         kv_hi = seq_len - q_len + last_query + 1
         span = tl.maximum(kv_hi - kv_lo, 0)
         chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-        single = False  # a constant (folded away) unless the single pass is compiled in below
-        if FUSED_MERGE:
-            if SINGLE_PASS_TOKENS > 0:
-                single = span <= SINGLE_PASS_TOKENS
-                chunk = tl.where(single, tl.maximum(span, 1), chunk)  # split 0 takes every key
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_hi)
-        if single:
-            if split == 0:  # every key; stores the finished rows (no partial, no merge)
-                _attend_split(
-                    q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr,
-                    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr,
-                    scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp,
-                    stride_kt, stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
-                    GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, False, False,
-                    BLOCK_S, UPCAST, QUANT_OUT,
-                )  # fmt: skip
-        else:
-            _attend_split(
-                q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, out_ptr,
-                part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr, scale_ptr,
-                scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
-                stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
-                GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
-                BLOCK_S, UPCAST, QUANT_OUT,
-            )  # fmt: skip
+        _attend_split(
+            q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, out_ptr,
+            part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr, scale_ptr,
+            scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
+            stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
+            GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
+            BLOCK_S, UPCAST, QUANT_OUT,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -508,7 +484,7 @@ def _launch_attention(
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=_interpreting(),
-        QUANT_OUT=out_fp8 is not None, SINGLE_PASS_TOKENS=config.single_pass_tokens if fused_merge else 0,
+        QUANT_OUT=out_fp8 is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
 

@@ -152,16 +152,23 @@ def qk_norm_rope_kv_write(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, dim, stride_x, stride_r, stride_o,
-    stride_sm, stride_sg,
-    GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr, QUANT_OUT: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr, scale_ptr, eps, dim, stride_x,
+    stride_r, stride_ro, stride_o, stride_sm, stride_sg,
+    GROUPS: tl.constexpr, SLICE_GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
+    QUANT_OUT: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """One row per program: optional residual add (stored back into `residual`), then RMSNorm;
-    with QUANT_OUT the bf16 result is quantized per 128 columns (e4m3 + fp32 scales) instead of
-    stored, exactly as `kernels/quant.py` would quantize the stored bf16 row. The row is held as
-    a [GROUPS, 128] tile from the start, so the quantization's per-group reductions need no
-    change of register layout (a reshape there cost more than the launch it saved)."""
+    """Program (row, slice): optional residual add (stored into `residual_out`), then RMSNorm of
+    the row's 128-column groups [slice * SLICE_GROUPS, ...); with QUANT_OUT the bf16 result is
+    quantized per 128 columns (e4m3 + fp32 scales) instead of stored, exactly as
+    `kernels/quant.py` would quantize the stored bf16 row. The row is held as a [GROUPS, 128]
+    tile from the start, so the quantization's per-group reductions need no change of register
+    layout (a reshape there cost more than the launch it saved).
+
+    With SLICE_GROUPS < GROUPS several programs share a row: each reads the whole row for the
+    mean square (the same tile and reduction in every program, so the same bits as one program)
+    and normalizes only its slice. Then `residual_out` must not alias `residual`: a slice written
+    in place could be read back by another program of the row as its input."""
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, GROUPS)
@@ -171,9 +178,19 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
         x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
-        tl.store(residual_ptr + row * stride_r + offs, x, mask=ok)
     f = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(tl.sum(f * f, 1), 0) / dim + eps)
+    if SLICE_GROUPS < GROUPS:  # this program's groups only, re-read (L1/L2) in a smaller tile
+        groups = tl.program_id(1) * SLICE_GROUPS + tl.arange(0, SLICE_GROUPS)
+        offs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+        ok = offs < dim
+        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
+            x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
+        f = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
     w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
     if QUANT_OUT:
@@ -193,20 +210,38 @@ def rms_norm(
     out: Tensor | None = None,
     num_warps: int = 8,
     out_fp8: tuple[Tensor, Tensor] | None = None,
+    residual_out: Tensor | None = None,
+    slice_groups: int | None = None,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | None]:
     """RMSNorm over the last dim of x [M, dim]. With `residual`, computes h = x + residual,
-    stores h into `residual` in place (the next block's residual stream) and normalizes h.
-    Returns (normed, residual or None); normed has dtype promote(x.dtype, weight.dtype).
+    stores h into `residual_out` (default: `residual`, in place; the next block's residual
+    stream) and normalizes h. Returns (normed, the residual written or None); normed has dtype
+    promote(x.dtype, weight.dtype).
 
     `out_fp8 = (q [M, dim] e4m3, scales [M, dim/128] from `quant.new_activation_scales`)`: the
     FP8 GEMM's input written directly (bf16 result quantized in registers, bit for bit what
     `quant.quantize_activations` gives on the bf16 output; one launch instead of two); then
-    `normed` is that (q, scales) pair and no bf16 output is written."""
+    `normed` is that (q, scales) pair and no bf16 output is written.
+
+    `slice_groups` (a power of two): each program normalizes that many 128-column groups of a
+    row, so a few rows still spread over several SMs (one program per row leaves a batch-1 step
+    on one SM); every program reads the whole row for its mean square. With a residual this
+    needs a distinct `residual_out`. Same bits as one program per row."""
     rows, dim = x.shape
     if x.stride(1) != 1 or weight.stride(0) != 1:
         raise ValueError("rows of x and the weight must be contiguous")
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
         raise ValueError("residual must match x with contiguous rows")
+    groups = triton.next_power_of_2(triton.cdiv(dim, GROUP))
+    if slice_groups is not None and (slice_groups < 1 or slice_groups & (slice_groups - 1)):
+        raise ValueError(f"slice_groups must be a power of two, got {slice_groups}")
+    slice_groups = groups if slice_groups is None else min(slice_groups, groups)
+    if residual_out is None:
+        residual_out = residual
+    elif residual is None or residual_out.shape != x.shape or residual_out.stride(1) != 1:
+        raise ValueError("residual_out needs a residual, and must match x with contiguous rows")
+    if residual is not None and slice_groups < groups and residual_out.data_ptr() == residual.data_ptr():
+        raise ValueError("a row split over programs needs residual_out distinct from residual")
     scales = x  # unused pointer without out_fp8
     if out_fp8 is not None:
         out, scales = out_fp8
@@ -218,14 +253,16 @@ def rms_norm(
     elif out is None:
         out = torch.empty(rows, dim, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if rows == 0:
-        return (out_fp8 if out_fp8 is not None else out), residual
-    _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, scales, eps, dim, x.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
+        return (out_fp8 if out_fp8 is not None else out), residual_out
+    slices = triton.cdiv(triton.cdiv(dim, GROUP), slice_groups)
+    _rms_norm_kernel[(rows, slices)](
+        x, residual if residual is not None else x, residual_out if residual is not None else x, weight,
+        out, scales, eps, dim, x.stride(0), residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual is not None else 0, out.stride(0),
         scales.stride(0) if out_fp8 is not None else 0, scales.stride(1) if out_fp8 is not None else 0,
-        GROUPS=triton.next_power_of_2(triton.cdiv(dim, GROUP)), HAS_RESIDUAL=residual is not None,
+        GROUPS=groups, SLICE_GROUPS=slice_groups, HAS_RESIDUAL=residual is not None,
         EMULATE=interpreting(),
         QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
         num_warps=num_warps, **pdl_launch(),
     )  # fmt: skip
-    return (out_fp8 if out_fp8 is not None else out), residual
+    return (out_fp8 if out_fp8 is not None else out), residual_out
