@@ -173,6 +173,7 @@ def test_variant_choice() -> None:
     assert variant_for(6144, 2560, 1, table={}) == "w8a8"
     assert variant_for(6144, 2560, 1, quantize_activations=False, table={}) == "w8a16"
     assert variant_for(6144, 2560, 300, table={}) == "bf16"
+    assert variant_for(19456, 2560, 300) == "scaled_mm" and variant_for(6144, 2560, 300) == "bf16"
     assert variant_for(6144, 2560, 3, table={(6144, 2560, 4): "w8a8_inline"}) == "w8a8_inline"
     assert graph_row_counts((1, 4)) == {1, 2, 4, 8}
 
@@ -202,7 +203,7 @@ def _prepared_tiny(golden_dir):
     return model
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "scaled_mm"])  # that one: GPU test below
 @pytest.mark.parametrize("which", ["planted", "golden"])
 def test_triton_projections_equal_reference(planted, golden_dir, variant: str, which: str) -> None:
     model = planted if which == "planted" else _prepared_tiny(golden_dir)
@@ -229,6 +230,52 @@ def test_triton_projections_equal_reference(planted, golden_dir, variant: str, w
                     assert ((got - want).norm() / want.norm()) < rtol, op
                 else:
                     torch.testing.assert_close(got, want, rtol=rtol, atol=1e-5)
+
+
+def test_prefill_variant_runs_the_w8a8_kernel_off_the_gpu(planted) -> None:
+    """`scaled_mm` (cuBLAS) has no CPU version: off CUDA the same arithmetic runs on the W8A8
+    kernel, so an interpreted engine with a long prompt still prefills."""
+    from shoal.quant.engine_fp8 import LARGE_M
+
+    table = {}
+    for block in [*planted.layers, *planted.fast_layers]:
+        ff, attn = block.feed_forward, block.attention
+        for layer in (attn.wqkv, ff.w2):
+            table[(layer.out_features, layer.in_features, LARGE_M)] = "scaled_mm"
+        table[(2 * ff.w1.out_features, ff.w1.in_features, LARGE_M)] = "scaled_mm"
+    triton = Fp8Projections(planted, backend="triton", table=table)
+    reference = Fp8Projections(planted, backend="reference", table=table)
+    block = planted.layers[0]
+    x = _bf16_exact((130, block.attention.wqkv.in_features), 9)
+    for op in ("qkv", "mlp"):
+        got, want = getattr(triton, op)(block, x), getattr(reference, op)(block, x)
+        torch.testing.assert_close(got, want, rtol=2**-7 + 1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [300, 4096])
+def test_scaled_mm_prefill_equals_reference_at_s2_shapes(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill rows through block-scaled `torch._scaled_mm` (rows padded to 16) equal the W8A8
+    reference up to bf16 output rounding and summation order, SwiGLU included (S2-Pro shapes)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from shoal.kernels import reference
+    from shoal.quant.engine_fp8 import Fp8Weight
+
+    monkeypatch.setenv("SHOAL_FP8_PREFILL", "scaled_mm")
+    assert variant_for(6144, 2560, rows) == "scaled_mm"
+    torch.manual_seed(rows)
+    for n, k, swiglu in ((6144, 2560, False), (2560, 9728, True)):
+        w_q, w_scale = reference.quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+        weight = Fp8Weight(w_q, w_scale)
+        x = torch.randn(rows, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+        Fp8Projections._scaled_mm(weight, x, swiglu, out)
+        want = reference.fp8_linear(x, w_q, w_scale, True, swiglu, out_dtype=torch.float32)
+        # cuBLAS sums in another order than the reference: a bf16 ulp here and there, nothing more
+        error = (out.float() - want).norm() / want.norm()
+        assert error < 2e-3, (n, k, error)
+        assert ((out.float() - want).abs() <= 2**-6 * want.abs() + 1e-3).float().mean() > 0.999
 
 
 def test_reserved_buffers_are_reused(planted) -> None:

@@ -16,7 +16,12 @@ kernel variant is chosen from the GEMM shape (N, K) and the row count M (`varian
 - `"w8a8_inline"`: the GEMM quantizes its activation tiles itself (no extra launch);
 - `"w8a16"`: bf16 activations, weights dequantized in registers;
 - `"bf16"`: cuBLAS on a resident bf16 copy dequantized from the FP8 weights once at load (more
-  memory, kept only for shapes whose table entry uses it); faster at M >= 64 in run 2.
+  memory, kept only for shapes whose table entry uses it); faster at M >= 64 in run 2;
+- `"scaled_mm"`: prefill-sized M (eager, never in a graph): activations quantized by one
+  `kernels/quant.py` launch, then `torch._scaled_mm` with block-wise scales (cuBLAS; rows padded
+  to a multiple of 16), no bf16 copy of the weight needed; `VARIANT_TABLE` runs gate+up and down
+  prefill on it (run 24). `SHOAL_FP8_PREFILL=scaled_mm|bf16` forces one variant for every prefill
+  GEMM (same-run A/B).
 
 `VARIANT_TABLE` holds measured winners (`shoal bench engine --fp8-sweep` prints it);
 `default_variant` decides the rest. M buckets are the GEMM's (1, 2, ..., 128) plus `LARGE_M` for
@@ -35,6 +40,7 @@ by the down projection's activation load (`swiglu_quantize` or the GEMM's SWIGLU
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +58,8 @@ from shoal.quant.fp8_linear import (
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("w8a8", "w8a8_inline", "w8a16", "bf16")
+VARIANTS = ("w8a8", "w8a8_inline", "w8a16", "bf16", "scaled_mm")
+SCALED_MM_ROWS = 16  # block-wise `_scaled_mm` gets M padded to a multiple of this
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # the buckets of `kernels/fp8_gemm.py`'s tuned tables
 LARGE_M = 1 << 30  # bucket of every M above 128 (eager prefill)
 # Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
@@ -72,6 +79,14 @@ VARIANT_TABLE: dict[tuple[int, int, int], str] = {
     (2560, 4096, 128): "bf16",  # 12.1 vs 10.6
     (19456, 2560, 128): "w8a8",  # 24.1 vs 30.1
     (2560, 9728, 128): "w8a8",  # 17.7 vs 21.3
+    # Prefill (every M above 128; run 24, `shoal bench engine --fp8-sweep 300 2048 8192`, µs
+    # scaled_mm vs bf16 at M = 300 / 2048 / 8192): gate+up 55.9 / 231.6 / 876.2 vs 52.9 / 293.9 /
+    # 1066.2, down with SwiGLU 53.7 / 155.0 / 533.9 vs 50.8 / 243.6 / 939.5. Their bf16 copies
+    # (three quarters of a layer's weights) are then not kept at all. qkv (30.6 / 87.7 / 320.8 vs
+    # 18.9 / 92.6 / 338.8) and o (bf16 faster everywhere) keep cuBLAS on the copies that M = 128
+    # needs anyway.
+    (19456, 2560, LARGE_M): "scaled_mm",
+    (2560, 9728, LARGE_M): "scaled_mm",
 }
 
 
@@ -98,6 +113,11 @@ def variant_for(
     table: dict[tuple[int, int, int], str] | None = None,
 ) -> str:
     bucket = m_bucket(m)
+    forced = os.environ.get("SHOAL_FP8_PREFILL") if bucket == LARGE_M else None
+    if forced is not None:
+        if forced not in ("bf16", "scaled_mm"):
+            raise ValueError(f"SHOAL_FP8_PREFILL must be bf16 or scaled_mm, got {forced!r}")
+        return forced
     chosen = (VARIANT_TABLE if table is None else table).get((n, k, bucket))
     return chosen or default_variant(bucket, quantize_activations)
 
@@ -365,6 +385,8 @@ class Fp8Projections:
         m = lead.shape[0]
         out_dtype = out_dtype or (torch.bfloat16 if quantized is not None else x.dtype)
         variant = self.variant(w.n, w.k, m)
+        if variant == "scaled_mm" and not lead.is_cuda:  # no block-wise _scaled_mm on the CPU
+            variant = "w8a8"  # the same arithmetic (the interpreter's kernels, in tests)
         if quantized is not None and (self.backend != "triton" or not self._static(m) or variant != "w8a8"):
             raise RuntimeError("pre-quantized input outside a reserved W8A8 projection (see fp8_input)")
         if self.backend == "reference":
@@ -390,6 +412,8 @@ class Fp8Projections:
             if swiglu:  # as the bf16 model computes it: silu and product in bf16
                 a = F.silu(a[:, : w.k]) * a[:, w.k :]
             torch.mm(a, w.dense.t(), out=out)
+        elif variant == "scaled_mm":
+            self._scaled_mm(w, x, swiglu, out)
         elif variant == "w8a8":
             from shoal.kernels.fp8_gemm import fp8_gemm
             from shoal.kernels.quant import quantize_activations, swiglu_quantize
@@ -409,6 +433,22 @@ class Fp8Projections:
             return out
         return out.to(out_dtype)
 
+    @staticmethod
+    def _scaled_mm(w: Fp8Weight, x: Tensor, swiglu: bool, out: Tensor) -> None:
+        """Block-scaled cuBLAS FP8 GEMM into `out`: the same arithmetic as "w8a8" (activation
+        groups of 1 x 128, weight blocks of 128 x 128, fp32 sums), another summation order."""
+        from shoal.kernels.quant import new_activation_scales, quantize_activations, swiglu_quantize
+
+        m = x.shape[0]
+        rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
+        if rows != m:  # cuBLAS's block-wise kernels want whole 16-row groups: zero rows past M
+            x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+        q = torch.empty(rows, w.k, dtype=torch.float8_e4m3fn, device=x.device)
+        quantize = swiglu_quantize if swiglu else quantize_activations
+        q, scales = quantize(x.to(torch.bfloat16), out=q, scales=new_activation_scales(rows, w.k, x.device))
+        y = torch._scaled_mm(q, w.q.t(), scales, w.scale.t(), out_dtype=torch.bfloat16)
+        out.copy_(y[:m])
+
     def _reference(self, w: Fp8Weight, x: Tensor, variant: str, swiglu: bool) -> Tensor:
         """The same variant with `kernels/reference.py`, fp32 arithmetic, unrounded output."""
         if variant == "bf16":
@@ -417,7 +457,12 @@ class Fp8Projections:
             y = (a @ w.dense.t()).float()
         else:
             y = reference.fp8_linear(
-                x, w.q, w.scale, variant in ("w8a8", "w8a8_inline"), swiglu, out_dtype=torch.float32
+                x,
+                w.q,
+                w.scale,
+                variant in ("w8a8", "w8a8_inline", "scaled_mm"),
+                swiglu,
+                out_dtype=torch.float32,
             )
         return y + w.bias.float() if w.bias is not None else y
 
