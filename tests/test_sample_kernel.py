@@ -10,12 +10,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from shoal.kernels.reference_attention import sample_reference  # noqa: E402
-from shoal.kernels.sample import counter_uniform, sample_tokens  # noqa: E402
+from shoal.kernels.sample import (  # noqa: E402
+    _select_top_keys,
+    _sort_keys,
+    counter_uniform,
+    sample_tokens,
+)
 from shoal.models import sampling  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SELECTS = ("sort", "radix")
+
+
+@pytest.fixture
+def stable_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference breaks ties like the kernel (lower id first) only with a stable sort; torch's
+    default CPU sort is not stable (`models/sampling.py` should pass stable=True)."""
+    unstable_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: unstable_sort(*a, **{**k, "stable": True}))
 
 
 def test_counter_uniform_is_bit_exact() -> None:
@@ -36,32 +52,38 @@ def random_params(rows: int, gen: torch.Generator):
     return [t.to(DEVICE) for t in (temperature, top_p, top_k, seed, frame)]
 
 
-@pytest.mark.parametrize("columns,max_top_k,rows", [(100, None, 16), (300, 64, 6), (1024, 32, 3)])
-def test_codebook_rows_match_reference(columns: int, max_top_k: int | None, rows: int) -> None:
+@pytest.mark.parametrize(
+    "columns,max_top_k,rows,select",
+    [(100, None, 16, "sort")] + [(c, k, r, s) for c, k, r in [(300, 64, 6), (1024, 32, 3)] for s in SELECTS],
+)
+def test_codebook_rows_match_reference(columns: int, max_top_k: int | None, rows: int, select: str) -> None:
     gen = torch.Generator().manual_seed(columns)
     logits = (torch.randn(rows, columns, generator=gen) * 3).to(DEVICE)
     params = random_params(rows, gen)
     if max_top_k is not None:
         params[2] = params[2].clamp(max=max_top_k)
     out = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
-    sample_tokens(logits, *params, slot=4, max_top_k=max_top_k, out=out)
+    sample_tokens(logits, *params, slot=4, max_top_k=max_top_k, out=out, select=select)
     assert torch.equal(out, sample_reference(logits, *params, slot=4))
 
 
-def test_bf16_logits_with_ties_break_like_a_stable_sort(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 logits tie often; the kernel keeps the lower id first, as the reference does when its
-    sort is stable (torch's default CPU sort is not; `models/sampling.py` should pass stable=True)."""
-    unstable_sort = torch.sort
-    monkeypatch.setattr(torch, "sort", lambda *a, **k: unstable_sort(*a, **{**k, "stable": True}))
+@pytest.mark.parametrize("max_top_k,select", [(None, "sort"), (16, "sort"), (16, "radix")])
+def test_bf16_logits_with_ties_break_like_a_stable_sort(
+    max_top_k: int | None, select: str, stable_sort: None
+) -> None:
+    """bf16 logits tie often; the kernel keeps the lower id first, as a stable sort does."""
     gen = torch.Generator().manual_seed(1)
     rows, columns = 16, 64
     logits = (torch.randint(-4, 4, (rows, columns), generator=gen) * 0.5).to(torch.bfloat16).to(DEVICE)
     params = random_params(rows, gen)
-    out = sample_tokens(logits, *params, slot=0)
+    if max_top_k is not None:
+        params[2] = params[2].clamp(max=max_top_k)
+    out = sample_tokens(logits, *params, slot=0, max_top_k=max_top_k, select=select)
     assert torch.equal(out, sample_reference(logits.float(), *params, slot=0))
 
 
-def test_restricted_s2_row_with_ras_writes_into_frames() -> None:
+@pytest.mark.parametrize("select", SELECTS)
+def test_restricted_s2_row_with_ras_writes_into_frames(select: str) -> None:
     """Columns = semantic ids 1000..1099 then `<|im_end|>` (id 7); RAS against the window."""
     gen = torch.Generator().manual_seed(2)
     rows, begin, end, im_end = 16, 1000, 1099, 7
@@ -74,7 +96,7 @@ def test_restricted_s2_row_with_ras_writes_into_frames() -> None:
     frames = torch.full((rows, 11), -1, dtype=torch.int32, device=DEVICE)
     sample_tokens(
         logits, *params, slot=0, token_ids=token_ids, window=window, semantic_range=(begin, end),
-        max_top_k=64, out=frames[:, 0],
+        max_top_k=64, out=frames[:, 0], select=select,
     )  # fmt: skip
     want = sample_reference(
         logits, *params, slot=0, token_ids=token_ids, window=window, semantic_range=(begin, end)
@@ -101,41 +123,36 @@ def test_restricted_row_equals_full_constrained_row() -> None:
 
 
 @pytest.mark.gpu
-def test_full_s2_shapes() -> None:
+@pytest.mark.parametrize("select", SELECTS)
+def test_full_s2_shapes(select: str) -> None:
     gen = torch.Generator().manual_seed(4)
     rows = 64
     params = random_params(rows, gen)
     logits = (torch.randn(rows, 4097, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
     token_ids = torch.arange(150000, 154097, dtype=torch.int32, device=DEVICE)
     window = torch.randint(150000, 150010, (rows, 10, 11), generator=gen, dtype=torch.int32).to(DEVICE)
-    got = sample_tokens(
-        logits,
-        *params,
-        slot=0,
-        token_ids=token_ids,
-        window=window,
-        semantic_range=(150000, 154095),
-        max_top_k=64,
+    ras = {"token_ids": token_ids, "window": window, "semantic_range": (150000, 154095)}
+    whole = sample_tokens(
+        logits, *params, slot=0, **ras, max_top_k=64, split_last_column=False, select=select
     )
-    want = sample_reference(
-        logits.float(), *params, slot=0, token_ids=token_ids, window=window, semantic_range=(150000, 154095)
-    )
-    assert (got == want).float().mean() > 0.98  # GPU exp/log may flip a rare near-tie
-    split = sample_tokens(
-        logits, *params, slot=0, token_ids=token_ids, window=window, semantic_range=(150000, 154095),
-        max_top_k=64, split_last_column=True,
-    )  # fmt: skip
-    assert (split == got).float().mean() > 0.98  # the same keys; `total` is summed in another order
+    want = sample_reference(logits.float(), *params, slot=0, **ras)
+    assert (whole == want).float().mean() > 0.98  # GPU exp/log may flip a rare near-tie
+    split = sample_tokens(logits, *params, slot=0, **ras, max_top_k=64, select=select)
+    assert (split == whole).float().mean() > 0.98  # the same keys; `total` is summed in another order
+    sort = sample_tokens(logits, *params, slot=0, **ras, max_top_k=64, select="sort")
+    assert torch.equal(split, sort)  # the same keys in the same order: the same arithmetic after
     codes = (torch.randn(rows, 4096, generator=gen) * 3).to(DEVICE)
-    got = sample_tokens(codes, *params, slot=3)
+    got = sample_tokens(codes, *params, slot=3, max_top_k=64, select=select)
     assert (got == sample_reference(codes, *params, slot=3)).float().mean() > 0.98
+    assert torch.equal(got, sample_tokens(codes, *params, slot=3, max_top_k=64, select="sort"))
 
 
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("layout", ["random", "last-likely", "ties", "mostly-inf"])
 def test_row_one_past_a_power_of_two_splits_off_its_last_column(
-    layout: str, monkeypatch: pytest.MonkeyPatch
+    layout: str, select: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """257 columns (S2's main row has 4,097): the 256-wide network plus the last column inserted
+    """257 columns (S2's main row has 4,097): the 256-wide tile plus the last column inserted
     afterwards draws what the 512-wide tile draws, RAS included, in every layout that stresses the
     insertion (the last column among the top, tied with others, or nearly alone)."""
     gen = torch.Generator().manual_seed(len(layout))
@@ -162,8 +179,8 @@ def test_row_one_past_a_power_of_two_splits_off_its_last_column(
         "window": window,
         "semantic_range": (begin, begin + 255),
     }
-    split = sample_tokens(*args, **kwargs, max_top_k=64, split_last_column=True)
-    whole = sample_tokens(*args, **kwargs, max_top_k=64)
+    split = sample_tokens(*args, **kwargs, max_top_k=64, select=select)  # split is the default
+    whole = sample_tokens(*args, **kwargs, max_top_k=64, select=select, split_last_column=False)
     assert torch.equal(split, whole)
     assert torch.equal(
         split.cpu(),
@@ -171,3 +188,150 @@ def test_row_one_past_a_power_of_two_splits_off_its_last_column(
             *[a.cpu() for a in args], **{**kwargs, "token_ids": token_ids, "window": window.cpu()}
         ),
     )
+
+
+# The selection itself: the radix path's K keys against `tl.topk`'s and against torch ------------
+
+
+@triton.jit
+def _top_keys_kernel(
+    x_ptr, ids_ptr, scratch_ptr, keys_ptr, sort_ptr, radix_ptr, columns,
+    BLOCK: tl.constexpr, K: tl.constexpr, HAS_IDS: tl.constexpr,
+):  # fmt: skip
+    """The sampling kernel's keys for one row (padding as it pads), then both selections."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < columns
+    x = tl.load(x_ptr + row * columns + cols, mask=ok, other=float("-inf"))
+    ids = tl.load(ids_ptr + cols, mask=ok, other=0x7FFFFFFF) if HAS_IDS else cols
+    keys = _sort_keys(x, ids)
+    tl.store(keys_ptr + row * BLOCK + cols, keys.to(tl.int64, bitcast=True))
+    i = tl.arange(0, K)
+    tl.store(sort_ptr + row * K + i, tl.topk(keys, K).to(tl.int64, bitcast=True))
+    radix = _select_top_keys(keys, scratch_ptr + row * (2 * K), BLOCK, K, 2 * K)
+    tl.store(radix_ptr + row * K + i, radix.to(tl.int64, bitcast=True))
+
+
+def top_keys(x: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(all keys [rows, BLOCK], tl.topk's [rows, k], the radix select's [rows, k]), int64 bits."""
+    rows, columns = x.shape
+    block = max(triton.next_power_of_2(columns), 2 * k)  # the radix path only runs with k < block
+    x = x.float().contiguous().to(DEVICE)
+    keys = torch.empty(rows, block, dtype=torch.int64, device=DEVICE)
+    sort, radix = (torch.empty(rows, k, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    scratch = torch.empty(rows, 2 * k, dtype=torch.int64, device=DEVICE)
+    ids_arg = ids.to(DEVICE) if ids is not None else keys
+    _top_keys_kernel[(rows,)](
+        x, ids_arg, scratch, keys, sort, radix, columns, BLOCK=block, K=k, HAS_IDS=ids is not None
+    )
+    return keys.cpu(), sort.cpu(), radix.cpu()
+
+
+def largest_unsigned(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest of int64 bit patterns read as uint64, descending (with repeats)."""
+    flip = torch.tensor(-(2**63), dtype=torch.int64)  # unsigned order = signed order of key ^ 2^63
+    return (torch.sort(keys ^ flip, dim=1, descending=True).values[:, :k]) ^ flip
+
+
+def selection_rows(layout: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows [rows, columns] (and column ids) that stress one part of the radix select."""
+    if layout == "random":  # fp32: distinct values, resolved in the value bits
+        return torch.randn(6, 1000, generator=gen) * 3, None
+    if layout == "bf16-ties":  # 8 distinct values over 1000 columns: ~125 ties at the K-th value
+        return (torch.randint(-4, 4, (6, 1000), generator=gen) * 0.5).to(torch.bfloat16).float(), None
+    if layout == "ties-shuffled-ids":  # ties resolved by ids that are not in column order
+        x = (torch.randint(-2, 2, (4, 700), generator=gen) * 0.25).to(torch.bfloat16).float()
+        return x, (torch.randperm(700, generator=gen) * 37 + 5).to(torch.int32)
+    if layout == "signed-zeros":  # +0.0 and -0.0 are distinct keys; negatives
+        x = torch.tensor([0.0, -0.0, -1.0, -0.5])[torch.randint(0, 4, (4, 300), generator=gen)]
+        return x, None
+    if layout == "few-valid":  # 40 columns in a 128-wide tile, K = 64: padding keys fill up
+        return torch.randn(4, 40, generator=gen), None
+    if layout == "few-valid-ids":  # padding with token ids: 88 equal padding keys, 24 taken
+        return torch.randn(4, 40, generator=gen), torch.arange(900, 940, dtype=torch.int32)
+    if layout == "neg-inf":  # 10 finite columns: the K-th largest is -inf, resolved by id
+        x = torch.randn(4, 300, generator=gen)
+        x[:, 10:] = float("-inf")
+        return x, None
+    if layout == "outliers-last":  # 63 keys far above a bulk with 100 ties at its top value, in the
+        # last columns: a select that stopped early or lost count of the keys above would compact
+        # more than 2K candidates and drop the last ones in column order
+        x = torch.full((2, 1000), 3.0)
+        for row in x:
+            row[torch.randperm(937, generator=gen)[:100]] = 3.5
+        x[:, 937:] = 100.0 + torch.arange(63)
+        return x, None
+    if layout == "constant":  # every key equal but for the id
+        return torch.full((2, 300), 1.5), None
+    if layout == "s2-whole":  # S2's main row in its 8,192 tile with token ids
+        return torch.randn(1, 4097, generator=gen).to(torch.bfloat16).float(), torch.arange(
+            150000, 154097, dtype=torch.int32
+        )
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("k", [2, 64])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "random",
+        "bf16-ties",
+        "ties-shuffled-ids",
+        "signed-zeros",
+        "few-valid",
+        "few-valid-ids",
+        "neg-inf",
+        "outliers-last",
+        "constant",
+        "s2-whole",
+    ],
+)
+def test_radix_select_returns_the_keys_topk_returns(layout: str, k: int) -> None:
+    """Bit for bit the K keys `tl.topk` extracts (the sampling kernel's "sort" path) and the K
+    largest by torch, in every layout that stresses a step: the digit choice, ties at the K-th
+    value resolved in the id bits, padding (also repeated padding keys), -inf, a constant row."""
+    gen = torch.Generator().manual_seed(k + len(layout))
+    x, ids = selection_rows(layout, gen)
+    keys, sort, radix = top_keys(x, k, ids)
+    want = largest_unsigned(keys, k)
+    assert torch.equal(sort, want)
+    assert torch.equal(radix, want)
+    if layout in ("bf16-ties", "constant") or (layout == "neg-inf" and k == 64):  # the K-th value ties
+        threshold = want[:, -1:] >> 32
+        assert ((keys >> 32) == threshold).sum(dim=1).min() > 1
+
+
+@pytest.mark.parametrize(
+    "k,columns,bf16", [(2, 300, False), (64, 300, True), (64, 1000, False), (64, 1000, True)]
+)
+def test_radix_draws_equal_sort_draws_on_random_rows(k: int, columns: int, bf16: bool) -> None:
+    """Many random rows (64 on the GPU, fewer in the CPU interpreter): the same draws. Flat
+    parameters (top_p 1, top_k K, temperature 1 to 2.5) spread each draw over all K candidates,
+    so a wrong candidate would show in the draws. S2's main row shape: `test_full_s2_shapes`."""
+    gen = torch.Generator().manual_seed(k * columns + bf16)
+    rows = 64 if DEVICE == "cuda" else 8
+    for _ in range(2 if DEVICE == "cuda" or columns < 1000 else 1):
+        logits = torch.randn(rows, columns, generator=gen) * 3
+        if bf16:
+            logits = logits.to(torch.bfloat16)
+        params = random_params(rows, gen)
+        params[0] = sampling.round_to_bf16(torch.rand(rows, generator=gen) * 1.5 + 1.0).to(DEVICE)
+        params[1] = torch.ones(rows, device=DEVICE)
+        params[2] = torch.full((rows,), k, dtype=torch.long, device=DEVICE)
+        args = (logits.to(DEVICE), *params)
+        radix = sample_tokens(*args, slot=5, max_top_k=k, select="radix")
+        sort = sample_tokens(*args, slot=5, max_top_k=k, select="sort")
+        assert torch.equal(radix, sort)
+        assert sort.unique().numel() > rows // 2  # the draws do vary
+
+
+def test_select_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(2, 100, generator=gen) * 3).to(DEVICE)
+    params = random_params(2, gen)
+    monkeypatch.setenv("SHOAL_SAMPLE_SELECT", "radix")
+    radix = sample_tokens(logits, *params, slot=2, max_top_k=16)
+    assert torch.equal(radix, sample_tokens(logits, *params, slot=2, max_top_k=16, select="sort"))
+    monkeypatch.setenv("SHOAL_SAMPLE_SELECT", "bitonic")
+    with pytest.raises(ValueError, match="SHOAL_SAMPLE_SELECT"):
+        sample_tokens(logits, *params, slot=2, max_top_k=16)

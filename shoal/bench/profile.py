@@ -139,12 +139,13 @@ def profile_step(core, batch: int, context: int, replays: int = 5) -> list[Kerne
 def sample_kernel_table() -> None:
     """The sampling kernel alone (CUDA-graph replays) at the decode step's shapes: codebook rows
     (4,096 columns) and S2's main row (4,097, with token ids and RAS), batch 1 and 64, `max_top_k`
-    64; the main row with its last column split off (`split_last_column`) and without. (Run 20
-    timed 4 to 32 warps: 8 was fastest.)"""
+    64; every way to extract the top keys (`select`: "sort" = `tl.topk`, "radix" = the radix
+    select), and for the main row each with its last column split off (`split_last_column`) and
+    without (the 8,192 tile). (Run 20 timed 4 to 32 warps: 8 was fastest.)"""
     import torch
 
     from shoal.bench.timing import time_graph_ms
-    from shoal.kernels.sample import sample_tokens
+    from shoal.kernels.sample import SELECTS, sample_tokens
 
     device = "cuda"
     for rows, columns in ((1, 4096), (1, 4097), (64, 4096), (64, 4097)):
@@ -166,13 +167,15 @@ def sample_kernel_table() -> None:
             }
         out = torch.empty(rows, dtype=torch.long, device=device)
         times = {}
-        for split in (True, False) if main else (True,):
-            call = functools.partial(
-                sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
-                split_last_column=split, **extra,
-            )  # fmt: skip
-            times[split] = 1000 * time_graph_ms(call, repeats=30)
-        cells = "  ".join(f"{'split' if split else 'whole'} {t:6.1f}" for split, t in times.items())
+        for select in SELECTS:
+            for split in (True, False) if main else (True,):  # a 4,096-column row has no column to split
+                call = functools.partial(
+                    sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
+                    split_last_column=split, select=select, **extra,
+                )  # fmt: skip
+                label = f"{select}+{'split' if split else 'whole'}" if main else select
+                times[label] = 1000 * time_graph_ms(call, repeats=30)
+        cells = "  ".join(f"{label} {t:6.1f}" for label, t in times.items())
         print(f"sample kernel rows={rows} columns={columns}: µs  {cells}")
 
 

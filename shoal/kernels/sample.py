@@ -11,12 +11,23 @@ One program per row holds the whole row (V <= `MAX_COLUMNS`): S2's restricted lo
 semantic slice + `<|im_end|>`, with `token_ids` giving each column's vocabulary id so the draw
 equals the full constrained row's), or a codebook row (1024 / 4096). Sorting packs (value, id)
 into one 64-bit key, so ties break toward the lower vocabulary id as a stable sort does; with
-`max_top_k` only the top-k keys are extracted (`tl.topk`), otherwise the whole row is sorted.
-Triton's sort networks cost per stage over the whole power-of-two tile: S2's main row (4,096
-semantic ids + `<|im_end|>`) would take an 8,192-wide tile, 50 µs against 20 µs for a 4,096-column
-row on the H200 (docs/performance.md run 19). So a row of 2^n + 1 columns extracts the top k of
-its first 2^n and inserts the last column's key into that sorted list (`_insert_key`), with
-`split_last_column` (off until measured on the GPU).
+`max_top_k` only the top-k keys are extracted, otherwise the whole row is sorted.
+
+Two ways to extract the top k keys (`select`), both giving the same k keys in the same order:
+- "sort": `tl.topk`, Triton's bitonic networks, which cost per stage over the whole power-of-two
+  tile: 22 µs for a 4,096-column row on the H200, and S2's main row (4,096 semantic ids +
+  `<|im_end|>`) would take an 8,192-wide tile (50 µs). So a row of 2^n + 1 columns extracts the
+  top k of its first 2^n and inserts the last column's key into that sorted list (`_insert_key`,
+  `split_last_column`, on by default: 49.8 -> 28.2 µs, docs/performance.md run 22).
+- "radix": `_select_top_keys`, a radix select that finds where the k-th largest key lies with a
+  few 32-bin histograms instead of sorting the row, compacts the fewer than 2k keys above that
+  through a [rows, 2k] global scratch buffer and extracts the top k of those 2k. Its cost hardly
+  depends on the tile width. Measured on the H200 (`shoal bench profile --sample-kernel`, single
+  replays): 4,096 columns 20.4 -> 16.8 µs; S2's main row 30.1 (sort+split) -> 19.3 (radix+split),
+  23.2 (radix+whole); the same at batch 64 (21.9 -> 18.0, 30.3 -> 19.6).
+Inside the decode step the kernel went from 33 to 13 µs per call and the FP8 step from 4.25 to
+4.05 ms at batch 1 (6.91 -> 6.70 at 64; run 25), so "radix" is the default; `SHOAL_SAMPLE_SELECT`
+overrides it (same-run A/B).
 
 RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
 the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
@@ -24,6 +35,8 @@ the high-temperature draw (slot `RAS_SLOT`) is taken.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -35,6 +48,12 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 MAX_COLUMNS = 16384
 RAS_TEMPERATURE = 1.0  # exactly representable in bf16
 RAS_TOP_P = float(torch.tensor(0.9).to(torch.bfloat16).float())  # 0.8984375, the reference's bf16
+SELECTS = ("sort", "radix")
+DEFAULT_SELECT = "radix"
+# The radix select's digit: 5 bits, 32 bins. On the H200 a 32-bin histogram costs less than a
+# 256-bin one by more than the extra passes cost (measured with 16 to 256 bins).
+RADIX_BITS = tl.constexpr(5)
+RADIX_BINS = tl.constexpr(32)  # 2 ** RADIX_BITS
 
 
 @triton.jit
@@ -99,12 +118,81 @@ def _insert_key(keys, key, K: tl.constexpr):
 
 
 @triton.jit
+def _minmax(lo_a, hi_a, lo_b, hi_b):
+    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+
+
+@triton.jit
+def _crossing(digit_a, above_a, within_a, digit_b, above_b, within_b):
+    return tl.maximum(digit_a, digit_b), tl.maximum(above_a, above_b), tl.minimum(within_a, within_b)
+
+
+@triton.jit
+def _select_top_keys(keys, scratch_ptr, BLOCK_V: tl.constexpr, K: tl.constexpr, W: tl.constexpr):
+    """The K largest of `keys` uint64 [BLOCK_V], descending: what `tl.topk(keys, K)` returns,
+    without a sort network over the tile (whose stages each cost over all BLOCK_V keys).
+
+    Radix select: `member` holds the keys that can still be the K-th largest (their bits above
+    the current digit equal its bits), `need` how many of the K still lie among them, all keys
+    above the members being taken. Each pass takes the RADIX_BITS bits just below the highest bit
+    in which the members' min and max differ (so no pass is spent on bits they share, e.g. the
+    zero low half of a bf16 logit or the common high bits of the ids), histograms that digit over
+    the members and keeps the digit where the count of members at or above it crosses `need`.
+    Per pass: a histogram, a scan over its bins and two reductions, all block-wide. It stops once
+    at most W - K members are left (random rows: after 2 to 4 passes; no row needs more than 14),
+    every member is needed, or all members are equal.
+    The keys above the members' minimum (fewer than W) go to this row's `scratch_ptr` [W] at their
+    exclusive-cumsum positions (Triton cannot scatter in registers), are read back, the rest
+    filled with copies of that minimum (several are taken only when keys repeat: padding with
+    `token_ids`), and `tl.topk` extracts the K largest of these W (measured cheaper than ranking
+    them by a [W, W] comparison)."""
+    lo, hi = tl.reduce((keys, keys), 0, _minmax)
+    member = keys == keys
+    need = tl.full([], K, tl.int32)
+    count = tl.full([], BLOCK_V, tl.int32)  # members
+    bins = tl.arange(0, RADIX_BINS)
+    passes = tl.full([], 0, tl.int32)  # at most 14 (see above); the bound only rules out a hang
+    while (need < count) & (count > W - K) & (lo != hi) & (passes < 64):
+        passes += 1
+        # highest differing bit, from the float64 exponent (rounding up by one bit is harmless)
+        high = ((lo ^ hi).to(tl.float64).to(tl.uint64, bitcast=True) >> 52).to(tl.int32) - 1023
+        shift = tl.maximum(high - (RADIX_BITS - 1), 0).to(tl.uint64)
+        digit = ((keys >> shift) & (RADIX_BINS - 1)).to(tl.int32)
+        at_or_above = tl.cumsum(tl.histogram(digit, RADIX_BINS, mask=member), 0, reverse=True)
+        crossing = at_or_above >= need  # the bins up to the K-th largest member's
+        chosen, above, within = tl.reduce(
+            (tl.where(crossing, bins, -1), tl.where(crossing, 0, at_or_above),
+             tl.where(crossing, at_or_above, 0x7FFFFFFF)),
+            0, _crossing,
+        )  # fmt: skip
+        need -= above
+        count = within - above
+        member = member & (digit == chosen)
+        lo, hi = tl.reduce(
+            (tl.where(member, keys, 0xFFFFFFFFFFFFFFFF), tl.where(member, keys, 0)), 0, _minmax
+        )
+    # lo <= the K-th largest key, and fewer than W keys exceed lo (K - need + count - 1 when the
+    # loop ends on the count, K - 1 when every member is needed, K - need when all are equal):
+    # the K largest of those keys and copies of lo are the K largest keys.
+    above = keys > lo
+    taken = above.to(tl.int32)
+    slot = tl.cumsum(taken, 0) - taken
+    # slot < W always holds; the mask keeps any bug inside this row's scratch
+    tl.store(scratch_ptr + slot, keys.to(tl.int64, bitcast=True), mask=above & (slot < W))
+    tl.debug_barrier()
+    i = tl.arange(0, W)
+    filled = i < tl.sum(taken, 0)
+    top = tl.where(filled, tl.load(scratch_ptr + i, mask=filled, other=0).to(tl.uint64, bitcast=True), lo)
+    return tl.topk(top, K)
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr,
-    window_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
+    window_ptr, scratch_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
     stride_logits, stride_wb, stride_ww, stride_out, window_width,
     BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
-    HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
+    RADIX: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -125,6 +213,8 @@ def _sample_kernel(
     keys = _sort_keys(x, ids)
     if K == BLOCK_V:
         keys = tl.sort(keys, descending=True)
+    elif RADIX:
+        keys = _select_top_keys(keys, scratch_ptr + row * (2 * K), BLOCK_V, K, 2 * K)
     else:
         keys = tl.topk(keys, K)
     if EXTRA_LAST:
@@ -174,21 +264,32 @@ def sample_tokens(
     max_top_k: int | None = None,
     out: Tensor | None = None,
     num_warps: int = 8,
-    split_last_column: bool = False,
+    split_last_column: bool = True,
+    select: str | None = None,
 ) -> Tensor:
     """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
     and stride, e.g. `frames[:, 0]`), default int64. `token_ids` int32 [V] maps columns to ids.
     RAS when `window` int32 [B, W, N+1] and `semantic_range` (inclusive) are given (slot 0).
     `max_top_k`: a bound on every row's top_k that lets the kernel extract only that many
     candidates; rows with a larger top_k are then treated as top_k = that bound.
-    `split_last_column` (with `max_top_k`): a row of 2^n + 1 columns runs the 2^n-wide network and
-    inserts the last column after, instead of the 2^(n+1)-wide tile (same draws). Off by default
-    until it has run on a GPU (written when the session's device time was spent)."""
+    `split_last_column` (with `max_top_k`): a row of 2^n + 1 columns runs the 2^n-wide tile and
+    inserts the last column after, instead of the 2^(n+1)-wide tile (same draws); measured on the
+    H200 with "sort": 49.8 -> 28.2 µs for S2's 4,097-column main row (docs/performance.md run 22).
+    `select` (with `max_top_k`): how the top keys are found, "sort" (`tl.topk`) or "radix"
+    (`_select_top_keys`); the same draws either way. None reads `SHOAL_SAMPLE_SELECT` (default
+    `DEFAULT_SELECT`) at each call, so an A/B run needs no code change; under CUDA-graph capture the value
+    at capture time is what the graph replays. "radix" allocates its [B, 2k] int64 scratch with
+    `torch.empty` per call: inside a capture that block comes from the graph's private pool and is
+    reused in stream order like any temporary, so nothing is allocated at replay, and no cached
+    workspace can be freed or regrown under a graph that still uses it."""
     rows, columns = logits.shape
     if columns > MAX_COLUMNS or logits.stride(1) != 1:
         raise ValueError(f"need contiguous rows of at most {MAX_COLUMNS} columns (got {columns})")
     if (window is None) != (semantic_range is None) or (window is not None and slot != 0):
         raise ValueError("RAS needs both window and semantic_range, and the main slot 0")
+    select = os.environ.get("SHOAL_SAMPLE_SELECT", DEFAULT_SELECT) if select is None else select
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS} (SHOAL_SAMPLE_SELECT), got {select!r}")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
     if rows == 0:
         return out
@@ -203,15 +304,17 @@ def sample_tokens(
     )
     if extra_last:
         block_v = columns - 1
+    radix = select == "radix" and k < block_v  # k == block_v sorts the whole tile either way
+    scratch = torch.empty(rows, 2 * k, dtype=torch.int64, device=logits.device) if radix else seed
     begin, end = semantic_range if semantic_range is not None else (0, -1)
     _sample_kernel[(rows,)](
         logits, token_ids if token_ids is not None else seed, temperature, top_p, top_k, seed, frame,
-        window if window is not None else seed, out, slot, columns, begin, end,
+        window if window is not None else seed, scratch, out, slot, columns, begin, end,
         RAS_TEMPERATURE, RAS_TOP_P, logits.stride(0),
         window.stride(0) if window is not None else 0, window.stride(1) if window is not None else 0,
         out.stride(0), window.shape[1] if window is not None else 0,
         BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
-        EXTRA_LAST=extra_last,
+        EXTRA_LAST=extra_last, RADIX=radix,
         HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None, num_warps=num_warps,
         **pdl_launch(),
     )  # fmt: skip
