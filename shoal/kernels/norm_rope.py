@@ -151,6 +151,23 @@ def qk_norm_rope_kv_write(
 
 
 @triton.jit
+def _row_groups(
+    x_ptr, residual_ptr, row, stride_x, stride_r, dim, first_group, COUNT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """COUNT 128-column groups of a row from `first_group` on, as a [COUNT, 128] tile (masked past
+    dim): x, or x + residual rounded to x's dtype. Returns (groups, offsets, mask, values)."""
+    groups = first_group + tl.arange(0, COUNT)
+    offs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    ok = offs < dim
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
+        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
+    return groups, offs, ok, x
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr, scale_ptr, eps, dim, stride_x,
     stride_r, stride_ro, stride_o, stride_sm, stride_sg,
@@ -171,23 +188,16 @@ def _rms_norm_kernel(
     in place could be read back by another program of the row as its input."""
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    groups = tl.arange(0, GROUPS)
-    offs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
-    ok = offs < dim
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
-        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
+    groups, offs, ok, x = _row_groups(
+        x_ptr, residual_ptr, row, stride_x, stride_r, dim, 0, GROUPS, GROUP_SIZE, HAS_RESIDUAL, EMULATE
+    )
     f = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(tl.sum(f * f, 1), 0) / dim + eps)
     if SLICE_GROUPS < GROUPS:  # this program's groups only, re-read (L1/L2) in a smaller tile
-        groups = tl.program_id(1) * SLICE_GROUPS + tl.arange(0, SLICE_GROUPS)
-        offs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
-        ok = offs < dim
-        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
-            x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
+        groups, offs, ok, x = _row_groups(
+            x_ptr, residual_ptr, row, stride_x, stride_r, dim, tl.program_id(1) * SLICE_GROUPS,
+            SLICE_GROUPS, GROUP_SIZE, HAS_RESIDUAL, EMULATE,
+        )  # fmt: skip
         f = x.to(tl.float32)
     if HAS_RESIDUAL:
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
