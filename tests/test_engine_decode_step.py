@@ -152,6 +152,49 @@ def test_kernel_step_equals_torch_step(
     assert torch.equal(b.tokens, b.frames)
 
 
+@pytest.mark.parametrize("select", ["sort", "radix"])
+def test_kernel_step_with_wide_rows_equals_torch_step(
+    tmp_path, select: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny S2 model with 256 codes per codebook: the main row (256 semantic ids + `<|im_end|>`,
+    one column past a power of two) and the codebook rows are wider than the 64 candidates the
+    capped kernel extracts, so the step reaches the split last column and the top-k selection
+    (`select`) that the golden model's 64-column rows skip (they sort the whole tile)."""
+    from shoal.models.writer import tiny_config, write_checkpoint
+
+    monkeypatch.setenv("SHOAL_SAMPLE_SELECT", select)
+    config = tiny_config("s2").replace(vocab_size=768, codebook_size=256, semantic_end_id=655)
+    write_checkpoint(tmp_path, config, seed=5)
+    model = load_model(tmp_path, dtype=torch.float32)
+    model.build_rope_tables("cpu")
+    core = EngineCore(
+        model, EngineConfig(device="cpu", dtype="float32", num_pages=64, page_size=16, decode_step="fast")
+    )
+    requests = []
+    for i in range(3):
+        params = SamplingParams(temperature=0.8 + 0.1 * i, top_p=0.95, top_k=(50, 64, 3)[i], seed=7 + i)
+        requests.append(add(core, model, f"w{i}", "text " * (2 + i), params, 30)[0])
+    while not all(r.num_frames >= 3 for r in requests):
+        core.step()
+    runner = core.runner
+    kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
+    assert kernel_step.column_ids.numel() == 257
+    fields = runner.host.fill(requests)
+    results = []
+    for step in (runner.step, kernel_step):
+        buffers = DecodeBuffers.allocate(
+            len(requests), runner.max_pages, runner.window_size, runner.num_rows, "cpu"
+        )
+        for name in fields:
+            getattr(buffers, name).copy_(getattr(runner.host.host, name)[: len(requests)])
+        buffers.frames.fill_(-7)
+        with torch.no_grad():
+            step(buffers, True)
+        results.append(buffers.frames.clone())
+    assert (results[1] >= 0).all()
+    assert torch.equal(results[1], results[0])
+
+
 def test_fused_prefill_equals_model_forward(golden_dir) -> None:
     """Two prompts (one continuing after a cached chunk) through the fused-kernel prefill."""
     from shoal.engine.kv_cache import PagedKV
