@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,16 @@ torch.set_num_threads(1)
 # Without a GPU, Triton kernels run in the interpreter; set it before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seeded_random(request: pytest.FixtureRequest) -> None:
+    """Each test starts from its own fixed seed (from its id), so a test drawing unseeded random
+    weights or inputs sees the same numbers in every run: a tolerance check either always holds
+    or always fails (an unseeded layout test once failed CI by chance)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    torch.manual_seed(seed)
 
 
 @pytest.fixture(scope="session")
