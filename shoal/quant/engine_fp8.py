@@ -437,15 +437,14 @@ class Fp8Projections:
     def _scaled_mm(w: Fp8Weight, x: Tensor, swiglu: bool, out: Tensor) -> None:
         """Block-scaled cuBLAS FP8 GEMM into `out`: the same arithmetic as "w8a8" (activation
         groups of 1 x 128, weight blocks of 128 x 128, fp32 sums), another summation order."""
-        from shoal.kernels.quant import new_activation_scales, quantize_activations, swiglu_quantize
+        from shoal.kernels.quant import quantize_activations, swiglu_quantize
 
         m = x.shape[0]
         rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
         if rows != m:  # cuBLAS's block-wise kernels want whole 16-row groups: zero rows past M
             x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
-        q = torch.empty(rows, w.k, dtype=torch.float8_e4m3fn, device=x.device)
         quantize = swiglu_quantize if swiglu else quantize_activations
-        q, scales = quantize(x.to(torch.bfloat16), out=q, scales=new_activation_scales(rows, w.k, x.device))
+        q, scales = quantize(x.to(torch.bfloat16))  # allocates the e4m3 rows and group-major scales
         y = torch._scaled_mm(q, w.q.t(), scales, w.scale.t(), out_dtype=torch.bfloat16)
         out.copy_(y[:m])
 
