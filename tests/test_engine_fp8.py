@@ -411,6 +411,60 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "split_rows,fused_fast", [(False, True), (True, False)], ids=["row-programs", "split-rows-unfused-fast"]
+)
+def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
+    tmp_path, monkeypatch, split_rows: bool, fused_fast: bool
+) -> None:
+    """Every FP8 GEMM forced to split K in two: the o and down projections hand their partials to
+    the norm after them, qkv to the QK-norm/RoPE/KV-write kernel (which the fused fast attention
+    replaces: there qkv reduces itself). Each hand-over must actually happen, and the step's
+    outputs equal, bit for bit, those of the step whose GEMMs all reduce their own partials; both
+    row layouts of the norm (one program per row; rows split over programs, the residual stream in
+    two buffers), the fast layers fused or not."""
+    from shoal.kernels import fp8_gemm, norm_rope
+
+    two_splits = fp8_gemm.GemmConfig(block_m=16, block_n=32, split_k=2, num_warps=2, num_stages=1)
+    monkeypatch.setattr(fp8_gemm, "pick_config", lambda *args, **kwargs: two_splits)
+    handed = {"rms_norm": [], "qk_norm_rope_kv_write": []}
+    for name, calls in handed.items():
+        original = getattr(norm_rope, name)
+
+        def counting(x, *args, _original=original, _calls=calls, **kwargs):
+            _calls.append(isinstance(x, fp8_gemm.SplitKPartials))
+            return _original(x, *args, **kwargs)
+
+        monkeypatch.setattr(norm_rope, name, counting)
+    model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16)
+    model.build_rope_tables("cpu")
+    runner, requests = _two_running_requests(model, "bfloat16")
+    fields = runner.host.fill(requests)
+    outputs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("SHOAL_SPLITK_CONSUMER", switch)
+        step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
+        step.fp8.reserve(graph_row_counts([2]))
+        step.norm_split_max_rows = 1 << 20 if split_rows else 0
+        step.norm_slice_groups = 1
+        step.fused_fast_max_batch = 16 if fused_fast else 0
+        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
+        for name in fields:
+            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
+        for calls in handed.values():
+            calls.clear()
+        with torch.no_grad():
+            hidden, normed = step.slow(b)
+            x = torch.stack([normed, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
+            outputs.append((hidden.clone(), normed.clone(), step._fast_kernels(x.flatten(0, 1), 0).clone()))
+        layers = len(model.layers) + len(model.fast_layers)
+        rope_layers = len(model.layers) + (0 if fused_fast else len(model.fast_layers))
+        expected = (2 * layers, rope_layers) if switch == "1" else (0, 0)
+        assert (sum(handed["rms_norm"]), sum(handed["qk_norm_rope_kv_write"])) == expected, handed
+    for got, want in zip(*outputs, strict=True):
+        assert torch.equal(got, want)
+
+
 # ---- the correctness gate through the engine ----------------------------------------------------
 
 

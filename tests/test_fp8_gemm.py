@@ -138,6 +138,36 @@ def test_split_k_workspace_is_reusable_and_deterministic() -> None:
         gemm.fp8_linear(x, w_q, w_s, False, workspace=small, config=config)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["prequantized", "inline-swiglu"])
+def test_unreduced_split_k_returns_the_partials_of_the_reduced_result(inline: bool) -> None:
+    """`unreduced=True`: the split programs write only their partials (no counter touched, `out`
+    left alone) and `SplitKPartials.reduce()` gives the reducing launch's bits; without split the
+    launch writes `out` as usual."""
+    m, n, k = 3, 64, 768
+    w_q, w_s = _weight(n, k)
+    x = torch.randn(m, 2 * k if inline else k, device=DEVICE).to(torch.bfloat16)
+    config = gemm.GemmConfig(block_m=16, block_n=32, split_k=4, num_warps=2, num_stages=1)
+    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config), DEVICE)
+
+    def launch(config, **kwargs):
+        if inline:
+            return gemm.fp8_linear(x, w_q, w_s, True, True, workspace=workspace, config=config, **kwargs)
+        return gemm.fp8_gemm(
+            *quant.quantize_activations(x), w_q, w_s, workspace=workspace, config=config, **kwargs
+        )
+
+    reduced = launch(config)
+    untouched = _poisoned_out(m, n)
+    workspace.partials.fill_(float("nan"))
+    partials = launch(config, out=untouched, unreduced=True)
+    assert isinstance(partials, gemm.SplitKPartials) and partials.parts.shape == (4, m, n)
+    assert partials.parts.data_ptr() == workspace.partials.data_ptr()
+    assert torch.equal(partials.reduce(), reduced)
+    assert torch.isnan(untouched.float()).all() and (workspace.counters == 0).all()
+    whole = launch(replace(config, split_k=1), out=_poisoned_out(m, n), unreduced=True)
+    assert isinstance(whole, torch.Tensor) and _rel_err(whole, reduced) < 4e-3
+
+
 def test_rejects_transposed_or_restrided_scales() -> None:
     w_q, w_s = _weight(256, 384)  # scale grid 2 x 3
     x = torch.randn(1, 384, device=DEVICE).to(torch.bfloat16)
@@ -228,3 +258,48 @@ def test_tuned_configs_are_launchable() -> None:
             assert bucket in gemm.M_BUCKETS and 128 % config.block_n == 0, (n, k, bucket, config)
             assert -(-k // 128) // config.split_k >= 2, (n, k, bucket, config)
             assert gemm.pick_config(n, k, bucket, fp8_activations=table is gemm.TUNED_CONFIGS_FP8) is config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("shape", ["qkv", "o", "down"])
+def test_consumers_of_unreduced_partials_at_s2_shapes_gpu(m: int, shape: str) -> None:
+    """With the tuned configs (split K, TMA where tuned) on the GPU: the norm (o, down) or the
+    QK-norm/RoPE/KV-write kernel (qkv) fed the GEMM's partials writes exactly what it writes on
+    the GEMM's reduced output."""
+    from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm
+    from shoal.models.layers import rope_table
+
+    n, k = S2_SHAPES[shape]
+    w_q, w_s = _weight(n, k)
+    x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    reduced = gemm.fp8_gemm(x_q, x_s, w_q, w_s)
+    partials = gemm.fp8_gemm(x_q, x_s, w_q, w_s, unreduced=True)
+    assert isinstance(partials, gemm.SplitKPartials), "the tuned config splits K at these shapes"
+    assert torch.equal(partials.reduce(), reduced)
+    if shape == "qkv":
+        hq, hkv, d = 32, 8, 128
+        positions = torch.arange(m, device=DEVICE) * 7
+        table = rope_table(1024, d, 1e6).to(DEVICE)
+        norm_w = torch.rand(d, device=DEVICE).to(torch.bfloat16)
+        slots = torch.arange(m, device=DEVICE)
+        results = []
+        for qkv in (partials, reduced):
+            k_pages = torch.zeros(m, 1, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+            v_pages = torch.zeros_like(k_pages)
+            q = qk_norm_rope_kv_write(qkv, positions, table, k_pages, v_pages, slots, hq, hkv, norm_w, norm_w)
+            results.append((q, k_pages, v_pages))
+        for got, want in zip(*results, strict=True):
+            assert torch.equal(got, want)
+    else:
+        weight = torch.rand(n, device=DEVICE).to(torch.bfloat16)
+        residual = torch.randn(m, n, device=DEVICE).to(torch.bfloat16)
+        for slice_groups in (None, 4):
+            results = []
+            for x in (partials, reduced):
+                spare = torch.empty_like(residual) if slice_groups else None
+                results.append(
+                    rms_norm(x, weight, 1e-6, residual.clone(), residual_out=spare, slice_groups=slice_groups)
+                )
+            (normed, summed), (normed_ref, summed_ref) = results
+            assert torch.equal(normed, normed_ref) and torch.equal(summed, summed_ref)

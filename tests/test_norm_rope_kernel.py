@@ -205,3 +205,83 @@ def test_rms_norm_row_split_refuses_an_in_place_residual() -> None:
         rms_norm(x, weight, 1e-6, residual, slice_groups=1)
     with pytest.raises(ValueError, match="power of two"):
         rms_norm(x, weight, 1e-6, slice_groups=3)
+
+
+def tie_partials(rows: int, width: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials [5, rows, width] whose split-order sum is exactly `scales` (a random
+    signed power of two per element, returned too) but whose sum in any other order is not: each
+    element's partials are (1, 2^-8, 2^-24, 2^-24, 0) x its scale. In split order the sum stays on
+    a bf16 rounding tie (rounded down to even); reversed or as a tree, the two tiny terms survive
+    in fp32 and push it past the tie."""
+    pattern = torch.tensor([1.0, 2.0**-8, 2.0**-24, 2.0**-24, 0.0])
+    signs = torch.randint(0, 2, (rows, width), generator=gen) * 2 - 1
+    scales = torch.exp2(torch.randint(-6, 7, (rows, width), generator=gen).float()) * signs
+    return (pattern[:, None, None] * scales[None]).to(DEVICE), scales.to(DEVICE)
+
+
+def test_qk_norm_rope_kv_write_sums_split_k_partials_as_the_gemm_would() -> None:
+    """Fed the qkv GEMM's partials, the QK-norm/RoPE/KV-write kernel writes q, k and v exactly as
+    on the reduced bf16 qkv (`tie_partials`: any other summation order changes every element)."""
+    from shoal.kernels.fp8_gemm import SplitKPartials
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, hq, hkv, d, page, num_pages = 5, 4, 2, 32, 4, 4
+    parts, _ = tie_partials(tokens, (hq + 2 * hkv) * d, gen)
+    partials = SplitKPartials(parts)
+    positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEVICE)
+    table = rope_table(512, d, 1e6).to(DEVICE)
+    q_w, k_w = random_bf16(d, generator=gen), random_bf16(d, generator=gen)
+    slots = torch.randperm(num_pages * page, generator=gen)[:tokens].to(DEVICE)
+    results = []
+    for qkv in (partials, partials.reduce()):
+        k_pages = torch.full((num_pages, page, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        v_pages = k_pages.clone()
+        q = qk_norm_rope_kv_write(qkv, positions, table, k_pages, v_pages, slots, hq, hkv, q_w, k_w, eps=1e-6)
+        results.append((q, k_pages, v_pages))
+    (q, k_pages, v_pages), (q_ref, k_ref, v_ref) = results
+    assert q.dtype == torch.bfloat16 and torch.equal(q, q_ref)
+    assert torch.equal(k_pages.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_pages.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert torch.equal(v_pages.view(-1, hkv * d)[slots], partials.reduce()[:, (hq + hkv) * d :])
+
+
+@pytest.mark.parametrize("slice_groups", [None, 1], ids=["row", "split-row"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_rms_norm_sums_split_k_partials_as_the_gemm_would(quantized: bool, slice_groups: int | None) -> None:
+    """Fed a split-K GEMM's fp32 partials (`SplitKPartials`), the norm writes the same bits as on
+    the bf16 output the GEMM's own reduction stores (their sum in split order, rounded once), the
+    residual stream included (`tie_partials`: any other summation order changes every element)."""
+    from shoal.kernels.fp8_gemm import SplitKPartials
+
+    rows, dim = 3, 640
+    gen = torch.Generator().manual_seed(11 + 2 * quantized + (slice_groups is None))
+    parts, scales = tie_partials(rows, dim, gen)
+    partials = SplitKPartials(parts)
+    reduced = partials.reduce()
+    assert torch.equal(reduced.float(), scales), "premise: the split-order sum rounds down"
+    assert (parts.flip(0).sum(0).to(torch.bfloat16) != reduced).all(), "premise: order matters"
+    residual = torch.zeros(rows, dim, dtype=torch.bfloat16, device=DEVICE)  # the sum shows as is
+    weight = random_bf16(dim, generator=gen)
+
+    def run(x):
+        res_in = residual.clone()
+        res_out = torch.full_like(residual, float("nan")) if slice_groups else None
+        target = None
+        if quantized:
+            target = (
+                torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=DEVICE),
+                new_activation_scales(rows, dim, DEVICE),
+            )
+        return rms_norm(
+            x, weight, 1e-6, res_in, out_fp8=target, residual_out=res_out, slice_groups=slice_groups
+        )
+
+    (fused, fused_residual), (plain, plain_residual) = run(partials), run(reduced)
+    if quantized:
+        assert torch.equal(fused[0].view(torch.uint8), plain[0].view(torch.uint8))
+        assert torch.equal(fused[1], plain[1])
+    else:
+        assert torch.equal(fused, plain)
+    assert torch.equal(fused_residual, plain_residual)
+    with pytest.raises(ValueError, match="float32"):
+        rms_norm(SplitKPartials(parts.to(torch.bfloat16)), weight, 1e-6)

@@ -204,9 +204,13 @@ def time_variant(
 
 
 def run_gemm_bench(
-    shapes: dict[str, tuple[int, int]] = SHAPES, m_values=M_VALUES, mlp: bool = True
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+    m_values=M_VALUES,
+    mlp: bool = True,
+    only: list[str] | None = None,
 ) -> list[dict]:
-    """Times every variant; prints and returns one row per (shape, M, variant)."""
+    """Times every variant (or those whose names start with one of `only`); prints and returns
+    one row per (shape, M, variant)."""
     ceilings = memory_ceilings()
     mode = _pick_scaled_mm()
     print(f"torch._scaled_mm {mode}")
@@ -226,6 +230,8 @@ def run_gemm_bench(
                 elif pad != m:  # cuBLAS rejects this M: time it on zero-padded rows, and say so
                     variants[f"scaled_mm(M pad->{pad})"] = _padded(variants.pop("scaled_mm"), pad)
             for variant, fn in variants.items():
+                if only and not any(variant.startswith(prefix) for prefix in only):
+                    continue
                 try:
                     seconds = time_variant(fn, x, sets)
                 except RuntimeError as error:  # e.g. a torch baseline that rejects this shape
@@ -447,6 +453,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlp", action="store_true", help="table: skip the whole-MLP rows")
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--m", nargs="*", type=int, default=list(M_VALUES))
+    parser.add_argument("--variants", nargs="*", help="table: only variants whose names start so")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -457,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         sweep(shapes, args.m, args.modes, args.precompile_only, args.json)
     else:
-        run_gemm_bench(shapes, args.m, mlp=not args.no_mlp)
+        run_gemm_bench(shapes, args.m, mlp=not args.no_mlp, only=args.variants)
     return 0
 
 

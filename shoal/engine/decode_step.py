@@ -133,6 +133,16 @@ class DecodeStep:
         self.norm_split_max_rows = {"auto": NORM_SPLIT_MAX_ROWS, "0": 0, "1": max_batch * 2}[switch]
         self.norm_slice_groups = int(os.environ.get("SHOAL_NORM_SLICE_GROUPS", NORM_SLICE_GROUPS))
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
+        # FP8 projections leave their split-K partials to the kernel that reads their output
+        # (`kernels.fp8_gemm.SplitKPartials`): the GEMM skips its arrival atomic and reduction,
+        # the consumer sums the partials while loading (same bits). o and down: the norm after
+        # them; qkv: the QK-norm/RoPE/KV-write kernel (not the fused fast attention).
+        # `SHOAL_SPLITK_CONSUMER=1|norm|0`: all of them, o and down only, none.
+        switch = os.environ.get("SHOAL_SPLITK_CONSUMER", "1")
+        if switch not in ("1", "norm", "0"):
+            raise ValueError(f"SHOAL_SPLITK_CONSUMER must be 1, norm or 0, got {switch!r}")
+        self.norm_reduces_partials = switch != "0"
+        self.rope_reduces_partials = switch == "1"
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
         # (`kernels/fast_attention.py`) for batches up to `fused_fast_max_batch`: on the H200 it
         # took the step from 4.46 to 4.42 ms at batch 1 and from 6.87 to 6.91 ms at batch 64
@@ -302,8 +312,8 @@ class DecodeStep:
             attn = layer.attention
             if fp8 is None:
                 qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
-            else:
-                qkv = fp8.qkv(layer, normed)
+            else:  # partials (when unreduced) go to the QK-norm/RoPE kernel right after
+                qkv = fp8.qkv(layer, normed, unreduced=self.rope_reduces_partials and rope_attend is None)
             head_dim = qkv.shape[1] // (attn.n_head + 2 * attn.n_local_heads)
             target = fp8_target(layer, "out") if head_dim == GROUP else None  # a head per group
             if rope_attend is not None:
@@ -320,8 +330,8 @@ class DecodeStep:
                 attended = attended.reshape(tokens, -1)
             if fp8 is None:
                 out = F.linear(attended, attn.wo.weight, attn.wo.bias)
-            else:
-                out = fp8.out_proj(layer, attended)
+            else:  # split-K partials, when unreduced, are summed by the norm right after
+                out = fp8.out_proj(layer, attended, unreduced=self.norm_reduces_partials)
             normed = add_and_norm(out, layer.ffn_norm.weight, fp8_target(layer, "gate_up"))
             ff = layer.feed_forward
             if fp8 is None:
@@ -329,7 +339,7 @@ class DecodeStep:
                     F.silu(F.linear(normed, ff.w1.weight)) * F.linear(normed, ff.w3.weight), ff.w2.weight
                 )
             else:
-                out = fp8.mlp(layer, normed)
+                out = fp8.mlp(layer, normed, unreduced=self.norm_reduces_partials)
             last = i + 1 == len(layers)
             following = final_weight if last else layers[i + 1].attention_norm.weight
             target = None if last else fp8_target(layers[i + 1], "qkv")

@@ -16,6 +16,8 @@ streaming weights. Split-K fixes that: `SPLIT_K` programs share one output tile,
 partial to a workspace and bumps a per-tile counter; the last to arrive sums the partials in fixed
 order (deterministic), writes bf16 and resets the counter to 0. One launch, no host sync, no
 allocation when the caller passes `out` and a `SplitKWorkspace`: safe to capture in a CUDA graph.
+With `unreduced=True` the programs only write their partials and the caller gets them as a
+`SplitKPartials`, for a consumer kernel to sum while loading them (no atomic, no reduction here).
 """
 
 from __future__ import annotations
@@ -194,6 +196,30 @@ class SplitKWorkspace:
             )
 
 
+@dataclass(frozen=True)
+class SplitKPartials:
+    """A split-K GEMM's output left unreduced (`unreduced=True`): the fp32 partials [splits, M, N]
+    in the split-K workspace. The GEMM's result is their sum in split order, rounded to bf16,
+    exactly what the reducing epilogue would store; a consumer kernel that sums them while loading
+    its input (`kernels/norm_rope.rms_norm`) saves the GEMM its arrival atomic, fence and
+    last-program reduction (1.4-1.5 µs of a 6-11 µs GEMM at M = 1, 2.5-4.3 µs at M = 64 on the
+    H200, docs/performance.md run 27). They live in the shared workspace: valid only until the next
+    split-K launch on it, so the consumer must run before any other GEMM."""
+
+    parts: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def reduce(self) -> torch.Tensor:
+        """The bf16 result, summed in the kernel's order (tests, and consumers without the fusion)."""
+        total = torch.zeros_like(self.parts[0])
+        for part in self.parts:
+            total += part
+        return total.to(torch.bfloat16)
+
+
 _default_workspaces: dict[torch.device, SplitKWorkspace] = {}
 
 
@@ -251,6 +277,7 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    LEAVE_PARTIALS: tl.constexpr,
     STEPS_PER_SPLIT: tl.constexpr,
     STEPS_P2: tl.constexpr,
     PRELOAD_A_SCALES: tl.constexpr,
@@ -349,20 +376,21 @@ def _fp8_gemm_kernel(
         tile_offsets = offs_m[:, None] * N + offs_n[None, :]  # int32: split_k * M * N < 2**31
         split_stride = M * N
         tl.store(partial_ptr + pid_k * split_stride + tile_offsets, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        tile = pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):  # fixed order: the result does not depend on arrival order
-                total += tl.load(
-                    partial_ptr + s * split_stride + tile_offsets,
-                    mask=out_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-            tl.store(out_ptrs, round_to_bf16(total), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+        if not LEAVE_PARTIALS:  # else the consumer sums them (`SplitKPartials`)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            tile = pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT_K):  # fixed order: the result does not depend on arrival order
+                    total += tl.load(
+                        partial_ptr + s * split_stride + tile_offsets,
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                tl.store(out_ptrs, round_to_bf16(total), mask=out_mask)
+                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def check_weight_layout(w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -389,7 +417,8 @@ def _launch(
     out: torch.Tensor | None,
     workspace: SplitKWorkspace | None,
     config: GemmConfig | None,
-) -> torch.Tensor:
+    unreduced: bool = False,
+) -> torch.Tensor | SplitKPartials:
     check_weight_layout(w_q, w_scale)
     n, k = w_q.shape
     if a.dim() != 2 or a.stride(1) != 1:
@@ -421,6 +450,7 @@ def _launch(
     steps = triton.cdiv(k_blocks, config.split_k)
     steps_p2 = max(2, triton.next_power_of_2(steps))
     launch = pdl_launch()
+    leave_partials = unreduced and config.split_k > 1
     use_tma = config.tma and mode == ACT_FP8
     if use_tma:
         if k % 16:
@@ -456,6 +486,7 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K_=BLOCK_K,
         SPLIT_K=config.split_k,
+        LEAVE_PARTIALS=leave_partials,
         STEPS_PER_SPLIT=steps,
         STEPS_P2=steps_p2,
         PRELOAD_A_SCALES=config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT,
@@ -468,6 +499,8 @@ def _launch(
         num_stages=config.num_stages,
         **launch,
     )
+    if leave_partials:
+        return SplitKPartials(workspace.partials[: config.split_k * m * n].view(config.split_k, m, n))
     return out
 
 
@@ -479,11 +512,14 @@ def fp8_gemm(
     out: torch.Tensor | None = None,
     workspace: SplitKWorkspace | None = None,
     config: GemmConfig | None = None,
-) -> torch.Tensor:
-    """W8A8 with pre-quantized activations (`kernels.quant`): [M, K] e4m3 x [N, K] e4m3 -> bf16 [M, N]."""
+    unreduced: bool = False,
+) -> torch.Tensor | SplitKPartials:
+    """W8A8 with pre-quantized activations (`kernels.quant`): [M, K] e4m3 x [N, K] e4m3 -> bf16 [M, N].
+    `unreduced`: a split-K launch returns its `SplitKPartials` instead (`out` is then not written);
+    a launch without split returns `out` as usual."""
     if x_q.dtype != torch.float8_e4m3fn:
         raise ValueError("fp8_gemm takes e4m3 activations; use fp8_linear for bf16 input")
-    return _launch(ACT_FP8, x_q, x_scale, w_q, w_scale, False, out, workspace, config)
+    return _launch(ACT_FP8, x_q, x_scale, w_q, w_scale, False, out, workspace, config, unreduced)
 
 
 def fp8_linear(
@@ -495,12 +531,14 @@ def fp8_linear(
     out: torch.Tensor | None = None,
     workspace: SplitKWorkspace | None = None,
     config: GemmConfig | None = None,
-) -> torch.Tensor:
+    unreduced: bool = False,
+) -> torch.Tensor | SplitKPartials:
     """bf16 x [M, K] (or gate|up [M, 2K] with `swiglu_input`) times FP8 W [N, K] -> bf16 [M, N].
 
     `quantize_input=True` rounds activations to e4m3 per token per 128 columns inside the GEMM
-    (W8A8); False keeps them bf16 and dequantizes weights in registers (W8A16)."""
+    (W8A8); False keeps them bf16 and dequantizes weights in registers (W8A16). `unreduced`: as
+    in `fp8_gemm`."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"fp8_linear takes bf16 activations, got {x.dtype}")
     mode = ACT_QUANT_INLINE if quantize_input else ACT_BF16
-    return _launch(mode, x, None, w_q, w_scale, swiglu_input, out, workspace, config)
+    return _launch(mode, x, None, w_q, w_scale, swiglu_input, out, workspace, config, unreduced)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.fp8_gemm import SplitKPartials
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 from shoal.kernels.quant import FP8_MAX, GROUP, MIN_SCALE, _quantize_groups, check_activation_scales
 
@@ -39,6 +40,20 @@ def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def load_summing_partials(ptr, offs, mask, split_stride, PARTS: tl.constexpr, EMULATE: tl.constexpr):
+    """ptr[offs]; with PARTS > 0, ptr holds a split-K GEMM's fp32 partials (`SplitKPartials`, split
+    stride `split_stride`): their sum from 0 in split order, rounded to bf16 once, which is the
+    bits the GEMM's own reduction stores."""
+    if PARTS > 0:
+        total = tl.zeros(offs.shape, dtype=tl.float32)
+        for part in tl.static_range(PARTS):
+            total += tl.load(ptr + part * split_stride + offs, mask=mask, other=0.0)
+        return cast_rne(total, tl.bfloat16, EMULATE)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -63,13 +78,14 @@ def _rms_scale(
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, positions_ptr, table_ptr, q_norm_ptr, k_norm_ptr, slots_ptr,
     q_out_ptr, k_pages_ptr, v_pages_ptr, eps,
-    stride_qkv, stride_table, stride_qo_t, stride_qo_h, stride_page, stride_pos, stride_head,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, EMULATE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    stride_qkv, stride_qkv_s, stride_table, stride_qo_t, stride_qo_h, stride_page, stride_pos,
+    stride_head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, PARTS: tl.constexpr,
+    EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, Hq + Hkv): program (t, h) rotates q head h, or for h >= Hq normalizes/rotates
-    k head h-Hq and writes it and v head h-Hq into the page pools."""
+    k head h-Hq and writes it and v head h-Hq into the page pools. With PARTS > 0 qkv is a
+    split-K GEMM's partials, summed while loading."""
     wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -79,8 +95,9 @@ def _qk_norm_rope_kv_kernel(
     cos = tl.load(table_ptr + position * stride_table + 2 * offs).to(tl.float32)
     sin = tl.load(table_ptr + position * stride_table + 2 * offs + 1).to(tl.float32)
     row = qkv_ptr + token * stride_qkv + head * HEAD_DIM
-    x0 = tl.load(row + 2 * offs)
-    x1 = tl.load(row + 2 * offs + 1)
+    everywhere = offs < half
+    x0 = load_summing_partials(row, 2 * offs, everywhere, stride_qkv_s, PARTS, EMULATE)
+    x1 = load_summing_partials(row, 2 * offs + 1, everywhere, stride_qkv_s, PARTS, EMULATE)
     if head < NUM_Q_HEADS:
         x0, x1 = _rms_scale(x0, x1, q_norm_ptr, offs, eps, HEAD_DIM, HAS_Q_NORM, EMULATE)
         f0 = x0.to(tl.float32)
@@ -102,12 +119,14 @@ def _qk_norm_rope_kv_kernel(
             tl.store(k_dest + 2 * offs, cast_rne(f0 * cos - f1 * sin, k_type, EMULATE))
             tl.store(k_dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, k_type, EMULATE))
             full = tl.arange(0, HEAD_DIM)
-            v = tl.load(row + NUM_KV_HEADS * HEAD_DIM + full)
+            v = load_summing_partials(
+                row + NUM_KV_HEADS * HEAD_DIM, full, full < HEAD_DIM, stride_qkv_s, PARTS, EMULATE
+            )
             tl.store(v_pages_ptr + place + full, v.to(v_pages_ptr.dtype.element_ty))
 
 
 def qk_norm_rope_kv_write(
-    qkv: Tensor,
+    qkv: Tensor | SplitKPartials,
     positions: Tensor,
     rope_table: Tensor,
     k_pages: Tensor,
@@ -121,7 +140,11 @@ def qk_norm_rope_kv_write(
     q_out: Tensor | None = None,
 ) -> Tensor:
     """qkv [T, (Hq+2Hkv)*D] (rows contiguous) -> rotated q [T, Hq, D]; k (normed, rotated) and
-    v go into the page pools at `slot_mapping` [T]. Norm weights: S1/S2 only (None skips)."""
+    v go into the page pools at `slot_mapping` [T]. Norm weights: S1/S2 only (None skips).
+    qkv may be the qkv GEMM's `SplitKPartials` (summed while loading; q then comes out bf16)."""
+    count, split_stride = 0, 0
+    if isinstance(qkv, SplitKPartials):
+        count, split_stride, qkv = qkv.parts.shape[0], qkv.parts.stride(0), qkv.parts[0]
     tokens, width = qkv.shape
     head_dim = width // (n_q_heads + 2 * n_kv_heads)
     if qkv.stride(1) != 1 or rope_table.stride(-1) != 1 or rope_table.stride(-2) != 2:
@@ -129,7 +152,9 @@ def qk_norm_rope_kv_write(
     if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1:
         raise ValueError("k_pages and v_pages must share one layout with head_dim innermost")
     q_out = (
-        torch.empty(tokens, n_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        torch.empty(
+            tokens, n_q_heads, head_dim, dtype=torch.bfloat16 if count else qkv.dtype, device=qkv.device
+        )
         if q_out is None
         else q_out
     )
@@ -141,10 +166,10 @@ def qk_norm_rope_kv_write(
         q_norm_weight if q_norm_weight is not None else dummy,
         k_norm_weight if k_norm_weight is not None else dummy,
         slot_mapping, q_out, k_pages, v_pages, eps,
-        qkv.stride(0), rope_table.stride(0), q_out.stride(0), q_out.stride(1),
+        qkv.stride(0), split_stride, rope_table.stride(0), q_out.stride(0), q_out.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         NUM_Q_HEADS=n_q_heads, NUM_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, PAGE=k_pages.shape[1],
-        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
+        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, PARTS=count,
         EMULATE=interpreting(), num_warps=1, **pdl_launch(),
     )  # fmt: skip
     return q_out
@@ -152,15 +177,17 @@ def qk_norm_rope_kv_write(
 
 @triton.jit
 def _row_groups(
-    x_ptr, residual_ptr, row, stride_x, stride_r, dim, first_group, COUNT: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
+    x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim, first_group, COUNT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     """COUNT 128-column groups of a row from `first_group` on, as a [COUNT, 128] tile (masked past
-    dim): x, or x + residual rounded to x's dtype. Returns (groups, offsets, mask, values)."""
+    dim): x, or x + residual rounded to x's dtype. With PARTS > 0, x is a split-K GEMM's fp32
+    partials (split stride `stride_xs`), summed in split order and rounded to bf16: the bits the
+    GEMM's own reduction would have stored. Returns (groups, offsets, mask, values)."""
     groups = first_group + tl.arange(0, COUNT)
     offs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     ok = offs < dim
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    x = load_summing_partials(x_ptr + row * stride_x, offs, ok, stride_xs, PARTS, EMULATE)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
         x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
@@ -170,8 +197,9 @@ def _row_groups(
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr, scale_ptr, eps, dim, stride_x,
-    stride_r, stride_ro, stride_o, stride_sm, stride_sg,
-    GROUPS: tl.constexpr, SLICE_GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
+    stride_xs, stride_r, stride_ro, stride_o, stride_sm, stride_sg,
+    GROUPS: tl.constexpr, SLICE_GROUPS: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    EMULATE: tl.constexpr,
     QUANT_OUT: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -189,14 +217,15 @@ def _rms_norm_kernel(
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     groups, offs, ok, x = _row_groups(
-        x_ptr, residual_ptr, row, stride_x, stride_r, dim, 0, GROUPS, GROUP_SIZE, HAS_RESIDUAL, EMULATE
-    )
+        x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim, 0, GROUPS, GROUP_SIZE, PARTS,
+        HAS_RESIDUAL, EMULATE,
+    )  # fmt: skip
     f = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(tl.sum(f * f, 1), 0) / dim + eps)
     if SLICE_GROUPS < GROUPS:  # this program's groups only, re-read (L1/L2) in a smaller tile
         groups, offs, ok, x = _row_groups(
-            x_ptr, residual_ptr, row, stride_x, stride_r, dim, tl.program_id(1) * SLICE_GROUPS,
-            SLICE_GROUPS, GROUP_SIZE, HAS_RESIDUAL, EMULATE,
+            x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim,
+            tl.program_id(1) * SLICE_GROUPS, SLICE_GROUPS, GROUP_SIZE, PARTS, HAS_RESIDUAL, EMULATE,
         )  # fmt: skip
         f = x.to(tl.float32)
     if HAS_RESIDUAL:
@@ -213,7 +242,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: Tensor,
+    x: Tensor | SplitKPartials,
     weight: Tensor,
     eps: float,
     residual: Tensor | None = None,
@@ -236,7 +265,18 @@ def rms_norm(
     `slice_groups` (a power of two): each program normalizes that many 128-column groups of a
     row, so a few rows still spread over several SMs (one program per row leaves a batch-1 step
     on one SM); every program reads the whole row for its mean square. With a residual this
-    needs a distinct `residual_out`. Same bits as one program per row."""
+    needs a distinct `residual_out`. Same bits as one program per row.
+
+    x may be a split-K FP8 GEMM's `SplitKPartials`: the norm sums them while loading (bf16
+    result, the same bits as normalizing the GEMM's reduced output), so the GEMM skips its own
+    reduction."""
+    if isinstance(x, SplitKPartials):
+        parts = x.parts
+        if parts.dtype != torch.float32 or parts.dim() != 3 or parts.stride(2) != 1:
+            raise ValueError("split-K partials must be float32 [splits, M, dim] with contiguous rows")
+        count, x, x_dtype, stride_xs = parts.shape[0], parts[0], torch.bfloat16, parts.stride(0)
+    else:
+        count, x_dtype, stride_xs = 0, x.dtype, 0
     rows, dim = x.shape
     if x.stride(1) != 1 or weight.stride(0) != 1:
         raise ValueError("rows of x and the weight must be contiguous")
@@ -255,22 +295,22 @@ def rms_norm(
     scales = x  # unused pointer without out_fp8
     if out_fp8 is not None:
         out, scales = out_fp8
-        if torch.promote_types(x.dtype, weight.dtype) != torch.bfloat16:
+        if torch.promote_types(x_dtype, weight.dtype) != torch.bfloat16:
             raise ValueError("out_fp8 quantizes a bf16 result: x and the weight must be bf16")
         if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (rows, dim) or out.stride(1) != 1:
             raise ValueError(f"out_fp8[0] must be float8_e4m3fn [{rows}, {dim}] with unit column stride")
         check_activation_scales(scales, rows, dim)
     elif out is None:
-        out = torch.empty(rows, dim, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        out = torch.empty(rows, dim, dtype=torch.promote_types(x_dtype, weight.dtype), device=x.device)
     if rows == 0:
         return (out_fp8 if out_fp8 is not None else out), residual_out
     slices = triton.cdiv(triton.cdiv(dim, GROUP), slice_groups)
     _rms_norm_kernel[(rows, slices)](
         x, residual if residual is not None else x, residual_out if residual is not None else x, weight,
-        out, scales, eps, dim, x.stride(0), residual.stride(0) if residual is not None else 0,
+        out, scales, eps, dim, x.stride(0), stride_xs, residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual is not None else 0, out.stride(0),
         scales.stride(0) if out_fp8 is not None else 0, scales.stride(1) if out_fp8 is not None else 0,
-        GROUPS=groups, SLICE_GROUPS=slice_groups, HAS_RESIDUAL=residual is not None,
+        GROUPS=groups, SLICE_GROUPS=slice_groups, PARTS=count, HAS_RESIDUAL=residual is not None,
         EMULATE=interpreting(),
         QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
         num_warps=num_warps, **pdl_launch(),

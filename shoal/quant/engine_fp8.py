@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ from shoal.quant.fp8_linear import (
     quantize_model_,
     verify_model_layout,
 )
+
+if TYPE_CHECKING:  # the kernels import Triton (and read TRITON_INTERPRET) only when first called
+    from shoal.kernels.fp8_gemm import SplitKPartials
 
 logger = logging.getLogger(__name__)
 
@@ -338,14 +342,17 @@ class Fp8Projections:
 
     # The projections --------------------------------------------------------------------------
 
-    def qkv(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
-        return self._linear(self.blocks[id(block)].qkv, x)
+    def qkv(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor], unreduced: bool = False):
+        """The qkv projection; `unreduced`: see `_linear`."""
+        return self._linear(self.blocks[id(block)].qkv, x, unreduced=unreduced)
 
-    def out_proj(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
-        return self._linear(self.blocks[id(block)].wo, x)
+    def out_proj(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor], unreduced: bool = False):
+        """The o projection; `unreduced`: see `_linear`."""
+        return self._linear(self.blocks[id(block)].wo, x, unreduced=unreduced)
 
-    def mlp(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
-        """w2(silu(w1 x) * w3 x) with SwiGLU fused into the down projection's activation load."""
+    def mlp(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor], unreduced: bool = False):
+        """w2(silu(w1 x) * w3 x) with SwiGLU fused into the down projection's activation load;
+        `unreduced` applies to the down projection (see `_linear`)."""
         b = self.blocks[id(block)]
         out_dtype = torch.bfloat16 if isinstance(x, tuple) else x.dtype
         m, device = x[0].shape[0] if isinstance(x, tuple) else x.shape[0], b.w2.q.device
@@ -361,7 +368,7 @@ class Fp8Projections:
                 gate_up = self._halves(m, inter, device)
             self._linear(b.w1, x, keep_bf16=True, out=gate_up[:, :inter])
             self._linear(b.w3, x, keep_bf16=True, out=gate_up[:, inter:])
-        return self._linear(b.w2, gate_up, swiglu=True, out_dtype=out_dtype)
+        return self._linear(b.w2, gate_up, swiglu=True, out_dtype=out_dtype, unreduced=unreduced)
 
     @staticmethod
     def _halves(m: int, inter: int, device) -> Tensor:
@@ -376,10 +383,15 @@ class Fp8Projections:
         keep_bf16: bool = False,
         out: Tensor | None = None,
         out_dtype: torch.dtype | None = None,
-    ) -> Tensor:
+        unreduced: bool = False,
+    ) -> Tensor | SplitKPartials:
         """x [M, K] (gate | up [M, 2K] with `swiglu`) -> [M, N]: bf16 with `keep_bf16` (an
         intermediate), else the input's dtype (`out_dtype` when given). x may be an already
-        quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8)."""
+        quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8).
+
+        `unreduced`: where our split-K kernel runs (bias-free, bf16 result), return its
+        `kernels.fp8_gemm.SplitKPartials` for the consumer (`kernels.norm_rope.rms_norm`) to sum;
+        it must be the next kernel to run. Other variants return the tensor as usual."""
         quantized = x if isinstance(x, tuple) else None  # (e4m3, scales) from `fp8_input`
         lead = x[0] if quantized is not None else x
         m = lead.shape[0]
@@ -403,10 +415,11 @@ class Fp8Projections:
         if out is None:
             out = self._out(w, m, lead.device, static)
         workspace = self.workspace if static else None
+        unreduced = unreduced and w.bias is None and (keep_bf16 or out_dtype == torch.bfloat16)
         if quantized is not None:
             from shoal.kernels.fp8_gemm import fp8_gemm
 
-            fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace)
+            return fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
         elif variant == "bf16":
             a = x.to(torch.bfloat16)
             if swiglu:  # as the bf16 model computes it: silu and product in bf16
@@ -421,12 +434,19 @@ class Fp8Projections:
             q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
             quantize = swiglu_quantize if swiglu else quantize_activations
             q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
-            fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace)
+            y = fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
+            if unreduced:
+                return y
         else:
             from shoal.kernels.fp8_gemm import fp8_linear
 
             a = x.to(torch.bfloat16)
-            fp8_linear(a, w.q, w.scale, variant == "w8a8_inline", swiglu, out=out, workspace=workspace)
+            quantize_inline = variant == "w8a8_inline"
+            y = fp8_linear(
+                a, w.q, w.scale, quantize_inline, swiglu, out=out, workspace=workspace, unreduced=unreduced
+            )
+            if unreduced:
+                return y
         if w.bias is not None:
             out.add_(w.bias.to(out.dtype))
         if keep_bf16 or out_dtype == torch.bfloat16:
