@@ -173,7 +173,11 @@ def test_variant_choice() -> None:
     assert variant_for(6144, 2560, 1, table={}) == "w8a8"
     assert variant_for(6144, 2560, 1, quantize_activations=False, table={}) == "w8a16"
     assert variant_for(6144, 2560, 300, table={}) == "bf16"
-    assert variant_for(19456, 2560, 300) == "scaled_mm" and variant_for(6144, 2560, 300) == "bf16"
+    # Prefill: one prompt (<= 1,024 rows) on cuBLAS, batched prefill's gate+up and down on scaled_mm.
+    assert m_bucket(129) == m_bucket(1024) != m_bucket(1025)
+    assert variant_for(19456, 2560, 300) == "bf16" and variant_for(2560, 9728, 1024) == "bf16"
+    assert variant_for(19456, 2560, 1025) == "scaled_mm" and variant_for(2560, 9728, 8192) == "scaled_mm"
+    assert variant_for(6144, 2560, 8192) == "bf16"
     assert variant_for(6144, 2560, 3, table={(6144, 2560, 4): "w8a8_inline"}) == "w8a8_inline"
     assert graph_row_counts((1, 4)) == {1, 2, 4, 8}
 
@@ -235,14 +239,13 @@ def test_triton_projections_equal_reference(planted, golden_dir, variant: str, w
 def test_prefill_variant_runs_the_w8a8_kernel_off_the_gpu(planted) -> None:
     """`scaled_mm` (cuBLAS) has no CPU version: off CUDA the same arithmetic runs on the W8A8
     kernel, so an interpreted engine with a long prompt still prefills."""
-    from shoal.quant.engine_fp8 import LARGE_M
-
+    bucket = m_bucket(130)
     table = {}
     for block in [*planted.layers, *planted.fast_layers]:
         ff, attn = block.feed_forward, block.attention
         for layer in (attn.wqkv, ff.w2):
-            table[(layer.out_features, layer.in_features, LARGE_M)] = "scaled_mm"
-        table[(2 * ff.w1.out_features, ff.w1.in_features, LARGE_M)] = "scaled_mm"
+            table[(layer.out_features, layer.in_features, bucket)] = "scaled_mm"
+        table[(2 * ff.w1.out_features, ff.w1.in_features, bucket)] = "scaled_mm"
     triton = Fp8Projections(planted, backend="triton", table=table)
     reference = Fp8Projections(planted, backend="reference", table=table)
     block = planted.layers[0]

@@ -20,12 +20,12 @@ kernel variant is chosen from the GEMM shape (N, K) and the row count M (`varian
 - `"scaled_mm"`: prefill-sized M (eager, never in a graph): activations quantized by one
   `kernels/quant.py` launch, then `torch._scaled_mm` with block-wise scales (cuBLAS; rows padded
   to a multiple of 16), no bf16 copy of the weight needed; `VARIANT_TABLE` runs gate+up and down
-  prefill on it (run 24). `SHOAL_FP8_PREFILL=scaled_mm|bf16` forces one variant for every prefill
-  GEMM (same-run A/B).
+  prefill above 1,024 rows on it (run 24; shorter prefills on cuBLAS, run 29).
+  `SHOAL_FP8_PREFILL=scaled_mm|bf16` forces one variant for every prefill GEMM (same-run A/B).
 
 `VARIANT_TABLE` holds measured winners (`shoal bench engine --fp8-sweep` prints it);
-`default_variant` decides the rest. M buckets are the GEMM's (1, 2, ..., 128) plus `LARGE_M` for
-eager prefill.
+`default_variant` decides the rest. M buckets are the GEMM's (1, 2, ..., 128) plus two for eager
+prefill: `SHORT_PREFILL_M` (up to 1,024 rows: one prompt, on bf16 cuBLAS) and `LARGE_M`.
 
 CUDA-graph safety: `reserve(ms)` allocates, before capture, the outputs, activation buffers and one
 split-K workspace for every M the graphs use; a call with a reserved M allocates nothing. A call with
@@ -65,7 +65,11 @@ logger = logging.getLogger(__name__)
 VARIANTS = ("w8a8", "w8a8_inline", "w8a16", "bf16", "scaled_mm")
 SCALED_MM_ROWS = 16  # block-wise `_scaled_mm` gets M padded to a multiple of this
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # the buckets of `kernels/fp8_gemm.py`'s tuned tables
-LARGE_M = 1 << 30  # bucket of every M above 128 (eager prefill)
+# Eager prefill: M up to SHORT_PREFILL_M (one request's prompt, what time to first frame waits
+# for) is its own bucket, every larger M (batched prefill) LARGE_M's.
+SHORT_PREFILL_M = 1024
+LARGE_M = 1 << 30
+PREFILL_BUCKETS = (SHORT_PREFILL_M, LARGE_M)
 # Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
 DEFAULT_QUANTIZE_ACTIVATIONS = DEFAULT_QUANTIZE_INPUT
 
@@ -83,19 +87,25 @@ VARIANT_TABLE: dict[tuple[int, int, int], str] = {
     (2560, 4096, 128): "bf16",  # 12.1 vs 10.6
     (19456, 2560, 128): "w8a8",  # 24.1 vs 30.1
     (2560, 9728, 128): "w8a8",  # 17.7 vs 21.3
-    # Prefill (every M above 128; run 24, `shoal bench engine --fp8-sweep 300 2048 8192`, µs
+    # Batched prefill (M above 1,024; run 24, `shoal bench engine --fp8-sweep 300 2048 8192`, µs
     # scaled_mm vs bf16 at M = 300 / 2048 / 8192): gate+up 55.9 / 231.6 / 876.2 vs 52.9 / 293.9 /
-    # 1066.2, down with SwiGLU 53.7 / 155.0 / 533.9 vs 50.8 / 243.6 / 939.5. Their bf16 copies
-    # (three quarters of a layer's weights) are then not kept at all. qkv (30.6 / 87.7 / 320.8 vs
-    # 18.9 / 92.6 / 338.8) and o (bf16 faster everywhere) keep cuBLAS on the copies that M = 128
-    # needs anyway.
+    # 1066.2, down with SwiGLU 53.7 / 155.0 / 533.9 vs 50.8 / 243.6 / 939.5. qkv (30.6 / 87.7 /
+    # 320.8 vs 18.9 / 92.6 / 338.8) and o (bf16 faster everywhere) keep cuBLAS on the copies that
+    # M = 128 needs anyway.
     (19456, 2560, LARGE_M): "scaled_mm",
     (2560, 9728, LARGE_M): "scaled_mm",
+    # One 300-token prompt (run 29, the engine at concurrency 1, first frame p50 in the same call):
+    # 21.0 ms with every prefill GEMM on bf16 cuBLAS against 72.1 ms with gate+up and down on
+    # `scaled_mm` (29.8 and 26.5 ms in two earlier calls: its cost per call varies, and at 300 rows
+    # its kernels were already 5% slower, run 24). So short prefills stay on cuBLAS; the price is
+    # keeping the bf16 copies of gate+up and down (5.6 GiB for S2-Pro).
+    (19456, 2560, SHORT_PREFILL_M): "bf16",
+    (2560, 9728, SHORT_PREFILL_M): "bf16",
 }
 
 
 def m_bucket(m: int) -> int:
-    for bucket in M_BUCKETS:
+    for bucket in (*M_BUCKETS, SHORT_PREFILL_M):
         if m <= bucket:
             return bucket
     return LARGE_M
@@ -117,7 +127,7 @@ def variant_for(
     table: dict[tuple[int, int, int], str] | None = None,
 ) -> str:
     bucket = m_bucket(m)
-    forced = os.environ.get("SHOAL_FP8_PREFILL") if bucket == LARGE_M else None
+    forced = os.environ.get("SHOAL_FP8_PREFILL") if bucket in PREFILL_BUCKETS else None
     if forced is not None:
         if forced not in ("bf16", "scaled_mm"):
             raise ValueError(f"SHOAL_FP8_PREFILL must be bf16 or scaled_mm, got {forced!r}")
@@ -250,7 +260,7 @@ class Fp8Projections:
 
     def _dense_copies(self) -> None:
         """bf16 copies (dequantized from FP8) for the shapes some bucket runs on cuBLAS."""
-        buckets = (*M_BUCKETS, LARGE_M)
+        buckets = (*M_BUCKETS, *PREFILL_BUCKETS)
         for w in self.weights():
             if any(self.variant(w.n, w.k, b) == "bf16" for b in buckets):
                 w.dense = reference.dequantize_weight(w.q, w.scale).to(self.dense_dtype)
