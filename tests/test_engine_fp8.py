@@ -302,6 +302,44 @@ def test_reserved_buffers_are_reused(planted) -> None:
         projections.reserve({4})
 
 
+def test_projection_biases_apply_to_quantized_inputs_and_keep_the_reduction(tmp_path, monkeypatch) -> None:
+    """A model with qkv and o biases, every GEMM split in two: a projection fed its input already
+    quantized (`fp8_input`) adds the bias as the one that quantizes it itself, and `unreduced`
+    (whose partials could not carry a bias) still returns the reduced, biased output."""
+    from shoal.kernels import fp8_gemm
+    from shoal.kernels.quant import quantize_activations
+
+    two_splits = fp8_gemm.GemmConfig(block_m=16, block_n=32, split_k=2, num_warps=2, num_stages=1)
+    monkeypatch.setattr(fp8_gemm, "pick_config", lambda *args, **kwargs: two_splits)
+    config = tiny_config("s2").replace(
+        dim=256, n_head=4, n_local_heads=2, head_dim=64, intermediate_size=256,
+        attention_qkv_bias=True, attention_o_bias=True,
+    )  # fmt: skip
+    state = random_state_dict(config, seed=5)
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in state.items():
+        if name.endswith(".bias"):  # the writer's biases are zeros: make them show
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    write_checkpoint(tmp_path, config, state)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    prepare_model(model)
+    projections = Fp8Projections(model, backend="triton", table={})
+    projections.reserve({2})
+    block = model.layers[0]
+    weights = projections.blocks[id(block)]
+    assert weights.qkv.bias.abs().min() > 0 and weights.wo.bias.abs().min() > 0
+    x = _bf16_exact((2, config.dim), 4).bfloat16()
+    for which, project in (("qkv", projections.qkv), ("out", projections.out_proj)):
+        width = x.shape[1] if which == "qkv" else config.n_head * config.head_dim
+        a = x if which == "qkv" else _bf16_exact((2, width), 6).bfloat16()
+        expected = project(block, a).clone()
+        q, scales = projections.fp8_input(block, which, 2)
+        quantize_activations(a, out=q, scales=scales)
+        assert torch.equal(project(block, (q, scales)), expected)
+        reduced = project(block, a, unreduced=True)
+        assert not isinstance(reduced, fp8_gemm.SplitKPartials) and torch.equal(reduced, expected)
+
+
 def _two_running_requests(model, dtype: str):
     """An FP8 engine (torch-ops step on the CPU) with two requests two frames into decoding:
     (its runner, the requests), whose host batch gives a kernel step realistic inputs."""

@@ -426,10 +426,11 @@ class Fp8Projections:
             out = self._out(w, m, lead.device, static)
         workspace = self.workspace if static else None
         unreduced = unreduced and w.bias is None and (keep_bf16 or out_dtype == torch.bfloat16)
+        result = out  # or our kernel's SplitKPartials, when unreduced
         if quantized is not None:
             from shoal.kernels.fp8_gemm import fp8_gemm
 
-            return fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
+            result = fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
         elif variant == "bf16":
             a = x.to(torch.bfloat16)
             if swiglu:  # as the bf16 model computes it: silu and product in bf16
@@ -444,19 +445,17 @@ class Fp8Projections:
             q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
             quantize = swiglu_quantize if swiglu else quantize_activations
             q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
-            y = fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
-            if unreduced:
-                return y
+            result = fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
         else:
             from shoal.kernels.fp8_gemm import fp8_linear
 
             a = x.to(torch.bfloat16)
             quantize_inline = variant == "w8a8_inline"
-            y = fp8_linear(
+            result = fp8_linear(
                 a, w.q, w.scale, quantize_inline, swiglu, out=out, workspace=workspace, unreduced=unreduced
             )
-            if unreduced:
-                return y
+        if result is not out:  # partials: no bias and a bf16 result, so nothing is left to apply
+            return result
         if w.bias is not None:
             out.add_(w.bias.to(out.dtype))
         if keep_bf16 or out_dtype == torch.bfloat16:
