@@ -137,8 +137,7 @@ def test_rms_norm_fp8_output_equals_separate_quantization(rows: int, dim: int, w
     res_b = residual.clone() if with_residual else None
     normed, res_a = rms_norm(x, weight, 1e-6, res_a)
     want_q, want_s = quantize_activations(normed)
-    q = torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=DEVICE)
-    scales = new_activation_scales(rows, dim, DEVICE)
+    q, scales = fp8_target(rows, dim)
     (got_q, got_s), res_b = rms_norm(x, weight, 1e-6, res_b, out_fp8=(q, scales))
     assert got_q is q and got_s is scales
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -158,6 +157,22 @@ def test_rms_norm_fp8_output_checks_layout() -> None:
         rms_norm(x, weight, 1e-6, out_fp8=(q.view(torch.uint8), new_activation_scales(4, 256, DEVICE)))
 
 
+def fp8_target(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty `out_fp8` pair for `rms_norm`: e4m3 rows and group-major scales."""
+    return torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=DEVICE), new_activation_scales(
+        rows, dim, DEVICE
+    )
+
+
+def assert_same_normed(got, want, quantized: bool) -> None:
+    """Bit equality of two `rms_norm` outputs: bf16 rows, or (e4m3, scales) pairs."""
+    if quantized:
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
+    else:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_row_split_over_programs_gives_the_same_bits(quantized: bool, with_residual: bool) -> None:
@@ -172,12 +187,7 @@ def test_rms_norm_row_split_over_programs_gives_the_same_bits(quantized: bool, w
     def run(slice_groups):
         res_in = residual.clone() if with_residual else None
         res_out = torch.full_like(residual, float("nan")) if with_residual and slice_groups else None
-        target = None
-        if quantized:
-            target = (
-                torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=DEVICE),
-                new_activation_scales(rows, dim, DEVICE),
-            )
+        target = fp8_target(rows, dim) if quantized else None
         normed, new_residual = rms_norm(
             x, weight, 1e-6, res_in, out_fp8=target, residual_out=res_out, slice_groups=slice_groups
         )
@@ -188,11 +198,7 @@ def test_rms_norm_row_split_over_programs_gives_the_same_bits(quantized: bool, w
     whole, whole_residual = run(None)
     for slice_groups in (1, 2):
         split, split_residual = run(slice_groups)
-        if quantized:
-            assert torch.equal(split[0].view(torch.uint8), whole[0].view(torch.uint8))
-            assert torch.equal(split[1], whole[1])
-        else:
-            assert torch.equal(split, whole)
+        assert_same_normed(split, whole, quantized)
         if with_residual:
             assert torch.equal(split_residual, whole_residual)
 
@@ -266,22 +272,13 @@ def test_rms_norm_sums_split_k_partials_as_the_gemm_would(quantized: bool, slice
     def run(x):
         res_in = residual.clone()
         res_out = torch.full_like(residual, float("nan")) if slice_groups else None
-        target = None
-        if quantized:
-            target = (
-                torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=DEVICE),
-                new_activation_scales(rows, dim, DEVICE),
-            )
+        target = fp8_target(rows, dim) if quantized else None
         return rms_norm(
             x, weight, 1e-6, res_in, out_fp8=target, residual_out=res_out, slice_groups=slice_groups
         )
 
     (fused, fused_residual), (plain, plain_residual) = run(partials), run(reduced)
-    if quantized:
-        assert torch.equal(fused[0].view(torch.uint8), plain[0].view(torch.uint8))
-        assert torch.equal(fused[1], plain[1])
-    else:
-        assert torch.equal(fused, plain)
+    assert_same_normed(fused, plain, quantized)
     assert torch.equal(fused_residual, plain_residual)
     with pytest.raises(ValueError, match="float32"):
         rms_norm(SplitKPartials(parts.to(torch.bfloat16)), weight, 1e-6)
