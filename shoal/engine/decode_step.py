@@ -55,6 +55,15 @@ NORM_SLICE_GROUPS = 4
 NORM_SPLIT_MAX_ROWS = 16
 
 
+def env_switch(name: str, choices: tuple[str, ...]) -> str:
+    """An A/B switch read at engine start: the variable's value, `choices[0]` when unset; anything
+    else is refused, so a typo cannot silently measure the default."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
 def sampling_probs(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, ranks: Tensor
 ) -> Tensor:
@@ -127,9 +136,7 @@ class DecodeStep:
         # serially cost 0.18 ms per step in run 13): `NORM_SPLIT_MAX_ROWS` above. Switches for
         # same-run A/B runs: `SHOAL_FUSE_NORM_QUANT=auto|0|1` (1: at every decode batch),
         # `SHOAL_NORM_SLICE_GROUPS` (0: never split rows).
-        switch = os.environ.get("SHOAL_FUSE_NORM_QUANT", "auto")
-        if switch not in ("auto", "0", "1"):
-            raise ValueError(f"SHOAL_FUSE_NORM_QUANT must be auto, 0 or 1, got {switch!r}")
+        switch = env_switch("SHOAL_FUSE_NORM_QUANT", ("auto", "0", "1"))
         self.norm_split_max_rows = {"auto": NORM_SPLIT_MAX_ROWS, "0": 0, "1": max_batch * 2}[switch]
         self.norm_slice_groups = int(os.environ.get("SHOAL_NORM_SLICE_GROUPS", NORM_SLICE_GROUPS))
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
@@ -138,9 +145,7 @@ class DecodeStep:
         # the consumer sums the partials while loading (same bits). o and down: the norm after
         # them; qkv: the QK-norm/RoPE/KV-write kernel (not the fused fast attention).
         # `SHOAL_SPLITK_CONSUMER=1|norm|0`: all of them, o and down only, none.
-        switch = os.environ.get("SHOAL_SPLITK_CONSUMER", "1")
-        if switch not in ("1", "norm", "0"):
-            raise ValueError(f"SHOAL_SPLITK_CONSUMER must be 1, norm or 0, got {switch!r}")
+        switch = env_switch("SHOAL_SPLITK_CONSUMER", ("1", "norm", "0"))
         self.norm_reduces_partials = switch != "0"
         self.rope_reduces_partials = switch == "1"
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
@@ -148,9 +153,7 @@ class DecodeStep:
         # took the step from 4.46 to 4.42 ms at batch 1 and from 6.87 to 6.91 ms at batch 64
         # (docs/performance.md run 20), from 5.41 to 5.37 ms at batch 16 (run 21).
         # `SHOAL_FUSED_FAST_ATTENTION=1` / `0`: always / never.
-        switch = os.environ.get("SHOAL_FUSED_FAST_ATTENTION", "auto")
-        if switch not in ("auto", "0", "1"):
-            raise ValueError(f"SHOAL_FUSED_FAST_ATTENTION must be auto, 0 or 1, got {switch!r}")
+        switch = env_switch("SHOAL_FUSED_FAST_ATTENTION", ("auto", "0", "1"))
         limits = {"auto": FUSED_FAST_MAX_BATCH, "0": 0, "1": max_batch}
         self.fused_fast_max_batch = limits[switch] if use_kernels else 0
         if use_kernels:
