@@ -208,6 +208,11 @@ class SplitKPartials:
 
     parts: torch.Tensor
 
+    def __post_init__(self) -> None:
+        parts = self.parts
+        if parts.dtype != torch.float32 or parts.dim() != 3 or parts.stride(2) != 1:
+            raise ValueError("split-K partials must be float32 [splits, M, N] with contiguous rows")
+
     @property
     def shape(self) -> torch.Size:
         return self.parts.shape[1:]

@@ -125,6 +125,15 @@ def _qk_norm_rope_kv_kernel(
             tl.store(v_pages_ptr + place + full, v.to(v_pages_ptr.dtype.element_ty))
 
 
+def _consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch.dtype]:
+    """(the [M, N] tensor the kernel indexes, PARTS, split stride, the value dtype): for a
+    `SplitKPartials`, partial 0, their count and stride, and bf16 (what their sum is rounded to);
+    for a tensor, itself, 0, 0 and its dtype."""
+    if isinstance(x, SplitKPartials):
+        return x.parts[0], x.parts.shape[0], x.parts.stride(0), torch.bfloat16
+    return x, 0, 0, x.dtype
+
+
 def qk_norm_rope_kv_write(
     qkv: Tensor | SplitKPartials,
     positions: Tensor,
@@ -142,9 +151,7 @@ def qk_norm_rope_kv_write(
     """qkv [T, (Hq+2Hkv)*D] (rows contiguous) -> rotated q [T, Hq, D]; k (normed, rotated) and
     v go into the page pools at `slot_mapping` [T]. Norm weights: S1/S2 only (None skips).
     qkv may be the qkv GEMM's `SplitKPartials` (summed while loading; q then comes out bf16)."""
-    count, split_stride = 0, 0
-    if isinstance(qkv, SplitKPartials):
-        count, split_stride, qkv = qkv.parts.shape[0], qkv.parts.stride(0), qkv.parts[0]
+    qkv, count, split_stride, qkv_dtype = _consumer_input(qkv)
     tokens, width = qkv.shape
     head_dim = width // (n_q_heads + 2 * n_kv_heads)
     if qkv.stride(1) != 1 or rope_table.stride(-1) != 1 or rope_table.stride(-2) != 2:
@@ -152,9 +159,7 @@ def qk_norm_rope_kv_write(
     if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1:
         raise ValueError("k_pages and v_pages must share one layout with head_dim innermost")
     q_out = (
-        torch.empty(
-            tokens, n_q_heads, head_dim, dtype=torch.bfloat16 if count else qkv.dtype, device=qkv.device
-        )
+        torch.empty(tokens, n_q_heads, head_dim, dtype=qkv_dtype, device=qkv.device)
         if q_out is None
         else q_out
     )
@@ -270,13 +275,7 @@ def rms_norm(
     x may be a split-K FP8 GEMM's `SplitKPartials`: the norm sums them while loading (bf16
     result, the same bits as normalizing the GEMM's reduced output), so the GEMM skips its own
     reduction."""
-    if isinstance(x, SplitKPartials):
-        parts = x.parts
-        if parts.dtype != torch.float32 or parts.dim() != 3 or parts.stride(2) != 1:
-            raise ValueError("split-K partials must be float32 [splits, M, dim] with contiguous rows")
-        count, x, x_dtype, stride_xs = parts.shape[0], parts[0], torch.bfloat16, parts.stride(0)
-    else:
-        count, x_dtype, stride_xs = 0, x.dtype, 0
+    x, count, stride_xs, x_dtype = _consumer_input(x)
     rows, dim = x.shape
     if x.stride(1) != 1 or weight.stride(0) != 1:
         raise ValueError("rows of x and the weight must be contiguous")

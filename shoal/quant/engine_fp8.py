@@ -400,8 +400,9 @@ class Fp8Projections:
         quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8).
 
         `unreduced`: where our split-K kernel runs (bias-free, bf16 result), return its
-        `kernels.fp8_gemm.SplitKPartials` for the consumer (`kernels.norm_rope.rms_norm`) to sum;
-        it must be the next kernel to run. Other variants return the tensor as usual."""
+        `kernels.fp8_gemm.SplitKPartials` for the kernel reading the output (`rms_norm` or
+        `qk_norm_rope_kv_write` of `kernels/norm_rope.py`) to sum; it must be the next kernel to
+        run. Other variants return the tensor as usual."""
         quantized = x if isinstance(x, tuple) else None  # (e4m3, scales) from `fp8_input`
         lead = x[0] if quantized is not None else x
         m = lead.shape[0]
