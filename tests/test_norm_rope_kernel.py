@@ -265,7 +265,10 @@ def test_rms_norm_sums_split_k_partials_as_the_gemm_would(quantized: bool, slice
     partials = SplitKPartials(parts)
     reduced = partials.reduce()
     assert torch.equal(reduced.float(), scales), "premise: the split-order sum rounds down"
-    assert (parts.flip(0).sum(0).to(torch.bfloat16) != reduced).all(), "premise: order matters"
+    reversed_sum = torch.zeros_like(parts[0])
+    for part in parts.flip(0):  # elementwise adds: the same order on every device (`sum` is not)
+        reversed_sum += part
+    assert (reversed_sum.to(torch.bfloat16) != reduced).all(), "premise: order matters"
     residual = torch.zeros(rows, dim, dtype=torch.bfloat16, device=DEVICE)  # the sum shows as is
     weight = random_bf16(dim, generator=gen)
 
