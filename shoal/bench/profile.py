@@ -182,6 +182,14 @@ def sample_kernel_table() -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=332, help="keys per row")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="sizes the block tables, hence the decode attention's split count; default: "
+        "context + 48, the width `shoal bench engine` gives its 332-key step (300-token prompts, "
+        "64 frames), so both time the same step; `shoal serve` uses 32768",
+    )
     parser.add_argument("--weight-format", choices=("bf16", "fp8"), default="fp8")
     parser.add_argument("--top", type=int, default=24)
     parser.add_argument(
@@ -207,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
 
     model = build_random_s2("cuda", torch.bfloat16)
     config = EngineConfig(
-        max_running_requests=max(args.batch), max_seq_len=args.context + 32, memory_fraction=0.5,
+        max_running_requests=max(args.batch), max_seq_len=args.max_seq_len or args.context + 48,
+        memory_fraction=0.5,
         ignore_eos=True, weight_format=args.weight_format, graph_buckets=tuple(sorted(set(args.batch))),
     )  # fmt: skip
     core = EngineCore(model, config)
