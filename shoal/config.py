@@ -61,6 +61,13 @@ class EngineConfig:
     # None: wherever the decode graphs are captured (the fast step on CUDA); True: also without
     # graphs, eagerly on the same static buffers (the CPU tests); False: eager, fresh buffers.
     first_frame_graphs: bool | None = None
+    # A single request's prefill chunk of at most max(prefill_graph_buckets) tokens on static
+    # buffers, padded to the next bucket and replayed as one CUDA graph (`prefill_batch.py`): the
+    # eager prefill is bound by the host's launches (docs/performance.md run 36). None: wherever
+    # the decode graphs are captured; True: also without graphs, eagerly on the static buffers
+    # (the CPU tests); False: eager. Off by default until measured on the GPU.
+    prefill_graphs: bool | None = False
+    prefill_graph_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
 
     # The decode step: "fast" (graph-safe fused step, `engine/decode_step.py`) or "reference"
     # (`models/reference.decode_frame`, the oracle's code); None: fast on CUDA, else reference.
@@ -95,6 +102,8 @@ class EngineConfig:
             raise ValueError("num_pages must be >= 1")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if not self.prefill_graph_buckets or min(self.prefill_graph_buckets) < 1:
+            raise ValueError("prefill_graph_buckets must be positive token counts")
         if self.decode_step not in (None, "fast", "reference"):
             raise ValueError("decode_step must be 'fast', 'reference' or None")
 

@@ -326,3 +326,60 @@ def test_engine_first_frames_with_graphs_equal_without(golden_dir, weight_format
     for wave, size in enumerate(waves):
         if size in core.runner.graphs.buckets:
             assert torch.equal(outputs[None][wave], outputs[False][wave]), (wave, size)
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_prefill_graph_replay_equals_eager_and_makes_no_host_sync(golden_dir, weight_format: str):
+    """`prefill_graphs=None` (captured with the decode graphs): a chunk's replay equals the same
+    static buffers run eagerly, bit for bit, for padded and exact buckets and a chunk continuing
+    after a cached one; it agrees with the exact-length fused prefill (other GEMM row counts, so
+    up to summation order); fill + replay make no host sync; and requests through the engine take
+    the replay and finish."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
+        weight_format=weight_format, prefill_graphs=None, prefill_graph_buckets=(16, 32, 64, 128),
+        ignore_eos=True,
+    )  # fmt: skip
+    core = EngineCore(model, config)
+    runner = core.runner
+    batch, graphs = runner.prefill_batch, runner.prefill_graphs
+    assert batch is not None and graphs is not None and graphs.buckets == (16, 32, 64, 128)
+    c = model.config
+    pages = list(range(5, 13))  # 128 keys
+    g = torch.Generator().manual_seed(0)
+    for count, start in ((100, 0), (20, 100), (64, 0), (1, 0), (17, 40)):
+        columns = torch.zeros(count, c.num_codebooks + 1, dtype=torch.long)
+        columns[:, 0] = torch.randint(0, 300, (count,), generator=g)
+        with torch.no_grad():
+            bucket = batch.fill(columns, start, pages)
+            batch.compute(bucket)
+            want = batch.states[:, :count].clone()
+            batch.states.fill_(float("nan"))
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                assert batch.fill(columns, start, pages) == bucket
+                graphs.replay(bucket)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            got = batch.states[:, :count].clone()
+            runner.kv.set_varlen([(0, count, start + count, pages)])
+            positions = torch.arange(start, start + count, device="cuda")
+            exact = runner.step.prefill(columns.cuda(), positions, runner.kv._slots, runner.kv._prefill_meta)
+        assert torch.equal(got, want), (count, start)
+        for mine, theirs in zip(got, exact, strict=True):
+            torch.testing.assert_close(mine.float(), theirs.float(), rtol=0.05, atol=0.05)
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda bucket: (replays.append(bucket), replay(bucket))
+    requests = []
+    for i in range(3):
+        prompt = build_prompt(model.config, model.tokenizer, "text " * (2 + 5 * i), [])
+        requests.append(core.new_request(prompt, SamplingParams(seed=i, top_k=30), max_new_frames=4))
+        core.add(requests[-1])
+        core.run_until_idle()  # one at a time: each prefill is a single chunk
+    assert len(replays) == 3
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_frames == 4 for r in requests)

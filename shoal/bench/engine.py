@@ -261,6 +261,7 @@ def run_engine_bench(
     step_context: int | None = None,
     ttff_samples: int = 7,
     max_seq_len: int | None = None,
+    prefill_graphs: bool = False,
 ) -> list[dict]:
     """One result dict per concurrency. With `step_timing` (on a GPU) each also carries the decode
     step at batch = concurrency timed as CUDA-graph replays at `step_context` keys (default
@@ -287,6 +288,7 @@ def run_engine_bench(
         use_cuda_graphs=use_cuda_graphs,
         ignore_eos=True,
         weight_format=weight_format,
+        prefill_graphs=None if prefill_graphs else False,
     )
     core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
@@ -308,6 +310,7 @@ def run_engine_bench(
         result["weight_format"] = weight_format
         result["prompt_tokens"] = prompt_tokens
         result["max_seq_len"] = config.max_seq_len
+        result["prefill_graphs"] = core.runner.prefill_graphs is not None
         results.append(result)
     graphs_possible = core.runner.step is not None and core.runner.device.type == "cuda"
     if step_timing and graphs_possible:
@@ -404,6 +407,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine max_seq_len (block-table width; default prompt + frames + 16; shoal serve: the model's)",
     )
     parser.add_argument(
+        "--prefill-graphs",
+        choices=("off", "on"),
+        default="off",
+        help="single-request prefill chunks as CUDA graphs (EngineConfig.prefill_graphs; off by default)",
+    )
+    parser.add_argument(
         "--weight-format",
         nargs="+",
         choices=("bf16", "fp8"),
@@ -443,6 +452,7 @@ def run(args: argparse.Namespace) -> int:
                 weight_format=weight_format,
                 step_context=args.step_context,
                 max_seq_len=args.max_seq_len,
+                prefill_graphs=args.prefill_graphs == "on",
             )
             free_gpu()
     print_results(all_results)

@@ -15,7 +15,12 @@ because a prefill's completing rows are not the decode batch's rows. Captured af
 graphs, into their pool (both run on one stream, one after the other, so their temporaries may
 share memory), with the same buckets, hence the same GEMM row counts (FP8's reserved M values).
 
-Both capture the same way (`BucketGraphs.capture`): warm every bucket up on a side stream, then
+`PrefillGraphs`: one request's prefill chunk (`prefill_batch.PrefillBatch`), padded to a token
+bucket: the whole slow model over the chunk in one launch instead of hundreds of eager ones
+from Python (the host, not the GPU, bounded the time to first frame: docs/performance.md run 36).
+Its own pool: its temporaries (up to the largest bucket's activations) are not the decode step's.
+
+All capture the same way (`BucketGraphs.capture`): warm every bucket up on a side stream, then
 capture from the largest bucket down so smaller graphs reuse the pool's memory.
 """
 
@@ -110,4 +115,13 @@ class FirstFrameGraphs(BucketGraphs):
 
     def __init__(self, batch, pool: tuple | None) -> None:
         super().__init__(batch.buckets, batch.compute, batch.reset, pool)
+        self.capture()
+
+
+class PrefillGraphs(BucketGraphs):
+    """`PrefillBatch.compute` (prefill_batch.py) per token bucket. Capture after the decode and
+    first-frame graphs (FP8 GEMM buffers of the row counts they share are reserved by then)."""
+
+    def __init__(self, batch) -> None:
+        super().__init__(batch.buckets, batch.compute, batch.reset, None)
         self.capture()

@@ -34,6 +34,7 @@ from torch import Tensor
 from shoal.config import EngineConfig
 from shoal.engine.batch import DecodeBuffers, HostBatch
 from shoal.engine.kv_cache import PagedKV
+from shoal.engine.prefill_batch import PrefillBatch
 from shoal.engine.request import Request
 from shoal.models.reference import decode_frame
 from shoal.models.sampling import Sampler, SamplingBatch, push_frames
@@ -207,20 +208,36 @@ class ModelRunner:
             self.first_frame = FirstFrameBatch(self, config.resolved_graph_buckets())
         self.graphs = None
         self.first_frame_graphs = None
+        wanted = config.prefill_graphs
+        static_prefill = (
+            self.step is not None and self.step.use_kernels and (wanted or (graphs and wanted is None))
+        )
         if graphs:
             from shoal.engine.graphs import DecodeGraphs, FirstFrameGraphs
 
             if self.step is not None and self.step.fp8 is not None:
                 from shoal.quant.engine_fp8 import graph_row_counts
 
-                # FP8 GEMM outputs and workspaces for every captured M, allocated before capture.
-                self.step.fp8.reserve(graph_row_counts(config.resolved_graph_buckets()))
+                # FP8 GEMM outputs and workspaces for every captured M (the prefill buckets'
+                # token counts too), allocated once, before any capture.
+                rows = graph_row_counts(config.resolved_graph_buckets())
+                self.step.fp8.reserve(rows | set(config.prefill_graph_buckets) if static_prefill else rows)
 
             self.graphs = DecodeGraphs(self, config.resolved_graph_buckets())
             self.host.invalidate()
             if self.first_frame is not None:
                 # Same buckets, so the same FP8 row counts (reserved above); the decode graphs' pool.
                 self.first_frame_graphs = FirstFrameGraphs(self.first_frame, self.graphs.pool)
+        self.prefill_batch: PrefillBatch | None = None
+        self.prefill_graphs = None
+        if static_prefill:
+            self.prefill_batch = PrefillBatch(
+                self.step, config.prefill_graph_buckets, self.num_rows, self.max_pages
+            )
+            if graphs:
+                from shoal.engine.graphs import PrefillGraphs
+
+                self.prefill_graphs = PrefillGraphs(self.prefill_batch)
 
     def params_for(self, requests: list[Request], device=None) -> SamplingBatch:
         p = [r.params for r in requests]
@@ -242,6 +259,8 @@ class ModelRunner:
         their sequence and their next frames, int32 [n, N+1] on the device (not yet synced)."""
         if not chunks:
             return [], None
+        if self.uses_prefill_batch(chunks):
+            return self._prefill_static(*chunks[0])
         tokens, positions, segments, last_rows, completing = [], [], [], [], []
         offset = 0
         for request, count in chunks:
@@ -263,15 +282,43 @@ class ModelRunner:
             hidden = self.model.forward_slow(tokens, positions, self.kv)
         if not completing:
             return [], None
+        return completing, self._first_frames_after_prefill(
+            completing, hidden, normed if fused else None, last_rows
+        )
+
+    def uses_prefill_batch(self, chunks: list[tuple[Request, int]]) -> bool:
+        """Whether these chunks take the static prefill (`PrefillBatch`, a graph replay on CUDA):
+        it exists (a kernel step), and they are one chunk that fits its largest bucket."""
+        batch = self.prefill_batch
+        return batch is not None and len(chunks) == 1 and batch.fits(chunks[0][1])
+
+    def _prefill_static(self, request: Request, count: int) -> tuple[list[Request], Tensor | None]:
+        """One chunk through `PrefillBatch`: fill, replay its bucket (or run it eagerly)."""
+        batch = self.prefill_batch
+        start = request.num_computed
+        bucket = batch.fill(request.columns(start, start + count).t(), start, request.block_table)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.replay(bucket)
+        else:
+            batch.compute(bucket)
+        if start + count != request.seq_len:
+            return [], None
+        return [request], self._first_frames_after_prefill([request], batch.hidden, batch.normed, [count - 1])
+
+    def _first_frames_after_prefill(
+        self, completing: list[Request], hidden: Tensor, normed: Tensor | None, last_rows: list[int]
+    ) -> Tensor:
+        """The first frames of the requests whose prefill completed, from rows `last_rows` of the
+        prefill's outputs (`normed` None: the model's final norm of `hidden`)."""
         if self.uses_first_frame_batch(completing):  # static buffers, a graph replay on CUDA
-            return completing, self.first_frames(completing, hidden, normed if fused else None, last_rows)
+            return self.first_frames(completing, hidden, normed, last_rows)
         rows = _to_device(torch.tensor(last_rows), self.device)
         hidden = hidden[rows]
-        normed = normed[rows] if fused else self.model.norm(hidden)
+        normed = normed[rows] if normed is not None else self.model.norm(hidden)
         if self.step is not None:
             buffers = self.fresh_first_frame_buffers(completing)
             self.step.frames_from_hidden(hidden, normed, buffers, capped=False)
-            return completing, buffers.frames
+            return buffers.frames
         window = torch.stack([r.window(self.window_size) for r in completing])
         frame_index = torch.tensor([r.num_frames for r in completing])
         logits, fast_input = self.model.slow_head(hidden)
@@ -285,7 +332,7 @@ class ModelRunner:
             window.to(self.device),
             frame_index.to(self.device),
         )
-        return completing, frames.to(torch.int32)
+        return frames.to(torch.int32)
 
     def fresh_first_frame_buffers(self, requests: list[Request]) -> DecodeBuffers:
         """Device buffers of exactly these rows for `DecodeStep.frames_from_hidden`: window,

@@ -1,0 +1,184 @@
+"""One request's prefill chunk on static buffers (`engine/prefill_batch.py`; replayed as
+`graphs.PrefillGraphs` on a GPU), run eagerly on the CPU with the kernel step (Triton interpreter):
+
+- a chunk padded to its bucket gives the hidden states and KV cache of the exact-length fused
+  prefill (bit for bit when it fills its bucket; else up to the GEMMs' summation order over more
+  rows): a fresh prompt in scattered pages, a chunk continuing after a cached one, a chunk exactly
+  a bucket long, a single token; padding writes only the scratch page, and a later shorter chunk
+  reads nothing an earlier one left in the buffers;
+- bad chunks are refused, and only single chunks that fit take the static path;
+- the engine with it gives the same frames as without it (chunked prompts, several requests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+from test_engine_batching import TEXTS, Collector, submit  # noqa: E402
+
+from shoal.config import EngineConfig  # noqa: E402
+from shoal.engine.api import Priority  # noqa: E402
+from shoal.engine.core import EngineCore  # noqa: E402
+from shoal.engine.decode_step import DecodeStep  # noqa: E402
+from shoal.engine.kv_cache import PagedKV  # noqa: E402
+from shoal.engine.prefill_batch import PrefillBatch  # noqa: E402
+from shoal.engine.request import SamplingParams  # noqa: E402
+from shoal.models import load_model  # noqa: E402
+
+BUCKETS = (4, 8, 16)
+NUM_PAGES, PAGE = 12, 4
+
+
+@pytest.fixture(scope="module")
+def model(golden_dir):
+    model = load_model(golden_dir / "s2_tiny", dtype=torch.float32)
+    model.config = model.config.replace(max_seq_len=256)
+    model.build_rope_tables("cpu")
+    return model
+
+
+def kernel_step(model) -> DecodeStep:
+    mc = model.config
+    kv = PagedKV(mc.n_layer, NUM_PAGES, PAGE, mc.n_local_heads, mc.head_dim, torch.float32, "cpu")
+    kv.force_kernel_prefill = True
+    kv.k.normal_(generator=torch.Generator().manual_seed(1))  # stale keys must not leak in
+    kv.v.normal_(generator=torch.Generator().manual_seed(2))
+    return DecodeStep(model, kv, 4, use_kernels=True)
+
+
+def random_columns(model, count: int, seed: int) -> torch.Tensor:
+    """[count, N+1] prompt columns: text tokens and, in every third row, a semantic token."""
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    columns = torch.zeros(count, c.num_codebooks + 1, dtype=torch.long)
+    columns[:, 0] = torch.randint(0, 300, (count,), generator=g)
+    semantic = len(columns[::3])
+    columns[::3, 0] = c.semantic_begin_id + torch.randint(0, c.codebook_size, (semantic,), generator=g)
+    columns[::3, 1:] = torch.randint(0, c.codebook_size, (semantic, c.num_codebooks), generator=g)
+    return columns
+
+
+def exact_prefill(step: DecodeStep, columns: torch.Tensor, start: int, pages: list[int]):
+    """The engine's eager fused prefill of one chunk (`ModelRunner.prefill` without the batch)."""
+    count = columns.shape[0]
+    step.kv.set_varlen([(0, count, start + count, pages)])
+    positions = torch.arange(start, start + count)
+    return step.prefill(columns, positions, step.kv._slots, step.kv._prefill_meta)
+
+
+@torch.no_grad()
+def test_padded_chunks_equal_exact_prefill(model) -> None:
+    exact, static = kernel_step(model), kernel_step(model)
+    batch = PrefillBatch(static, BUCKETS, model.config.num_codebooks + 1, max_pages=8)
+    pages = [7, 2, 9, 0, 4]  # scattered, 20 keys
+    chunks = [(9, 0), (5, 9), (4, 14), (1, 18)]  # fresh, continuing, a whole bucket, one token
+    for i, (count, start) in enumerate(chunks):
+        columns = random_columns(model, count, seed=10 + i)
+        hidden, normed = exact_prefill(exact, columns, start, pages)
+        bucket = batch.fill(columns, start, pages)
+        assert bucket == batch.bucket_for(count) and bucket >= count
+        batch.compute(bucket)
+        # Every page but the scratch page: the same keys and values (padding wrote nowhere else).
+        live = slice(0, NUM_PAGES)
+        got = (batch.hidden[:count], batch.normed[:count], static.kv.k[:, live], static.kv.v[:, live])
+        want = (hidden, normed, exact.kv.k[:, live], exact.kv.v[:, live])
+        for g, w in zip(got, want, strict=True):
+            if count == bucket:  # no padding: the very same computation
+                assert torch.equal(g, w), (count, start)
+            else:  # the GEMMs run over more rows: the BLAS may sum in another order (M = 1: GEMV)
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert torch.equal(batch.tokens[1:4], torch.zeros_like(batch.tokens[1:4]))  # the last fill's padding
+    scratch = static.kv.scratch_page
+    assert (batch.slots[1:4] // PAGE == scratch).all()
+
+
+@torch.no_grad()
+def test_fill_refuses_bad_chunks(model) -> None:
+    batch = PrefillBatch(kernel_step(model), BUCKETS, model.config.num_codebooks + 1, max_pages=8)
+    columns = random_columns(model, 17, seed=3)
+    with pytest.raises(ValueError, match="largest bucket"):
+        batch.fill(columns, 0, list(range(8)))
+    with pytest.raises(ValueError, match="columns"):
+        batch.fill(columns[:4, :3], 0, [0])
+    with pytest.raises(ValueError, match="pages cannot hold"):
+        batch.fill(columns[:9], 0, [0, 1])  # 9 keys need 3 pages of 4
+    with pytest.raises(ValueError, match="pages cannot hold"):
+        batch.fill(columns[:4], 0, list(range(9)))  # wider than the static block table
+    with pytest.raises(ValueError, match="positive"):
+        PrefillBatch(kernel_step(model), (0, 8), model.config.num_codebooks + 1, max_pages=8)
+    with pytest.raises(ValueError, match="prefill_graph_buckets"):
+        EngineConfig(prefill_graph_buckets=())
+
+
+def engine(model, with_batch: bool) -> EngineCore:
+    """A CPU engine whose step is the kernel step (as on CUDA); `with_batch`: the static prefill."""
+    config = EngineConfig(
+        device="cpu", dtype="float32", num_pages=64, page_size=PAGE, max_prefill_tokens=24,
+        max_running_requests=3, graph_buckets=(1, 2, 4), decode_step="fast", first_frame_graphs=True,
+        ignore_eos=True, prefill_graph_buckets=(8, 16, 32),
+    )  # fmt: skip
+    core = EngineCore(model, config)
+    runner = core.runner
+    runner.step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
+    runner.kv.force_kernel_prefill = True
+    assert runner.prefill_batch is None  # off by default (not yet measured on the GPU)
+    if with_batch:
+        runner.prefill_batch = PrefillBatch(
+            runner.step, config.prefill_graph_buckets, runner.num_rows, runner.max_pages
+        )
+    return core
+
+
+@torch.no_grad()
+def test_engine_with_static_prefill_equals_without(model) -> None:
+    """Prompts longer than one prefill step (chunks continue after cached ones), three requests
+    admitted in one step (their chunks run eagerly together) and one alone later (static)."""
+    outputs, static_calls = [], []
+    for with_batch in (False, True):
+        core = engine(model, with_batch)
+        runner = core.runner
+        calls = []
+        if with_batch:
+            original = runner._prefill_static
+
+            def counting(request, count, original=original, calls=calls):
+                calls.append(count)
+                return original(request, count)
+
+            runner._prefill_static = counting
+        sink = Collector()
+        requests = []
+        for i in range(3):
+            params = SamplingParams(seed=7 + i, temperature=0.8, top_k=20, top_p=0.9)
+            requests.append(submit(core, model, sink, f"r{i}", TEXTS[i], [], params, 6, Priority.STANDARD))
+        for _ in range(3):
+            core.step()
+        params = SamplingParams(seed=30, top_k=10)
+        requests.append(submit(core, model, sink, "late", TEXTS[3], [], params, 6, Priority.STANDARD))
+        core.run_until_idle()
+        outputs.append({r.request_id: sink.output(r.request_id) for r, _ in requests})
+        static_calls.append(calls)
+    assert static_calls[1], "no chunk took the static path"
+    assert any(count > 16 for count in static_calls[1])  # bucket 32: padded
+    for name, frames in outputs[0].items():
+        assert frames.shape[1] == 6
+        assert torch.equal(outputs[1][name], frames), name
+
+
+def test_which_chunks_take_the_static_path(model) -> None:
+    core = engine(model, True)
+    runner = core.runner
+    prompt = torch.zeros(runner.num_rows, 40, dtype=torch.long)
+    request = core.new_request(prompt, SamplingParams(), max_new_frames=4)
+    assert runner.uses_prefill_batch([(request, 32)])
+    assert runner.uses_prefill_batch([(request, 1)])
+    assert not runner.uses_prefill_batch([(request, 33)])  # past the largest bucket
+    assert not runner.uses_prefill_batch([(request, 8), (request, 8)])  # several chunks: eager
+    runner.prefill_batch = None
+    assert not runner.uses_prefill_batch([(request, 8)])
