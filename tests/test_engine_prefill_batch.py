@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from test_engine_batching import TEXTS, Collector, submit  # noqa: E402
+from test_engine_first_frame import tiny  # noqa: E402
 
 from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.api import Priority  # noqa: E402
@@ -29,7 +30,6 @@ from shoal.engine.decode_step import DecodeStep  # noqa: E402
 from shoal.engine.kv_cache import PagedKV  # noqa: E402
 from shoal.engine.prefill_batch import PrefillBatch  # noqa: E402
 from shoal.engine.request import SamplingParams  # noqa: E402
-from shoal.models import load_model  # noqa: E402
 
 BUCKETS = (4, 8, 16)
 NUM_PAGES, PAGE = 12, 4
@@ -37,10 +37,7 @@ NUM_PAGES, PAGE = 12, 4
 
 @pytest.fixture(scope="module")
 def model(golden_dir):
-    model = load_model(golden_dir / "s2_tiny", dtype=torch.float32)
-    model.config = model.config.replace(max_seq_len=256)
-    model.build_rope_tables("cpu")
-    return model
+    return tiny(golden_dir, torch.float32)
 
 
 def kernel_step(model) -> DecodeStep:
