@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200: the GPU tests, then the benchmarks, each printing a short table.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|engine|all]...
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|ab|engine|all]...
 # Logs go to $OUT (when set) so the device tool brings them back; TAG=x suffixes their names (A/B runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,5 +29,7 @@ want gemm && step bench_gemm ${GEMM_LIMIT:-240} python3 -m shoal.cli bench gemm 
 want attention && step bench_attention ${ATTN_LIMIT:-240} python3 -m shoal.cli bench attention ${ATTN_ARGS:-}
 want codec && step bench_codec 240 python3 -m shoal.cli bench codec ${CODEC_ARGS:-}
 want profile && step bench_profile ${PROFILE_LIMIT:-300} python3 -m shoal.cli bench profile ${PROFILE_ARGS:-}
+# ab only with variants to compare: AB_ARGS="--batch 16 64 --variant attention@16:block_n=128"
+if want ab && [ -n "${AB_ARGS:-}" ]; then step bench_ab ${AB_LIMIT:-400} python3 -m shoal.cli bench ab $AB_ARGS; fi
 want engine && step bench_engine ${ENGINE_LIMIT:-400} python3 -m shoal.cli bench engine ${ENGINE_ARGS:-}
 exit 0

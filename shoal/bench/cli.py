@@ -1,4 +1,4 @@
-"""`shoal bench engine|codec|gemm|attention|profile|serve`: dispatch to one benchmark module.
+"""`shoal bench engine|codec|gemm|attention|profile|ab|serve`: dispatch to one benchmark module.
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`, and is imported only when
 chosen, so the engine benchmark runs on a GPU box without the web stack."""
@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gemm": ("shoal.bench.gemm", "FP8/bf16 GEMM kernels at decode shapes"),
     "attention": ("shoal.bench.attention", "paged attention kernels"),
     "profile": ("shoal.bench.profile", "one decode step, kernel by kernel (marginal time)"),
+    "ab": ("shoal.bench.ab", "decode-step tunables A/B in one process, variants interleaved"),
     "serve": ("shoal.bench.serve", "HTTP/WebSocket load against a running server"),
 }
 

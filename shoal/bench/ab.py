@@ -1,0 +1,189 @@
+"""`shoal bench ab`: same-process A/B of the decode step's tunables, variants interleaved.
+
+Why: two processes of the same code timed the batch-16 and batch-64 FP8 steps 2% and 6% apart,
+although each repeats its own step within 0.3% (docs/performance.md run 33), so one process per
+variant cannot decide a 1-3% tuning question there. Here one engine (one set of weights, one
+memory layout) times the step under every variant in turn, round after round: the step is
+re-captured as a CUDA graph for each timing (`engine.decode_step_ms`), and tunables are read at
+launch, so changing a tuned table in place is enough.
+
+A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,field=value]`:
+- `attention@16:block_n=128,num_stages=4`: the decode attention config of batch bucket 16
+  (`kernels.attention.TUNED_DECODE_CONFIGS`);
+- `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
+  (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`).
+A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Change:
+    table: str  # "attention" or "gemm"
+    key: int | tuple[int, int, int]
+    fields: dict
+
+
+def _tables() -> dict:
+    from shoal.kernels.attention import TUNED_DECODE_CONFIGS
+    from shoal.kernels.fp8_gemm import TUNED_CONFIGS_FP8
+
+    return {"attention": TUNED_DECODE_CONFIGS, "gemm": TUNED_CONFIGS_FP8}
+
+
+def _value(text: str) -> int | bool:
+    if text in ("True", "False", "true", "false"):
+        return text.lower() == "true"
+    return int(text)
+
+
+def parse_variant(spec: str) -> list[Change]:
+    """`spec` (module docstring) -> its changes; ValueError with the offending part otherwise."""
+    changes = []
+    for part in spec.split("+"):
+        try:
+            head, assignments = part.split(":", 1)
+            table, key_text = head.split("@", 1)
+            if table == "attention":
+                key: int | tuple[int, int, int] = int(key_text)
+            elif table == "gemm":
+                n, k, m = (int(v) for v in key_text.split("x"))
+                key = (n, k, m)
+            else:
+                raise ValueError(f"unknown table {table!r} (attention or gemm)")
+            fields = {}
+            for assignment in assignments.split(","):
+                name, value = assignment.split("=", 1)
+                fields[name.strip()] = _value(value.strip())
+        except ValueError as error:
+            raise ValueError(f"bad variant part {part!r}: {error}") from None
+        changes.append(Change(table, key, fields))
+    return changes
+
+
+@contextlib.contextmanager
+def applied(changes: list[Change]) -> Iterator[None]:
+    """The tuned tables with `changes` applied (entries replaced by modified copies), restored
+    afterwards. A key must already be in its table, and a field must be one of its config's."""
+    tables = _tables()
+    saved = []
+    try:
+        for change in changes:
+            table = tables[change.table]
+            if change.key not in table:
+                raise KeyError(f"{change.table} table has no entry {change.key}")
+            current = table[change.key]
+            saved.append((table, change.key, current))
+            table[change.key] = dataclasses.replace(current, **change.fields)
+        yield
+    finally:
+        for table, key, value in reversed(saved):
+            table[key] = value
+
+
+def interleaved(names: list[str], rounds: int) -> list[str]:
+    """The timing order: every variant once per round, the base first in each."""
+    return [name for _ in range(rounds) for name in names]
+
+
+def workspace_shortfall(core, changes: list[Change], batch: int) -> str | None:
+    """Why a GEMM change cannot run at this batch (its split-K partials exceed the workspace the
+    engine reserved before capture), or None. Checked before timing: a launch refused inside a
+    graph capture would leave the capture broken."""
+    from shoal.kernels.fp8_gemm import SplitKWorkspace, m_bucket
+    from shoal.quant.engine_fp8 import graph_row_counts
+
+    fp8 = core.runner.step.fp8 if core.runner.step is not None else None
+    workspace = getattr(fp8, "workspace", None)
+    if workspace is None:
+        return None
+    tables = _tables()
+    for change in changes:
+        if change.table != "gemm":
+            continue
+        n, k, bucket = change.key
+        config = dataclasses.replace(tables["gemm"][change.key], **change.fields)
+        for m in graph_row_counts([batch]):
+            if m_bucket(m) != bucket:
+                continue
+            partials, tiles = SplitKWorkspace.required(m, n, config)
+            if partials > workspace.partials.numel() or tiles > workspace.counters.numel():
+                have = workspace.partials.numel()
+                return f"{n}x{k} at M = {m} needs {partials} partials, the workspace holds {have}"
+    return None
+
+
+def run_ab(batches: list[int], context: int, variants: dict[str, list[Change]], rounds: int) -> dict:
+    """{batch: {variant: [ms per round]}} with "base" the tables as they are."""
+    import torch
+
+    from shoal.bench.engine import build_random_s2, decode_step_ms
+    from shoal.config import EngineConfig
+    from shoal.engine.engine import EngineCore
+
+    model = build_random_s2("cuda", torch.bfloat16)
+    config = EngineConfig(
+        max_running_requests=max(batches), max_seq_len=context + 48, memory_fraction=0.5,
+        ignore_eos=True, weight_format="fp8", graph_buckets=tuple(sorted(set(batches))),
+    )  # fmt: skip
+    core = EngineCore(model, config)
+    every = {"base": [], **variants}
+    results: dict[int, dict[str, list[float]]] = {b: {name: [] for name in every} for b in batches}
+    for batch in batches:
+        runnable = []
+        for name in every:
+            why = workspace_shortfall(core, every[name], batch)
+            if why is None:
+                runnable.append(name)
+            else:
+                print(f"batch {batch} {name}: not run ({why})")
+        for name in interleaved(runnable, rounds):
+            with applied(every[name]):
+                results[batch][name].append(decode_step_ms(core, [batch], context)[batch])
+    return results
+
+
+def print_table(results: dict) -> None:
+    for batch, per_variant in results.items():
+        base = statistics.median(per_variant["base"]) if per_variant["base"] else None
+        print(f"batch {batch}: median step ms over rounds (ratio to base), all samples")
+        for name, samples in per_variant.items():
+            if not samples:
+                continue
+            median = statistics.median(samples)
+            ratio = f"{median / base:.3f}" if base else "-"
+            print(f"  {name:40} {median:7.3f} ({ratio})  {' '.join(f'{s:.3f}' for s in samples)}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--context", type=int, default=332, help="keys per row")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="SPEC", help="see the module docstring; repeat"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    variants = {spec: parse_variant(spec) for spec in args.variant}
+    if not torch.cuda.is_available():
+        print("the A/B bench needs a CUDA GPU")
+        return 2
+    print_table(run_ab(args.batch, args.context, variants, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

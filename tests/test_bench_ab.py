@@ -1,0 +1,72 @@
+"""`shoal bench ab` on the CPU: variant parsing, tables changed and restored, the timing order,
+the split-K workspace check; the timing itself needs a GPU."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from shoal.bench import ab
+from shoal.kernels.attention import TUNED_DECODE_CONFIGS
+from shoal.kernels.fp8_gemm import TUNED_CONFIGS_FP8, SplitKWorkspace
+
+DOWN_64 = (2560, 9728, 64)
+
+
+def test_parse_variant() -> None:
+    changes = ab.parse_variant("attention@16:block_n=128,fused_merge=False+gemm@2560x9728x64:split_k=4")
+    assert changes == [
+        ab.Change("attention", 16, {"block_n": 128, "fused_merge": False}),
+        ab.Change("gemm", DOWN_64, {"split_k": 4}),
+    ]
+    for bad in ("attention:block_n=1", "cache@1:x=1", "gemm@2560x9728:split_k=4", "attention@1:block_n=big"):
+        with pytest.raises(ValueError, match="bad variant part"):
+            ab.parse_variant(bad)
+
+
+def test_applied_changes_and_restores_the_tables() -> None:
+    attention, gemm = TUNED_DECODE_CONFIGS[16], TUNED_CONFIGS_FP8[DOWN_64]
+    with ab.applied(ab.parse_variant("attention@16:num_stages=4+gemm@2560x9728x64:split_k=4")):
+        changed = TUNED_DECODE_CONFIGS[16]
+        assert changed.num_stages == 4 and changed.block_n == attention.block_n
+        assert TUNED_CONFIGS_FP8[DOWN_64].split_k == 4 and TUNED_CONFIGS_FP8[DOWN_64].block_n == gemm.block_n
+    assert TUNED_DECODE_CONFIGS[16] is attention and TUNED_CONFIGS_FP8[DOWN_64] is gemm
+    with pytest.raises(TypeError):  # not a field: the change before it is undone too
+        with ab.applied(ab.parse_variant("attention@16:num_stages=4+gemm@2560x9728x64:nonsense=1")):
+            pass
+    assert TUNED_DECODE_CONFIGS[16] is attention and TUNED_CONFIGS_FP8[DOWN_64] is gemm
+    with pytest.raises(KeyError, match="no entry"):
+        with ab.applied(ab.parse_variant("gemm@1x2x3:split_k=1")):
+            pass
+
+
+def test_interleaved_order() -> None:
+    assert ab.interleaved(["base", "a", "b"], 2) == ["base", "a", "b", "base", "a", "b"]
+
+
+def test_workspace_shortfall() -> None:
+    core = SimpleNamespace(runner=SimpleNamespace(step=SimpleNamespace(fp8=SimpleNamespace(workspace=None))))
+    assert ab.workspace_shortfall(core, ab.parse_variant("gemm@2560x9728x64:split_k=16"), 64) is None
+    need, tiles = SplitKWorkspace.required(64, 2560, TUNED_CONFIGS_FP8[DOWN_64])
+    core.runner.step.fp8.workspace = SplitKWorkspace(need, tiles, "cpu")
+    assert ab.workspace_shortfall(core, ab.parse_variant("gemm@2560x9728x64:split_k=4"), 64) is None
+    assert "needs" in ab.workspace_shortfall(core, ab.parse_variant("gemm@2560x9728x64:split_k=16"), 64)
+    # batch 16 never launches the M = 64 bucket (its row counts are 16 and 32)
+    assert ab.workspace_shortfall(core, ab.parse_variant("gemm@2560x9728x64:split_k=16"), 16) is None
+    assert ab.workspace_shortfall(core, ab.parse_variant("attention@64:block_n=32"), 64) is None
+
+
+def test_print_table(capsys: pytest.CaptureFixture[str]) -> None:
+    ab.print_table({16: {"base": [5.0, 5.2, 5.1], "attention@16:num_stages=4": [4.9, 4.8, 5.0], "x": []}})
+    out = capsys.readouterr().out
+    assert "batch 16" in out and "5.100 (1.000)" in out and "4.900 (0.961)" in out and " x " not in out
+
+
+def test_run_without_a_gpu_refuses_and_checks_variants_first() -> None:
+    parser = argparse.ArgumentParser()
+    ab.add_arguments(parser)
+    with pytest.raises(ValueError, match="bad variant part"):
+        ab.run(parser.parse_args(["--variant", "attention@x:block_n=1"]))
+    assert ab.run(parser.parse_args(["--variant", "attention@16:block_n=128"])) == 2
