@@ -65,7 +65,8 @@ class EngineConfig:
     # buffers, padded to the next bucket and replayed as one CUDA graph (`prefill_batch.py`): the
     # eager prefill is bound by the host's launches (docs/performance.md run 36). None: wherever
     # the decode graphs are captured; True: also without graphs, eagerly on the static buffers
-    # (the CPU tests); False: eager. Off by default until measured on the GPU.
+    # (needs the kernel step, which CPU engines do not build: the CPU tests attach the batch
+    # themselves); False: eager. Off by default until measured on the GPU.
     prefill_graphs: bool | None = False
     prefill_graph_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
 
