@@ -47,8 +47,8 @@ class PrefillBatch:
         # table | key count | query start and end.
         self._long = torch.zeros(rows * (num_rows + 2), dtype=torch.long, device=device)
         self._int = torch.zeros(max_pages + 3, dtype=torch.int32, device=device)
-        self._host_long = torch.zeros_like(self._long, device="cpu", pin_memory=pin)
-        self._host_int = torch.zeros_like(self._int, device="cpu", pin_memory=pin)
+        self._host_long = torch.zeros(self._long.numel(), dtype=torch.long, pin_memory=pin)
+        self._host_int = torch.zeros(self._int.numel(), dtype=torch.int32, pin_memory=pin)
         self.tokens, self.positions, self.slots = self._long_views(self._long)
         self.tables, self.seq_lens, self.starts = self._int_views(self._int)
         host_long, host_int = self._long_views(self._host_long), self._int_views(self._host_int)
