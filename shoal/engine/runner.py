@@ -1,14 +1,17 @@
 """The model runner: turns a step plan into tensors, runs the model, returns frames.
 
 Prefill chunks run eagerly as one varlen forward; the chunks that reach the end of their
-request's sequence sample that request's next frame. Decodes run the whole frame step on the
-static `DecodeBuffers` (`batch.py`): with `decode_step="fast"` (the default on CUDA) the
-graph-safe `DecodeStep` (`decode_step.py`), replayed as a CUDA graph per batch-size bucket
-(`graphs.py`); with `"reference"` (the default elsewhere) `models/reference.decode_frame`,
-the oracle's own code. Each row has its own parameters and counter-based randomness, so
-batching never changes a request's frames. With `weight_format="fp8"` the model's projections are
-FP8 (`quant/engine_fp8.py`): the fused step runs them through `Fp8Projections`, whose GEMM buffers
-are reserved for every captured batch size before the graphs are captured.
+request's sequence sample that request's next frame. With `prefill_graphs`, a step's single chunk
+of at most the largest prefill bucket runs instead on `PrefillBatch`'s static buffers, replayed as
+a CUDA graph (`graphs.PrefillGraphs`): the eager launches bound the first frame on the host.
+Decodes run the whole frame step on the static `DecodeBuffers` (`batch.py`): with
+`decode_step="fast"` (the default on CUDA) the graph-safe `DecodeStep` (`decode_step.py`),
+replayed as a CUDA graph per batch-size bucket (`graphs.py`); with `"reference"` (the default
+elsewhere) `models/reference.decode_frame`, the oracle's own code. Each row has its own
+parameters and counter-based randomness, so batching never changes a request's frames. With
+`weight_format="fp8"` the model's projections are FP8 (`quant/engine_fp8.py`): the fused step runs
+them through `Fp8Projections`, whose GEMM buffers are reserved for every captured batch size
+before the graphs are captured.
 
 A request's first frame is sampled when its prefill completes (`DecodeStep.frames_from_hidden`:
 head, main-token sampling, fast loop). Where the decode graphs are captured it runs on static
