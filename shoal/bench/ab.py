@@ -123,18 +123,9 @@ def workspace_shortfall(core, changes: list[Change], batch: int) -> str | None:
 
 def run_ab(batches: list[int], context: int, variants: dict[str, list[Change]], rounds: int) -> dict:
     """{batch: {variant: [ms per round]}} with "base" the tables as they are."""
-    import torch
+    from shoal.bench.engine import decode_step_ms, random_step_core
 
-    from shoal.bench.engine import build_random_s2, decode_step_ms
-    from shoal.config import EngineConfig
-    from shoal.engine.engine import EngineCore
-
-    model = build_random_s2("cuda", torch.bfloat16)
-    config = EngineConfig(
-        max_running_requests=max(batches), max_seq_len=context + 48, memory_fraction=0.5,
-        ignore_eos=True, weight_format="fp8", graph_buckets=tuple(sorted(set(batches))),
-    )  # fmt: skip
-    core = EngineCore(model, config)
+    core = random_step_core(batches, context)
     every = {"base": [], **variants}
     results: dict[int, dict[str, list[float]]] = {b: {name: [] for name in every} for b in batches}
     for batch in batches:

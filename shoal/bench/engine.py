@@ -75,6 +75,26 @@ def build_random_s2(device: str, dtype: torch.dtype, seed: int = 0):
     return model.eval()
 
 
+# Block tables this many keys wider than the timed step's context: the width `run_engine_bench`
+# gives its default step (300-token prompts + 64 frames + 16, timed at 300 + 32 keys), so tools
+# timing the step alone (`shoal bench profile`, `shoal bench ab`) time the gate's step.
+STEP_TABLE_MARGIN = 48
+
+
+def random_step_core(
+    batches: list[int], context: int, weight_format: str = "fp8", max_seq_len: int | None = None
+) -> EngineCore:
+    """An engine on random S2-Pro weights with decode graphs for exactly `batches`, sized to time
+    the step at `context` keys (`decode_step_ms`); `max_seq_len` overrides the table width."""
+    model = build_random_s2("cuda", torch.bfloat16)
+    config = EngineConfig(
+        max_running_requests=max(batches), max_seq_len=max_seq_len or context + STEP_TABLE_MARGIN,
+        memory_fraction=0.5, ignore_eos=True, weight_format=weight_format,
+        graph_buckets=tuple(sorted(set(batches))),
+    )  # fmt: skip
+    return EngineCore(model, config)
+
+
 def make_prompts(model, count: int, length: int, shared: int, seed: int) -> list[torch.Tensor]:
     """Random text-token prompts [N+1, length]; the first `shared` columns (a voice prefix with
     semantic frames) identical across prompts."""

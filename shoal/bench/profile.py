@@ -187,8 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="sizes the block tables, hence the decode attention's split count; default: "
-        "context + 48, the width `shoal bench engine` gives its 332-key step (300-token prompts, "
-        "64 frames), so both time the same step; `shoal serve` uses 32768",
+        "context + 48 (`bench.engine.STEP_TABLE_MARGIN`), the width `shoal bench engine` gives its "
+        "332-key step, so both time the same step; `shoal serve` uses 32768",
     )
     parser.add_argument("--weight-format", choices=("bf16", "fp8"), default="fp8")
     parser.add_argument("--top", type=int, default=24)
@@ -209,17 +209,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.sample_kernel:
         sample_kernel_table()
-    from shoal.bench.engine import build_random_s2, decode_step_ms
-    from shoal.config import EngineConfig
-    from shoal.engine.engine import EngineCore
+    from shoal.bench.engine import decode_step_ms, random_step_core
 
-    model = build_random_s2("cuda", torch.bfloat16)
-    config = EngineConfig(
-        max_running_requests=max(args.batch), max_seq_len=args.max_seq_len or args.context + 48,
-        memory_fraction=0.5,
-        ignore_eos=True, weight_format=args.weight_format, graph_buckets=tuple(sorted(set(args.batch))),
-    )  # fmt: skip
-    core = EngineCore(model, config)
+    core = random_step_core(args.batch, args.context, args.weight_format, args.max_seq_len)
     dump = {}
     for batch in args.batch:
         step_ms = decode_step_ms(core, [batch], args.context)[batch]
