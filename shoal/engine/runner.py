@@ -206,14 +206,12 @@ class ModelRunner:
         self._launches = 0
         graphs = on_gpu and config.use_cuda_graphs
         self.first_frame: FirstFrameBatch | None = None
-        wanted = config.first_frame_graphs
-        if self.step is not None and (wanted or (graphs and wanted is None)):
+        if self.step is not None and _static_buffers(config.first_frame_graphs, graphs):
             self.first_frame = FirstFrameBatch(self, config.resolved_graph_buckets())
         self.graphs = None
         self.first_frame_graphs = None
-        wanted = config.prefill_graphs
         static_prefill = (
-            self.step is not None and self.step.use_kernels and (wanted or (graphs and wanted is None))
+            self.step is not None and self.step.use_kernels and _static_buffers(config.prefill_graphs, graphs)
         )
         if graphs:
             from shoal.engine.graphs import DecodeGraphs, FirstFrameGraphs
@@ -450,6 +448,12 @@ def _prepare_weights(model, config: EngineConfig) -> None:
         prepare_model(model, config.fp8_quantize_activations)
     elif has_fp8_layers(model):
         raise ValueError("the model holds FP8 layers: run it with weight_format='fp8'")
+
+
+def _static_buffers(setting: bool | None, graphs: bool) -> bool:
+    """A static-buffer path's config setting (`first_frame_graphs`, `prefill_graphs`): True always
+    (eagerly without graphs), None wherever the decode graphs are captured, False never."""
+    return bool(setting) or (graphs and setting is None)
 
 
 def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
