@@ -203,12 +203,15 @@ def test_step_ahead_makes_no_host_sync(core):
 # First-frame graphs (`runner.FirstFrameBatch`, `graphs.FirstFrameGraphs`) --------------------
 
 
-def first_frame_core(golden_dir, weight_format: str, first_frame_graphs: bool | None) -> EngineCore:
-    """A fresh model each time: `weight_format="fp8"` quantizes it in place."""
+def first_frame_core(
+    golden_dir, weight_format: str, first_frame_graphs: bool | None, **config_fields
+) -> EngineCore:
+    """A fresh model each time: `weight_format="fp8"` quantizes it in place. `config_fields`:
+    further `EngineConfig` fields."""
     model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
     config = EngineConfig(
         device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
-        weight_format=weight_format, first_frame_graphs=first_frame_graphs,
+        weight_format=weight_format, first_frame_graphs=first_frame_graphs, **config_fields,
     )  # fmt: skip
     return EngineCore(model, config)
 
@@ -337,14 +340,11 @@ def test_prefill_graph_replay_equals_eager_and_makes_no_host_sync(golden_dir, we
     the replay and finish."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
-    config = EngineConfig(
-        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
-        weight_format=weight_format, prefill_graphs=None, prefill_graph_buckets=(16, 32, 64, 128),
+    core = first_frame_core(
+        golden_dir, weight_format, None, prefill_graphs=None, prefill_graph_buckets=(16, 32, 64, 128),
         ignore_eos=True,
     )  # fmt: skip
-    core = EngineCore(model, config)
-    runner = core.runner
+    model, runner = core.model, core.runner
     batch, graphs = runner.prefill_batch, runner.prefill_graphs
     assert batch is not None and graphs is not None and graphs.buckets == (16, 32, 64, 128)
     c = model.config
