@@ -22,8 +22,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 git rev-parse --short HEAD 2>/dev/null || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if want tests; then
-  files=$(grep -l "mark.gpu" tests/test_*.py | grep -v -E "test_server|test_audio|test_synth" | tr '\n' ' ')
-  step gpu_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider $files
+  # TEST_FILES / TESTS_ARGS narrow the run: TEST_FILES=tests/test_engine_gpu.py TESTS_ARGS="-k prefill_graph"
+  files=${TEST_FILES:-$(grep -l "mark.gpu" tests/test_*.py | grep -v -E "test_server|test_audio|test_synth" | tr '\n' ' ')}
+  step gpu_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider $files ${TESTS_ARGS:-}
 fi
 want gemm && step bench_gemm ${GEMM_LIMIT:-240} python3 -m shoal.cli bench gemm ${GEMM_ARGS:-}
 want attention && step bench_attention ${ATTN_LIMIT:-240} python3 -m shoal.cli bench attention ${ATTN_ARGS:-}

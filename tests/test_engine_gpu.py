@@ -377,9 +377,11 @@ def test_prefill_graph_replay_equals_eager_and_makes_no_host_sync(golden_dir, we
     graphs.replay = lambda bucket: (replays.append(bucket), replay(bucket))
     requests = []
     for i in range(3):
-        prompt = build_prompt(model.config, model.tokenizer, "text " * (2 + 5 * i), [])
+        # 75, 90 and 105 tokens: each fits the tiny model's 128-token context with its 4 frames.
+        prompt = build_prompt(model.config, model.tokenizer, "text " * (2 + 3 * i), [])
         requests.append(core.new_request(prompt, SamplingParams(seed=i, top_k=30), max_new_frames=4))
         core.add(requests[-1])
         core.run_until_idle()  # one at a time: each prefill is a single chunk
     assert len(replays) == 3
-    assert all(r.finish_reason is FinishReason.LENGTH and r.num_frames == 4 for r in requests)
+    states = [(r.prompt_len, r.finish_reason, r.num_frames, r.max_new_frames) for r in requests]
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_frames == 4 for r in requests), states

@@ -124,7 +124,7 @@ def engine(model, with_batch: bool) -> EngineCore:
     runner = core.runner
     runner.step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
     runner.kv.force_kernel_prefill = True
-    assert runner.prefill_batch is None  # off by default (not yet measured on the GPU)
+    assert runner.prefill_batch is None  # default None: only where decode graphs are captured
     if with_batch:
         runner.prefill_batch = PrefillBatch(
             runner.step, config.prefill_graph_buckets, runner.num_rows, runner.max_pages

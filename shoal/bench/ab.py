@@ -116,8 +116,9 @@ def workspace_shortfall(core, changes: list[Change], batch: int) -> str | None:
                 continue
             partials, tiles = SplitKWorkspace.required(m, n, config)
             if partials > workspace.partials.numel() or tiles > workspace.counters.numel():
-                have = workspace.partials.numel()
-                return f"{n}x{k} at M = {m} needs {partials} partials, the workspace holds {have}"
+                need = f"{partials} partials and {tiles} tile counters"
+                have = f"{workspace.partials.numel()} and {workspace.counters.numel()}"
+                return f"{n}x{k} at M = {m} needs {need}, the workspace holds {have}"
     return None
 
 

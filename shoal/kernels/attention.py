@@ -90,7 +90,9 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # the gate) split in 3 pieces of 128 keys, as they do in 32k tables; attention 8.6 -> 6.7 µs,
     # FP8 step at batch 1 3.95 -> 3.87 ms (docs/performance.md run 32). 32k tables: unchanged.
     1: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64),
-    16: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=256),
+    # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
+    # control within 0.3% (`shoal bench ab`, docs/performance.md run 38).
+    16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256),
     64: AttentionConfig(block_n=64, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 

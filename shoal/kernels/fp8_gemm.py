@@ -106,7 +106,8 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (6144, 2560, 2): _G(16, 64, 6, 4, 4, swap_ab=False),
     (6144, 2560, 4): _G(16, 64, 6, 4, 4, swap_ab=False),  # 8.2 us
     (6144, 2560, 8): _G(16, 64, 3, 4, 4, swap_ab=True),
-    (6144, 2560, 16): _G(16, 64, 3, 4, 4, swap_ab=True),  # 8.7 us
+    # split 6 (was 3, 8.7 us alone): FP8 step at batch 16 0.986x (`shoal bench ab`, run 39).
+    (6144, 2560, 16): _G(16, 64, 6, 4, 4, swap_ab=True),
     # o at M = 1: split 4 looked 1% faster in run 32's step, but not once the batch-1 attention
     # split its rows as the engine does (run 33: 3.872 ms with 7, 3.88 with 4): 7 stays.
     (2560, 4096, 1): _G(16, 64, 7, 4, 4, swap_ab=True),  # o 7.0 us (default 7.9)
