@@ -9,7 +9,8 @@
 # CPU rehearsal (local venv):      SIZE=demo DEVICE=cpu PY=.venv/bin/python bash scripts/gpu_serve_bench.sh
 # Knobs (environment): SIZE s2-pro|demo, DEVICE cuda|cpu, PY, OUT, CKPT, PORT, BUDGET_S (whole run,
 # default 200), INSTALL_WHEELS (default 1 on cuda), HTTP_LEVELS, WS_LEVELS, EXTRA_HTTP_LEVELS,
-# EXTRA_WS_LEVELS (run only while time is left), MAX_NEW_TOKENS, REQUESTS, ROUNDS, TEXT.
+# EXTRA_WS_LEVELS (run only while time is left), MAX_NEW_TOKENS, REQUESTS, ROUNDS, TEXT,
+# SERVE_ARGS (more `shoal serve` options, e.g. --weight-format fp8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${SIZE:-s2-pro}
@@ -71,7 +72,7 @@ print('web stack ok: fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version
 rm -rf "$DATA_DIR"
 say "starting shoal serve"
 "$PY" -m shoal.cli serve --checkpoint "$CKPT" --no-auth --host 127.0.0.1 --port "$PORT" --device "$DEVICE" \
-  --data-dir "$DATA_DIR" --max-streams-per-key 1024 >"$OUT/server.log" 2>&1 &
+  --data-dir "$DATA_DIR" --max-streams-per-key 1024 ${SERVE_ARGS:-} >"$OUT/server.log" 2>&1 &
 server_pid=$!
 stop_server() {
   [ -n "${server_pid:-}" ] || return 0

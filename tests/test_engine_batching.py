@@ -185,7 +185,9 @@ def test_prefilled_voice_is_reused(model):
 
 def test_realtime_preempts_batch_and_preempted_output_is_unchanged(model):
     # ignore_eos keeps all three running; the oracle's frames (up to its <|im_end|>) are a prefix.
-    core = make_core(model, max_running_requests=3, ignore_eos=True)
+    # Plain steps: the realtime request is served by the very next step (with overlap_steps, one
+    # step later: test_engine_overlap.py).
+    core = make_core(model, max_running_requests=3, ignore_eos=True, overlap_steps=False)
     sink = Collector()
     batch = []
     for i in range(3):
@@ -245,8 +247,11 @@ def test_overload_then_keeps_serving(model):
 def test_submit_abort_and_stats_do_not_wait_for_a_step(model):
     """The caller's thread never waits for the engine thread: with a step held open, submit,
     abort and stats return at once; the late request joins the next step, the abort frees
-    the aborted request's pages at that boundary."""
-    config = EngineConfig(device="cpu", dtype="float64", num_pages=128, page_size=4, ignore_eos=True)
+    the aborted request's pages at that boundary (plain steps: with overlap_steps both happen one
+    step later, test_engine_overlap.py)."""
+    config = EngineConfig(
+        device="cpu", dtype="float64", num_pages=128, page_size=4, ignore_eos=True, overlap_steps=False
+    )
     engine = LocalEngine(model, config)
     prompt = build_prompt(model.config, model.tokenizer, "hello", [])
     in_step, release = threading.Event(), threading.Event()

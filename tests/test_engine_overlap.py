@@ -37,10 +37,10 @@ def model(golden_dir):
 
 def test_config_switch(monkeypatch):
     monkeypatch.delenv("SHOAL_OVERLAP_STEPS", raising=False)
+    assert EngineConfig().overlap_steps is True  # on by default (docs/performance.md run 42)
+    monkeypatch.setenv("SHOAL_OVERLAP_STEPS", "0")
     assert EngineConfig().overlap_steps is False
-    monkeypatch.setenv("SHOAL_OVERLAP_STEPS", "1")
-    assert EngineConfig().overlap_steps is True
-    assert EngineConfig(overlap_steps=False).overlap_steps is False
+    assert EngineConfig(overlap_steps=True).overlap_steps is True
 
 
 def test_steady_decoding_runs_ahead_and_equals_plain_steps(model):

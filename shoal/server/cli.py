@@ -103,10 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--overlap-steps",
-        action="store_true",
-        default=env_flag("OVERLAP_STEPS"),
-        help="launch decode step n+1 before reading step n (a few %% faster; new requests join one step "
-        "later) (SHOAL_OVERLAP_STEPS)",
+        action=argparse.BooleanOptionalAction,
+        default=(env("OVERLAP_STEPS") or "1").strip().lower() in ("1", "true", "yes", "on"),
+        help="launch decode step n+1 before reading step n (5-11%% more frames/s; a request arriving "
+        "meanwhile joins one step later; on by default) (SHOAL_OVERLAP_STEPS)",
     )
     parser.add_argument(
         "--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning (SHOAL_LOG_LEVEL)"
