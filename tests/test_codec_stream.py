@@ -135,3 +135,44 @@ def test_full_size_bf16_graph_streaming_matches_fp32_decode():
         audio = torch.stack(audio).float()
         assert rel_rms(audio) < 1.25 * budget
         assert (audio - full).abs().max() < 0.1
+
+
+@pytest.mark.gpu
+def test_vocoder_codec_calls_do_not_wait_for_the_default_stream(codec):
+    """The vocoder decodes on its own CUDA stream: with half a second of work queued on the
+    default stream (where the engine's decode steps run), a first chunk's codec call returns long
+    before that work ends, and its audio equals the audio decoded on an idle GPU."""
+    import copy
+    import time
+
+    import numpy as np
+
+    from shoal.engine.vocoder import Vocoder
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gpu_codec = copy.deepcopy(codec).cuda()
+    g = torch.Generator().manual_seed(7)
+    frames = torch.randint(0, 32, (5, gpu_codec.num_codebooks + 1), generator=g, dtype=torch.int32)
+    outputs, seconds = {}, {}
+    for busy in (False, True):
+        vocoder = Vocoder(gpu_codec, 2, chunk_frames=8, first_chunk_frames=4, max_batch=2)
+        assert vocoder.capture_graphs() and vocoder.cuda_stream is not None
+        audio: list[np.ndarray] = []
+        stream = vocoder.open(lambda samples, _frames, audio=audio: audio.append(samples))
+        vocoder.push(stream, frames)  # 5 frames: the first 4 are released (the 5th is held)
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(int(1e9))  # about 0.5 s of the default stream at ~2 GHz
+        start = time.perf_counter()
+        while work := vocoder.collect():
+            vocoder.decode(work)
+        seconds[busy] = time.perf_counter() - start
+        still_busy = busy and not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert len(audio) == 1 and audio[0].shape == (4 * gpu_codec.frame_length,)
+        outputs[busy] = audio[0]
+        if busy:
+            assert still_busy, "the default stream's work ended before the codec call returned"
+    assert seconds[True] < 0.2, seconds
+    assert np.array_equal(outputs[False], outputs[True])

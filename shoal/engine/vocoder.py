@@ -12,10 +12,16 @@ before it sizes its KV pool) for batch buckets 1, 2, 4, .. `max_batch` and the c
 a captured shape (a stream's first chunk and the tail of a text batch pad up to one), and at
 most `max_batch` streams per call. On the CPU nothing is captured and a ready stream's whole
 backlog is decoded at once.
+
+On CUDA the codec runs on its own high-priority stream. On the default stream, which the engine's
+decode steps also use, a codec call queued behind the steps launched before it and its read-back
+behind those launched meanwhile: the first audio chunk took 27-38 ms for a 2.7 ms graph
+(docs/performance.md run 44). On its own stream its kernels go first whenever both are ready.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -119,6 +125,9 @@ class Vocoder:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        on_gpu = codec.device.type == "cuda"
+        # Negative: above the default priority (0) of the engine's stream (see the module docstring).
+        self.cuda_stream = torch.cuda.Stream(codec.device, priority=-1) if on_gpu else None
 
     @property
     def sample_rate(self) -> int:
@@ -235,6 +244,11 @@ class Vocoder:
 
     def decode(self, work: Work) -> None:
         """Decode one batch of streams' frames in one codec call and deliver the audio."""
+        on_stream = torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else None
+        with on_stream or contextlib.nullcontext():
+            self._decode(work)
+
+    def _decode(self, work: Work) -> None:
         with_frames = [(s, frames) for s, frames, _ in work if frames]
         if with_frames:
             for stream, _ in with_frames:
