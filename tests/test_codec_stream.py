@@ -153,14 +153,14 @@ def test_vocoder_codec_calls_do_not_wait_for_the_default_stream(codec):
         pytest.skip("needs a CUDA GPU")
     gpu_codec = copy.deepcopy(codec).cuda()
     g = torch.Generator().manual_seed(7)
-    frames = torch.randint(0, 32, (5, gpu_codec.num_codebooks + 1), generator=g, dtype=torch.int32)
+    frames = torch.randint(0, 32, (4, gpu_codec.num_codebooks + 1), generator=g, dtype=torch.int32)
     outputs, seconds = {}, {}
     for busy in (False, True):
         vocoder = Vocoder(gpu_codec, 2, chunk_frames=8, first_chunk_frames=4, max_batch=2)
         assert vocoder.capture_graphs() and vocoder.cuda_stream is not None
         audio: list[np.ndarray] = []
         stream = vocoder.open(lambda samples, _frames, audio=audio: audio.append(samples))
-        vocoder.push(stream, frames)  # 5 frames: the first 4 are released (the 5th is held)
+        vocoder.push(stream, frames)  # 4 frames: the first chunk is due
         torch.cuda.synchronize()
         if busy:
             torch.cuda._sleep(int(1e9))  # about 0.5 s of the default stream at ~2 GHz

@@ -255,20 +255,22 @@ def test_vocoder_decodes_due_chunks_and_equals_full_decode(codec):
         while work := vocoder.collect():
             vocoder.decode(work)
 
-    vocoder.push(streams["a"], frames["a"][:6])  # 5 released: its first chunk (4) is due
-    vocoder.push(streams["b"], frames["b"])  # 9 released: a first chunk of 8
-    vocoder.push(streams["c"], frames["c"])  # 2 released: wait
+    # Frames are released as pushed, but a batch's last frame (`last=True`) is never decoded.
+    vocoder.push(streams["a"], frames["a"][:5])  # 5 released: its first chunk (4) is due
+    vocoder.push(streams["b"], frames["b"][:9])  # 9 released: a first chunk of 8
+    vocoder.push(streams["c"], frames["c"], last=True)  # 2 released: wait
     run()
-    vocoder.push(streams["a"], frames["a"][6:])  # 1 + 9 released: one full chunk
+    vocoder.push(streams["a"], frames["a"][5:], last=True)  # 1 + 9 released: one full chunk
     vocoder.end(streams["c"], lambda: done.append("c"))  # its tail of 2, then done
     run()
+    vocoder.push(streams["b"], frames["b"][9:], last=True)  # its last frame: nothing released
     vocoder.end(streams["a"], lambda: done.append("a"))
     vocoder.end(streams["b"], lambda: done.append("b"))
     run()
     assert calls == [[4, 8], [8, 2], [2, 1]]
     assert sorted(done) == ["a", "b", "c"] and not vocoder._streams
     for key, sent in frames.items():
-        codes = sent[:-1, 1:].t().long()  # every frame but the held-back last one
+        codes = sent[:-1, 1:].t().long()  # every frame but the last one
         expected = codec.decode(codes)[0, 0]
         np.testing.assert_allclose(np.concatenate(audio[key]), expected.numpy(), atol=1e-4)
 

@@ -258,8 +258,8 @@ class LocalEngine(Engine):
         done: list[bool] = []
         rows = self.core.runner.num_rows
         first, full = vocoder.first_chunk_frames, vocoder.chunk_frames
-        for count, end in ((first + 1, False), (full, True)):  # +1: the held-back frame
-            vocoder.push(stream, torch.zeros(count, rows, dtype=torch.int32))
+        for count, end in ((first, False), (full + 1, True)):  # +1: the last frame, dropped
+            vocoder.push(stream, torch.zeros(count, rows, dtype=torch.int32), last=end)
             if end:
                 vocoder.end(stream, lambda: done.append(True))
             while work := vocoder.collect():

@@ -141,7 +141,9 @@ class SynthesisHandle(RequestHandle):
         vocoder = self._engine.vocoder
         if frames is not None:
             if vocoder is not None:
-                vocoder.push(self._stream, frames)
+                # A frame delivered with STOP or LENGTH is the batch's last: not decoded.
+                last = reason in (FinishReason.STOP, FinishReason.LENGTH)
+                vocoder.push(self._stream, frames, last=last)
             else:
                 self._on_audio(np.zeros(0, dtype=np.float32), frames.numpy())
         if reason is None:

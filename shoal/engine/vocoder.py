@@ -2,9 +2,12 @@
 
 The engine thread pushes each request's new frames; the vocoder thread decodes, in one
 `CodecStreamPool.step`, the frames that `ChunkPolicy` says are due, and hands the audio to
-each stream's callback. Each stream holds back its latest frame: the reference hands the codec
-every frame of a text batch but the last (the `<|im_end|>` frame, or the final one at max
-length), so a frame is released only once the next one exists.
+each stream's callback. The reference hands the codec every frame of a text batch but the last
+(the `<|im_end|>` frame, or the final one at max length). The engine knows which frame is the
+last when it delivers it (the frame comes with its finish reason), so `push(..., last=True)`
+drops it and every other frame is released at once. (Before, each stream held back its latest
+frame until the next one existed, which cost the first audio one decode step: about 4 ms of
+the 34 ms measured in docs/performance.md run 45.)
 
 On CUDA the pool's CUDA graphs are captured once (`capture_graphs`, called by the engine
 before it sizes its KV pool) for batch buckets 1, 2, 4, .. `max_batch` and the chunk lengths
@@ -102,7 +105,6 @@ class VocoderStream:
         self.on_audio = on_audio
         self.on_error = on_error  # the decode of this stream's frames failed: it gets no more audio
         self.pending: list[torch.Tensor] = []  # frames released for decoding, [N+1] each
-        self.held: torch.Tensor | None = None  # the latest frame, not yet known not to be last
         self.ending: DoneCallback | None = None  # set by end(): flush, then call it
         self.closed = False
         self.emitted = False
@@ -162,20 +164,17 @@ class Vocoder:
             self._streams.append(stream)
         return stream
 
-    def push(self, stream: VocoderStream, frames: torch.Tensor) -> None:
-        """New frames int32 [n, N+1] of the stream, in order."""
+    def push(self, stream: VocoderStream, frames: torch.Tensor, last: bool = False) -> None:
+        """New frames int32 [n, N+1] of the stream, in order. `last`: the final one is the text
+        batch's last frame, which the reference never decodes: it is dropped."""
         with self._wake:
-            for frame in frames:
-                if stream.held is not None:
-                    stream.pending.append(stream.held)
-                stream.held = frame.clone()
+            stream.pending.extend(frame.clone() for frame in (frames[:-1] if last else frames))
             self._wake.notify_all()
 
     def end(self, stream: VocoderStream, done: DoneCallback, drop: bool = False) -> None:
-        """The batch is over: its held frame is dropped (the reference's last-frame quirk), the
-        rest is decoded, then `done` runs on the vocoder thread. `drop`: discard pending too."""
+        """The batch is over: what is pending is decoded, then `done` runs on the vocoder thread.
+        `drop`: discard what is pending instead (aborted or failed)."""
         with self._wake:
-            stream.held = None
             if drop:
                 stream.pending.clear()
             stream.ending = done
