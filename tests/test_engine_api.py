@@ -377,3 +377,42 @@ def test_a_failed_codec_call_fails_its_requests_and_the_vocoder_keeps_serving(mo
     assert second_handle.finish_reason == FinishReason.LENGTH
     assert sum(len(chunk.samples) for chunk in second_chunks) == 19 * codec.frame_length
     assert not engine.core.requests and engine.core.kv.pool.num_used == engine.core.kv.prefix_cache_pages
+
+
+def test_vocoder_wakes_once_per_engine_step(model, codec):
+    """Frames pushed inside `deferred_wakeups` wake the vocoder thread once, on leaving; outside,
+    every push wakes it. The engine thread delivers each step's frames inside one."""
+    vocoder = Vocoder(codec, 4, chunk_frames=8, first_chunk_frames=4)
+    notified = []
+    condition = vocoder._wake
+    real_notify = condition.notify_all
+    condition.notify_all = lambda: (notified.append(1), real_notify())
+    streams = [vocoder.open(lambda samples, frames: None) for _ in range(3)]
+    frame = torch.zeros(1, 5, dtype=torch.int32)
+    with vocoder.deferred_wakeups():
+        for stream in streams:
+            vocoder.push(stream, frame)
+        vocoder.end(streams[0], lambda: None)
+        assert notified == []
+    assert len(notified) == 1
+    with vocoder.deferred_wakeups():
+        pass  # nothing pushed: no wake-up
+    assert len(notified) == 1
+    vocoder.push(streams[1], frame)
+    vocoder.push(streams[2], frame)
+    assert len(notified) == 3
+
+    config = EngineConfig(device="cpu", dtype="float64", num_pages=256, page_size=4, ignore_eos=True)
+    engine = LocalEngine(model, config, codec=codec)
+    entered = []
+    deferred = engine.vocoder.deferred_wakeups
+
+    def counting():
+        entered.append(engine.core.steps)
+        return deferred()
+
+    engine.vocoder.deferred_wakeups = counting
+    request = SynthesisRequest("a few words", sampling=SamplingOptions(seed=3), max_new_frames=10)
+    handle, chunks = synthesize_on_thread(engine, request)
+    assert handle.finish_reason is FinishReason.LENGTH and sum(len(c.samples) for c in chunks) > 0
+    assert len(entered) == engine.core.steps > 0  # every step's delivery, once

@@ -318,7 +318,11 @@ class LocalEngine(Engine):
             except Exception as error:
                 self._fail(error)
                 continue
-            self._guarded(self.core.end_step, pending)
+            if self.vocoder is None:
+                self._guarded(self.core.end_step, pending)
+            else:
+                with self.vocoder.deferred_wakeups():  # one wake-up for the step's frames
+                    self._guarded(self.core.end_step, pending)
 
     def _drain(self, block: bool) -> bool:
         """Apply the inbox's commands in order (waiting for the first one if `block`).

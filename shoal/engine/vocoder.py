@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +127,8 @@ class Vocoder:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._deferring = False  # inside deferred_wakeups(): push and end wake the thread once
+        self._wake_due = False
         on_gpu = codec.device.type == "cuda"
         # Negative: above the default priority (0) of the engine's stream (see the module docstring).
         self.cuda_stream = torch.cuda.Stream(codec.device, priority=-1) if on_gpu else None
@@ -169,7 +171,7 @@ class Vocoder:
         batch's last frame, which the reference never decodes: it is dropped."""
         with self._wake:
             stream.pending.extend(frame.clone() for frame in (frames[:-1] if last else frames))
-            self._wake.notify_all()
+            self._notify_locked()
 
     def end(self, stream: VocoderStream, done: DoneCallback, drop: bool = False) -> None:
         """The batch is over: what is pending is decoded, then `done` runs on the vocoder thread.
@@ -178,6 +180,28 @@ class Vocoder:
             if drop:
                 stream.pending.clear()
             stream.ending = done
+            self._notify_locked()
+
+    @contextlib.contextmanager
+    def deferred_wakeups(self) -> Iterator[None]:
+        """Pushes and ends inside wake the vocoder thread once, on leaving. The engine thread
+        delivers a whole step's frames inside one: woken per frame, the vocoder thread ran
+        `collect` over every stream for each of them and took the GIL from the engine thread
+        each time (on a 2-core CPU: 34-40 µs of engine-thread time per frame, 32 streams)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            with self._wake:
+                if self._wake_due:
+                    self._wake_due = False
+                    self._wake.notify_all()
+
+    def _notify_locked(self) -> None:
+        if self._deferring:
+            self._wake_due = True
+        else:
             self._wake.notify_all()
 
     # Vocoder thread ------------------------------------------------------------------------
@@ -256,9 +280,14 @@ class Vocoder:
             stacked = [torch.stack(frames) for _, frames in with_frames]
             codes = [f[:, 1:].t().contiguous().to(self.codec.device) for f in stacked]
             audio = self.pool.step([s.codec_stream for s, _ in with_frames], codes)
-            for (stream, _), samples, frames in zip(with_frames, audio, stacked, strict=True):
+            # One read-back for the whole call (on CUDA one copy and one sync, not one per stream).
+            host = torch.cat([samples.float() for samples in audio]).cpu().numpy()
+            ends = np.cumsum([samples.shape[0] for samples in audio])
+            for (stream, _), end, count, frames in zip(
+                with_frames, ends, (s.shape[0] for s in audio), stacked, strict=True
+            ):
                 stream.emitted = True
-                stream.on_audio(samples.float().cpu().numpy(), frames.numpy())
+                stream.on_audio(host[end - count : end], frames.numpy())
         for stream, _, done in work:
             if done is not None:
                 if stream.codec_stream is not None:
