@@ -187,8 +187,8 @@ class Vocoder:
         """Pushes and ends inside wake the vocoder thread once, on leaving. The engine thread
         delivers a whole step's frames inside one: woken per frame, the vocoder thread ran
         `collect` over every stream for each of them and took the GIL from the engine thread
-        each time (`scripts/probe_host_delivery.py`, 2-core CPU, 32 streams: 43 µs of
-        engine-thread time per frame, 9 with one wake-up per step)."""
+        each time (`scripts/probe_host_delivery.py`, 2-core CPU, 32 streams: 24 µs of
+        engine-thread time per frame, 10 with one wake-up per step)."""
         self._deferring = True
         try:
             yield
