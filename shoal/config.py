@@ -62,8 +62,9 @@ class EngineConfig:
     # None: wherever the decode graphs are captured (the fast step on CUDA); True: also without
     # graphs, eagerly on the same static buffers (the CPU tests); False: eager, fresh buffers.
     first_frame_graphs: bool | None = None
-    # A single request's prefill chunk of at most max(prefill_graph_buckets) tokens on static
-    # buffers, padded to the next bucket and replayed as one CUDA graph (`prefill_batch.py`): the
+    # A step's prefill chunk (or up to `prefill_graph_segments` chunks) of at most
+    # max(prefill_graph_buckets) tokens in all on static buffers, padded to the next bucket and
+    # replayed as one CUDA graph (`prefill_batch.py`): the
     # eager prefill is bound by the host's launches (docs/performance.md run 36). None: wherever
     # the decode graphs are captured; True: also without graphs, eagerly on the static buffers
     # (needs the kernel step, which CPU engines do not build: the CPU tests attach the batch
@@ -71,6 +72,10 @@ class EngineConfig:
     # H200: 19.3-38.8 ms eager, 9.2-9.4 ms replayed (runs 35, 37, 38).
     prefill_graphs: bool | None = None
     prefill_graph_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
+    # Chunks of distinct requests packed into one static prefill (a step that admits a burst of
+    # prompts). 1: a single chunk, the layout measured on the GPU (runs 37-41); more is built and
+    # tested on the CPU, not yet measured (docs/engine.md).
+    prefill_graph_segments: int = 1
 
     # The decode step: "fast" (graph-safe fused step, `engine/decode_step.py`) or "reference"
     # (`models/reference.decode_frame`, the oracle's code); None: fast on CUDA, else reference.
@@ -107,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if not self.prefill_graph_buckets or min(self.prefill_graph_buckets) < 1:
             raise ValueError("prefill_graph_buckets must be positive token counts")
+        if self.prefill_graph_segments < 1:
+            raise ValueError("prefill_graph_segments must be at least 1")
         if self.decode_step not in (None, "fast", "reference"):
             raise ValueError("decode_step must be 'fast', 'reference' or None")
 

@@ -385,3 +385,54 @@ def test_prefill_graph_replay_equals_eager_and_makes_no_host_sync(golden_dir, we
     assert len(replays) == 3
     states = [(r.prompt_len, r.finish_reason, r.num_frames, r.max_new_frames) for r in requests]
     assert all(r.finish_reason is FinishReason.LENGTH and r.num_frames == 4 for r in requests), states
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_packed_prefill_graph_replay_equals_eager_static_run(golden_dir, weight_format: str):
+    """`prefill_graph_segments=4`: several requests' chunks packed into one replay equal the same
+    static buffers run eagerly, bit for bit, with no host sync; requests submitted together take
+    one packed replay and finish with all their frames."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    core = first_frame_core(
+        golden_dir, weight_format, None, prefill_graphs=None, prefill_graph_buckets=(16, 32, 64, 128, 256),
+        prefill_graph_segments=4, ignore_eos=True,
+    )  # fmt: skip
+    model, runner = core.model, core.runner
+    batch, graphs = runner.prefill_batch, runner.prefill_graphs
+    assert batch is not None and graphs is not None and batch.segments == 4
+    c = model.config
+    g = torch.Generator().manual_seed(1)
+    tables = (list(range(5, 9)), list(range(9, 13)), list(range(13, 17)), list(range(17, 21)))
+    for chunks in ([(30, 0), (20, 10), (1, 40)], [(16, 0), (16, 16), (16, 0), (16, 32)]):
+        packed = []
+        for (count, start), pages in zip(chunks, tables, strict=False):
+            columns = torch.zeros(count, c.num_codebooks + 1, dtype=torch.long)
+            columns[:, 0] = torch.randint(0, 300, (count,), generator=g)
+            packed.append((columns, start, pages))
+        with torch.no_grad():
+            bucket = batch.fill_chunks(packed)
+            batch.compute(bucket)
+            want = batch.states.clone()
+            batch.states.fill_(float("nan"))
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                assert batch.fill_chunks(packed) == bucket
+                graphs.replay(bucket)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        total = sum(count for count, _ in chunks)
+        assert torch.equal(batch.states[:, :total], want[:, :total]), chunks
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda bucket: (replays.append(bucket), replay(bucket))
+    requests = []
+    for i in range(3):
+        prompt = build_prompt(model.config, model.tokenizer, "text " * (2 + i), [])
+        requests.append(core.new_request(prompt, SamplingParams(seed=i, top_k=30), max_new_frames=4))
+        core.add(requests[-1])
+    core.run_until_idle()  # all three (75-85 tokens each) admitted in one step: one packed replay
+    assert len(replays) == 1
+    states = [(r.prompt_len, r.finish_reason, r.num_frames) for r in requests]
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_frames == 4 for r in requests), states

@@ -99,8 +99,12 @@ def test_padded_chunks_equal_exact_prefill(model) -> None:
 def test_fill_refuses_bad_chunks(model) -> None:
     batch = PrefillBatch(kernel_step(model), BUCKETS, model.config.num_codebooks + 1, max_pages=8)
     columns = random_columns(model, 17, seed=3)
-    with pytest.raises(ValueError, match="largest bucket"):
+    with pytest.raises(ValueError, match="do not fit"):
         batch.fill(columns, 0, list(range(8)))
+    with pytest.raises(ValueError, match="do not fit"):  # one segment: one chunk
+        batch.fill_chunks([(columns[:2], 0, [0]), (columns[:2], 0, [1])])
+    with pytest.raises(ValueError, match="do not fit"):
+        batch.fill(columns[:0], 0, [0])
     with pytest.raises(ValueError, match="columns"):
         batch.fill(columns[:4, :3], 0, [0])
     with pytest.raises(ValueError, match="pages cannot hold"):
@@ -111,10 +115,52 @@ def test_fill_refuses_bad_chunks(model) -> None:
         PrefillBatch(kernel_step(model), (0, 8), model.config.num_codebooks + 1, max_pages=8)
     with pytest.raises(ValueError, match="prefill_graph_buckets"):
         EngineConfig(prefill_graph_buckets=())
+    with pytest.raises(ValueError, match="segments"):
+        PrefillBatch(kernel_step(model), BUCKETS, model.config.num_codebooks + 1, max_pages=8, segments=0)
+    with pytest.raises(ValueError, match="prefill_graph_segments"):
+        EngineConfig(prefill_graph_segments=0)
 
 
-def engine(model, with_batch: bool) -> EngineCore:
-    """A CPU engine whose step is the kernel step (as on CUDA); `with_batch`: the static prefill."""
+@torch.no_grad()
+def test_packed_chunks_equal_the_eager_varlen_prefill(model) -> None:
+    """Several requests' chunks in one static prefill (`segments` 4): a fresh prompt, a chunk
+    continuing after cached keys and a single token, packed and padded, against the eager varlen
+    prefill of the same three segments; then four chunks that fill their bucket exactly."""
+    exact, static = kernel_step(model), kernel_step(model)
+    batch = PrefillBatch(static, BUCKETS, model.config.num_codebooks + 1, max_pages=8, segments=4)
+    tables = ([7, 2, 9], [0, 4, 11, 8], [5, 6], [1, 3])  # scattered pages, disjoint per request
+    cases = (
+        [(5, 0, 0), (4, 9, 1), (1, 6, 2)],  # (count, start, table): 10 tokens -> bucket 16
+        [(6, 0, 0), (4, 2, 1), (3, 0, 2), (3, 4, 3)],  # 16 tokens: the bucket exactly
+    )
+    for case, chunks in enumerate(cases):
+        packed, segments, offset = [], [], 0
+        for i, (count, start, table) in enumerate(chunks):
+            columns = random_columns(model, count, seed=40 + 10 * case + i)
+            packed.append((columns, start, tables[table]))
+            segments.append((offset, count, start + count, tables[table]))
+            offset += count
+        exact.kv.set_varlen(segments)
+        positions = torch.cat([torch.arange(start, start + count) for count, start, _ in chunks])
+        columns = torch.cat([c for c, _, _ in packed])
+        hidden, normed = exact.prefill(columns, positions, exact.kv._slots, exact.kv._prefill_meta)
+        bucket = batch.fill_chunks(packed)
+        assert bucket == batch.bucket_for(offset)
+        batch.compute(bucket)
+        live = slice(0, NUM_PAGES)
+        got = (batch.hidden[:offset], batch.normed[:offset], static.kv.k[:, live], static.kv.v[:, live])
+        want = (hidden, normed, exact.kv.k[:, live], exact.kv.v[:, live])
+        for g, w in zip(got, want, strict=True):
+            if offset == bucket:  # no padding rows: the very same computation
+                assert torch.equal(g, w), case
+            else:
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert batch.takes([4, 4, 4, 4]) and not batch.takes([4, 4, 4, 4, 0]) and not batch.takes([9, 8])
+
+
+def engine(model, with_batch: bool, segments: int = 1) -> EngineCore:
+    """A CPU engine whose step is the kernel step (as on CUDA); `with_batch`: the static prefill
+    with this many segments."""
     config = EngineConfig(
         device="cpu", dtype="float32", num_pages=64, page_size=PAGE, max_prefill_tokens=24,
         max_running_requests=3, graph_buckets=(1, 2, 4), decode_step="fast", first_frame_graphs=True,
@@ -127,26 +173,28 @@ def engine(model, with_batch: bool) -> EngineCore:
     assert runner.prefill_batch is None  # default None: only where decode graphs are captured
     if with_batch:
         runner.prefill_batch = PrefillBatch(
-            runner.step, config.prefill_graph_buckets, runner.num_rows, runner.max_pages
+            runner.step, config.prefill_graph_buckets, runner.num_rows, runner.max_pages, segments
         )
     return core
 
 
 @torch.no_grad()
-def test_engine_with_static_prefill_equals_without(model) -> None:
+@pytest.mark.parametrize("segments", [1, 3])
+def test_engine_with_static_prefill_equals_without(model, segments: int) -> None:
     """Prompts longer than one prefill step (chunks continue after cached ones), three requests
-    admitted in one step (their chunks run eagerly together) and one alone later (static)."""
+    admitted in one step (with one segment their chunks run eagerly together, with three they are
+    packed into the static prefill) and one alone later (static)."""
     outputs, static_calls = [], []
     for with_batch in (False, True):
-        core = engine(model, with_batch)
+        core = engine(model, with_batch, segments)
         runner = core.runner
         calls = []
         if with_batch:
             original = runner._prefill_static
 
-            def counting(request, count, original=original, calls=calls):
-                calls.append(count)
-                return original(request, count)
+            def counting(chunks, original=original, calls=calls):
+                calls.append([count for _, count in chunks])
+                return original(chunks)
 
             runner._prefill_static = counting
         sink = Collector()
@@ -162,7 +210,8 @@ def test_engine_with_static_prefill_equals_without(model) -> None:
         outputs.append({r.request_id: sink.output(r.request_id) for r, _ in requests})
         static_calls.append(calls)
     assert static_calls[1], "no chunk took the static path"
-    assert any(count > 16 for count in static_calls[1])  # bucket 32: padded
+    assert any(sum(counts) > 16 for counts in static_calls[1])  # bucket 32: padded
+    assert any(len(counts) > 1 for counts in static_calls[1]) == (segments > 1)
     for name, frames in outputs[0].items():
         assert frames.shape[1] == 6
         assert torch.equal(outputs[1][name], frames), name
@@ -177,5 +226,9 @@ def test_which_chunks_take_the_static_path(model) -> None:
     assert runner.uses_prefill_batch([(request, 1)])
     assert not runner.uses_prefill_batch([(request, 33)])  # past the largest bucket
     assert not runner.uses_prefill_batch([(request, 8), (request, 8)])  # several chunks: eager
+    runner.prefill_batch = PrefillBatch(runner.step, (8, 16, 32), runner.num_rows, runner.max_pages, 2)
+    assert runner.uses_prefill_batch([(request, 8), (request, 8)])  # two segments: packed
+    assert not runner.uses_prefill_batch([(request, 8), (request, 8), (request, 8)])
+    assert not runner.uses_prefill_batch([(request, 20), (request, 13)])  # 33 tokens in all
     runner.prefill_batch = None
     assert not runner.uses_prefill_batch([(request, 8)])

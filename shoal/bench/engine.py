@@ -282,6 +282,7 @@ def run_engine_bench(
     ttff_samples: int = 7,
     max_seq_len: int | None = None,
     prefill_graphs: bool = True,
+    prefill_graph_segments: int = 1,
 ) -> list[dict]:
     """One result dict per concurrency. With `step_timing` (on a GPU) each also carries the decode
     step at batch = concurrency timed as CUDA-graph replays at `step_context` keys (default
@@ -309,6 +310,7 @@ def run_engine_bench(
         ignore_eos=True,
         weight_format=weight_format,
         prefill_graphs=None if prefill_graphs else False,
+        prefill_graph_segments=prefill_graph_segments,
     )
     core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
@@ -335,6 +337,7 @@ def run_engine_bench(
         result["prompt_tokens"] = prompt_tokens
         result["max_seq_len"] = config.max_seq_len
         result["prefill_graphs"] = core.runner.prefill_graphs is not None
+        result["prefill_graph_segments"] = prefill_graph_segments
         results.append(result)
     graphs_possible = core.runner.step is not None and core.runner.device.type == "cuda"
     if step_timing and graphs_possible:
@@ -437,6 +440,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="single-request prefill chunks as CUDA graphs (EngineConfig.prefill_graphs; on by default)",
     )
     parser.add_argument(
+        "--prefill-graph-segments",
+        type=int,
+        default=1,
+        help="requests' chunks packed into one prefill replay (EngineConfig.prefill_graph_segments)",
+    )
+    parser.add_argument(
         "--weight-format",
         nargs="+",
         choices=("bf16", "fp8"),
@@ -477,6 +486,7 @@ def run(args: argparse.Namespace) -> int:
                 step_context=args.step_context,
                 max_seq_len=args.max_seq_len,
                 prefill_graphs=args.prefill_graphs == "on",
+                prefill_graph_segments=args.prefill_graph_segments,
             )
             free_gpu()
     print_results(all_results)

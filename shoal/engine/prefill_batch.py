@@ -1,4 +1,4 @@
-"""One request's prefill chunk on static buffers, so that it can be replayed as a CUDA graph.
+"""A step's prefill chunks on static buffers, so that they can be replayed as a CUDA graph.
 
 Why: an eager prefill launches about fifteen kernels and a few dozen small torch ops per layer
 from Python. For a 300-token S2-Pro prompt the host needs 20-40 ms to launch its 36 layers while
@@ -6,19 +6,24 @@ the GPU needs about 16 ms for the prefill and the first frame together (docs/per
 36), so the time to first frame is bound by the host and moves with its speed. Replayed, the
 whole chunk is one launch.
 
-`PrefillBatch` holds the inputs of `DecodeStep.prefill` for one chunk of at most the largest
-bucket's tokens (tokens, positions, KV slots, the request's block table, its key count and the
-varlen query bounds) plus the two outputs (last layer's output, final-normed), and a pinned host
-staging copy. `fill` writes a chunk and pads it to its bucket with two host-to-device copies;
-`compute(bucket)` runs the fused prefill on the static views (what `graphs.PrefillGraphs`
-captures; without graphs it runs eagerly on the same buffers, which is how the CPU tests reach
-the fill).
+`PrefillBatch` holds the inputs of `DecodeStep.prefill` for up to `segments` chunks (one per
+request) of at most the largest bucket's tokens in all (tokens, positions, KV slots, each
+segment's block table, key count and varlen query bounds) plus the two outputs (last layer's
+output, final-normed), and a pinned host staging copy. `fill` writes the chunks one after the
+other and pads them to a bucket with two host-to-device copies; `compute(bucket)` runs the fused
+prefill on the static views (what `graphs.PrefillGraphs` captures; without graphs it runs eagerly
+on the same buffers, which is how the CPU tests reach the fill).
 
-Rows [:count] of a bucket are the chunk; rows count.. are padding: token 0 (a text token, so no
+Rows [:total] of a bucket are the chunks; rows total.. are padding: token 0 (a text token, so no
 codebook embedding is added), position 0, keys and values written into the KV cache's scratch
-page (never in a live request's block table), and past the chunk's query length, so the varlen
-attention computes no output row for them. Every other op of the prefill is row-wise (embedding,
-norms, GEMMs, per-token activation quantization), so a padding row cannot reach a live row.
+page (never in a live request's block table), and past every segment's query rows, so the varlen
+attention computes no output row for them. Segments without a chunk have no query rows and no
+keys. Every other op of the prefill is row-wise (embedding, norms, GEMMs, per-token activation
+quantization), so a padding row cannot reach a live row.
+
+With `segments` 1 (the default, `EngineConfig.prefill_graph_segments`) the metadata has exactly
+the shapes of one eager chunk's; more segments let a step that admits several prompts at once
+(a burst of arrivals) replay too, instead of launching its prefill eagerly (host-bound).
 """
 
 from __future__ import annotations
@@ -29,13 +34,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
+Chunk = tuple[Tensor, int, list[int]]  # (columns Long [count, N+1], first position, block table)
+
 
 class PrefillBatch:
-    """Static buffers for one prefill chunk (module docstring); `step` is a kernel `DecodeStep`."""
+    """Static buffers for a step's prefill chunks (module docstring); `step` is a kernel
+    `DecodeStep`."""
 
-    def __init__(self, step, buckets: tuple[int, ...], num_rows: int, max_pages: int) -> None:
+    def __init__(
+        self, step, buckets: tuple[int, ...], num_rows: int, max_pages: int, segments: int = 1
+    ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"prefill graph buckets must be positive token counts, got {buckets}")
+        if segments < 1:
+            raise ValueError(f"prefill graph segments must be at least 1, got {segments}")
+        self.segments = segments
         self.step = step
         self.kv = step.kv
         self.buckets = tuple(sorted(set(buckets)))
@@ -44,9 +57,9 @@ class PrefillBatch:
         pin = device.type == "cuda"
         rows, self.num_rows, self.max_pages = self.max_tokens, num_rows, max_pages
         # Two flat buffers, one copy each: int64 tokens | positions | slots, and int32 block
-        # table | key count | query start and end.
+        # tables | key counts | query bounds.
         self._long = torch.zeros(rows * (num_rows + 2), dtype=torch.long, device=device)
-        self._int = torch.zeros(max_pages + 3, dtype=torch.int32, device=device)
+        self._int = torch.zeros(segments * (max_pages + 2) + 1, dtype=torch.int32, device=device)
         self._host_long = torch.zeros(self._long.numel(), dtype=torch.long, pin_memory=pin)
         self._host_int = torch.zeros(self._int.numel(), dtype=torch.int32, pin_memory=pin)
         self.tokens, self.positions, self.slots = self._long_views(self._long)
@@ -67,11 +80,16 @@ class PrefillBatch:
         return tokens, flat[rows * width : rows * (width + 1)], flat[rows * (width + 1) :]
 
     def _int_views(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        pages = self.max_pages
-        return flat[:pages].view(1, pages), flat[pages : pages + 1], flat[pages + 1 :]
+        pages, segments = self.max_pages, self.segments
+        tables = flat[: segments * pages].view(segments, pages)
+        return tables, flat[segments * pages : segments * (pages + 1)], flat[segments * (pages + 1) :]
 
     def fits(self, count: int) -> bool:
         return 1 <= count <= self.max_tokens
+
+    def takes(self, counts: list[int]) -> bool:
+        """Whether chunks of these token counts fit: at most `segments`, a bucket in all."""
+        return 1 <= len(counts) <= self.segments and min(counts) >= 1 and self.fits(sum(counts))
 
     def bucket_for(self, count: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, count)]
@@ -106,29 +124,47 @@ class PrefillBatch:
         self.states.zero_()
 
     def fill(self, columns: Tensor, start: int, pages: list[int]) -> int:
-        """A chunk: `columns` Long [count, N+1] (the request's columns start..start+count), whose
-        keys go to positions start.. of the request's block table `pages`. Returns the bucket."""
-        count = columns.shape[0]
-        if not self.fits(count):
-            raise ValueError(f"a chunk of {count} tokens does not fit the largest bucket ({self.max_tokens})")
-        if columns.shape[1] != self.num_rows:
-            raise ValueError(f"chunk columns must be [count, {self.num_rows}], got {list(columns.shape)}")
+        """One chunk: `columns` Long [count, N+1] (the request's columns start..start+count),
+        whose keys go to positions start.. of the request's block table `pages`. Returns the
+        bucket."""
+        return self.fill_chunks([(columns, start, pages)])
+
+    def fill_chunks(self, chunks: list[Chunk]) -> int:
+        """Chunks of distinct requests, each as `fill` takes one, packed in order (chunk i's
+        rows follow chunk i-1's). Returns the bucket."""
+        counts = [columns.shape[0] for columns, _, _ in chunks]
+        if not self.takes(counts):
+            raise ValueError(
+                f"chunks of {counts} tokens do not fit {self.segments} segment(s) of at most "
+                f"{self.max_tokens} tokens in all"
+            )
         page = self.kv.page_size
-        end = start + count
-        if len(pages) * page < end or len(pages) > self.max_pages:
-            raise ValueError(f"{len(pages)} pages cannot hold {end} keys (at most {self.max_pages} pages)")
-        bucket = self.bucket_for(count)
+        for (columns, start, pages), count in zip(chunks, counts, strict=True):
+            if columns.shape[1] != self.num_rows:
+                raise ValueError(f"chunk columns must be [count, {self.num_rows}], got {list(columns.shape)}")
+            if len(pages) * page < start + count or len(pages) > self.max_pages:
+                raise ValueError(
+                    f"{len(pages)} pages cannot hold {start + count} keys (at most {self.max_pages} pages)"
+                )
+        total = sum(counts)
+        bucket = self.bucket_for(total)
         self._wait_for_staging()
-        self._np_tokens[:count] = columns.numpy()
-        positions = np.arange(start, end, dtype=np.int64)
-        self._np_positions[:count] = positions
-        table = np.asarray(pages, dtype=np.int64)
-        self._np_slots[:count] = table[positions // page] * page + positions % page
-        self._pad_rows(count, bucket)
-        self._np_tables[0, : len(pages)] = table
-        self._np_tables[0, len(pages) :] = self.kv.scratch_page
-        self._np_seq_lens[0] = end
-        self._np_starts[:] = (0, count)
+        self._np_tables[:] = self.kv.scratch_page
+        self._np_seq_lens[:] = 0
+        self._np_starts[:] = total  # segments without a chunk: no query rows
+        offset = 0
+        for segment, ((columns, start, pages), count) in enumerate(zip(chunks, counts, strict=True)):
+            rows = slice(offset, offset + count)
+            self._np_tokens[rows] = columns.numpy()
+            positions = np.arange(start, start + count, dtype=np.int64)
+            self._np_positions[rows] = positions
+            table = np.asarray(pages, dtype=np.int64)
+            self._np_slots[rows] = table[positions // page] * page + positions % page
+            self._np_tables[segment, : len(pages)] = table
+            self._np_seq_lens[segment] = start + count
+            self._np_starts[segment] = offset
+            offset += count
+        self._pad_rows(total, bucket)
         self._upload()
         return bucket
 

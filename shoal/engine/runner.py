@@ -2,8 +2,9 @@
 
 Prefill chunks run eagerly as one varlen forward; the chunks that reach the end of their
 request's sequence sample that request's next frame. With `prefill_graphs`, a step's single chunk
-of at most the largest prefill bucket runs instead on `PrefillBatch`'s static buffers, replayed as
-a CUDA graph (`graphs.PrefillGraphs`): the eager launches bound the first frame on the host.
+(or up to `prefill_graph_segments` chunks) of at most the largest prefill bucket in all runs
+instead on `PrefillBatch`'s static buffers, replayed as a CUDA graph (`graphs.PrefillGraphs`):
+the eager launches bound the first frame on the host.
 Decodes run the whole frame step on the static `DecodeBuffers` (`batch.py`): with
 `decode_step="fast"` (the default on CUDA) the graph-safe `DecodeStep` (`decode_step.py`),
 replayed as a CUDA graph per batch-size bucket (`graphs.py`); with `"reference"` (the default
@@ -233,8 +234,9 @@ class ModelRunner:
         self.prefill_graphs = None
         if static_prefill:
             self.prefill_batch = PrefillBatch(
-                self.step, config.prefill_graph_buckets, self.num_rows, self.max_pages
-            )
+                self.step, config.prefill_graph_buckets, self.num_rows, self.max_pages,
+                config.prefill_graph_segments,
+            )  # fmt: skip
             if graphs:
                 from shoal.engine.graphs import PrefillGraphs
 
@@ -261,7 +263,7 @@ class ModelRunner:
         if not chunks:
             return [], None
         if self.uses_prefill_batch(chunks):
-            return self._prefill_static(*chunks[0])
+            return self._prefill_static(chunks)
         tokens, positions, segments, last_rows, completing = [], [], [], [], []
         offset = 0
         for request, count in chunks:
@@ -289,22 +291,31 @@ class ModelRunner:
 
     def uses_prefill_batch(self, chunks: list[tuple[Request, int]]) -> bool:
         """Whether these chunks take the static prefill (`PrefillBatch`, a graph replay on CUDA):
-        it exists (a kernel step), and they are one chunk that fits its largest bucket."""
+        it exists (a kernel step), and they are at most its segment count of chunks (1 by
+        default: `EngineConfig.prefill_graph_segments`) that fit its largest bucket together."""
         batch = self.prefill_batch
-        return batch is not None and len(chunks) == 1 and batch.fits(chunks[0][1])
+        return batch is not None and batch.takes([count for _, count in chunks])
 
-    def _prefill_static(self, request: Request, count: int) -> tuple[list[Request], Tensor | None]:
-        """One chunk through `PrefillBatch`: fill, replay its bucket (or run it eagerly)."""
+    def _prefill_static(self, chunks: list[tuple[Request, int]]) -> tuple[list[Request], Tensor | None]:
+        """The chunks through `PrefillBatch`: fill, replay their bucket (or run it eagerly)."""
         batch = self.prefill_batch
-        start = request.num_computed
-        bucket = batch.fill(request.columns(start, start + count).t(), start, request.block_table)
+        packed, completing, last_rows = [], [], []
+        offset = 0
+        for request, count in chunks:
+            start = request.num_computed
+            packed.append((request.columns(start, start + count).t(), start, request.block_table))
+            offset += count
+            if start + count == request.seq_len:
+                completing.append(request)
+                last_rows.append(offset - 1)
+        bucket = batch.fill_chunks(packed)
         if self.prefill_graphs is not None:
             self.prefill_graphs.replay(bucket)
         else:
             batch.compute(bucket)
-        if start + count != request.seq_len:
+        if not completing:
             return [], None
-        return [request], self._first_frames_after_prefill([request], batch.hidden, batch.normed, [count - 1])
+        return completing, self._first_frames_after_prefill(completing, batch.hidden, batch.normed, last_rows)
 
     def _first_frames_after_prefill(
         self, completing: list[Request], hidden: Tensor, normed: Tensor | None, last_rows: list[int]

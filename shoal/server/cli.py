@@ -109,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "meanwhile joins one step later; on by default) (SHOAL_OVERLAP_STEPS)",
     )
     parser.add_argument(
+        "--prefill-graph-segments",
+        type=int,
+        default=int(env("PREFILL_GRAPH_SEGMENTS", "1") or 1),
+        help="prompts admitted in one step whose prefill replays as one CUDA graph (1: a single "
+        "prompt; more: bursts too, not yet measured on a GPU) (SHOAL_PREFILL_GRAPH_SEGMENTS)",
+    )
+    parser.add_argument(
         "--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning (SHOAL_LOG_LEVEL)"
     )
 
@@ -131,7 +138,11 @@ def build_engine(args: argparse.Namespace):
     from shoal.config import EngineConfig
     from shoal.engine import load_engine
 
-    config = EngineConfig(max_running_requests=args.max_running_requests, overlap_steps=args.overlap_steps)
+    config = EngineConfig(
+        max_running_requests=args.max_running_requests,
+        overlap_steps=args.overlap_steps,
+        prefill_graph_segments=args.prefill_graph_segments,
+    )
     config.queue_limits = {**config.queue_limits, **dict(args.queue_limit)}
     return load_engine(
         args.checkpoint,
