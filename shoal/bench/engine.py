@@ -314,10 +314,12 @@ def run_engine_bench(
     )
     core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
-    # Two prompts at once warm the eager prefill of several chunks (its Triton kernels compile on
-    # first use): with prefill graphs a single request never runs it, and the first level with
-    # concurrency > 1 would pay the compilation in its first frames (run 37: 931 ms at 16).
-    run_level(core, make_prompts(model, 2, prompt_tokens, shared_prefix, seed=999), 4, shared_prefix)
+    # More prompts at once than the static prefill packs warm the eager prefill of several chunks
+    # (its Triton kernels compile on first use): with prefill graphs a single request never runs
+    # it, and the first level with concurrency > 1 would pay the compilation in its first frames
+    # (run 37: 931 ms at 16).
+    burst = make_prompts(model, prefill_graph_segments + 1, prompt_tokens, shared_prefix, seed=999)
+    run_level(core, burst, 4, shared_prefix)
     for concurrency in concurrencies:
         prompts = make_prompts(model, concurrency, prompt_tokens, shared_prefix, seed=concurrency)
         run_level(core, prompts[:1], 4, shared_prefix)  # warm the prefill path
