@@ -192,9 +192,9 @@ def test_engine_with_static_prefill_equals_without(model, segments: int) -> None
         if with_batch:
             original = runner._prefill_static
 
-            def counting(chunks, original=original, calls=calls):
-                calls.append([count for _, count in chunks])
-                return original(chunks)
+            def counting(packed, original=original, calls=calls):
+                calls.append([columns.shape[0] for columns, _, _ in packed])
+                return original(packed)
 
             runner._prefill_static = counting
         sink = Collector()

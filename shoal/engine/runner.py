@@ -38,7 +38,7 @@ from torch import Tensor
 from shoal.config import EngineConfig
 from shoal.engine.batch import DecodeBuffers, HostBatch
 from shoal.engine.kv_cache import PagedKV
-from shoal.engine.prefill_batch import PrefillBatch
+from shoal.engine.prefill_batch import Chunk, PrefillBatch
 from shoal.engine.request import Request
 from shoal.models.reference import decode_frame
 from shoal.models.sampling import Sampler, SamplingBatch, push_frames
@@ -262,44 +262,8 @@ class ModelRunner:
         their sequence and their next frames, int32 [n, N+1] on the device (not yet synced)."""
         if not chunks:
             return [], None
-        if self.uses_prefill_batch(chunks):
-            return self._prefill_static(chunks)
-        tokens, positions, segments, last_rows, completing = [], [], [], [], []
-        offset = 0
-        for request, count in chunks:
-            start = request.num_computed
-            tokens.append(request.columns(start, start + count).t())
-            positions.append(torch.arange(start, start + count))
-            segments.append((offset, count, start + count, request.block_table))
-            offset += count
-            if start + count == request.seq_len:
-                completing.append(request)
-                last_rows.append(offset - 1)
-        self.kv.set_varlen(segments)
-        tokens = _to_device(torch.cat(tokens), self.device)
-        positions = _to_device(torch.cat(positions), self.device)
-        fused = self.step is not None and self.step.use_kernels and self.kv._prefill_meta is not None
-        if fused:
-            hidden, normed = self.step.prefill(tokens, positions, self.kv._slots, self.kv._prefill_meta)
-        else:
-            hidden = self.model.forward_slow(tokens, positions, self.kv)
-        if not completing:
-            return [], None
-        return completing, self._first_frames_after_prefill(
-            completing, hidden, normed if fused else None, last_rows
-        )
-
-    def uses_prefill_batch(self, chunks: list[tuple[Request, int]]) -> bool:
-        """Whether these chunks take the static prefill (`PrefillBatch`, a graph replay on CUDA):
-        it exists (a kernel step), and they are at most its segment count of chunks (1 by
-        default: `EngineConfig.prefill_graph_segments`) that fit its largest bucket together."""
-        batch = self.prefill_batch
-        return batch is not None and batch.takes([count for _, count in chunks])
-
-    def _prefill_static(self, chunks: list[tuple[Request, int]]) -> tuple[list[Request], Tensor | None]:
-        """The chunks through `PrefillBatch`: fill, replay their bucket (or run it eagerly)."""
-        batch = self.prefill_batch
-        packed, completing, last_rows = [], [], []
+        packed: list[Chunk] = []
+        last_rows, completing = [], []
         offset = 0
         for request, count in chunks:
             start = request.num_computed
@@ -308,14 +272,45 @@ class ModelRunner:
             if start + count == request.seq_len:
                 completing.append(request)
                 last_rows.append(offset - 1)
+        if self.uses_prefill_batch(chunks):
+            hidden, normed = self._prefill_static(packed)
+        else:
+            hidden, normed = self._prefill_eager(packed)
+        if not completing:
+            return [], None
+        return completing, self._first_frames_after_prefill(completing, hidden, normed, last_rows)
+
+    def uses_prefill_batch(self, chunks: list[tuple[Request, int]]) -> bool:
+        """Whether these chunks take the static prefill (`PrefillBatch`, a graph replay on CUDA):
+        it exists (a kernel step), and they are at most its segment count of chunks (1 by
+        default: `EngineConfig.prefill_graph_segments`) that fit its largest bucket together."""
+        batch = self.prefill_batch
+        return batch is not None and batch.takes([count for _, count in chunks])
+
+    def _prefill_eager(self, packed: list[Chunk]) -> tuple[Tensor, Tensor | None]:
+        """One varlen forward of the chunks; (hidden, normed), normed None off the fused kernels."""
+        segments, offset = [], 0
+        for columns, start, pages in packed:
+            count = columns.shape[0]
+            segments.append((offset, count, start + count, pages))
+            offset += count
+        self.kv.set_varlen(segments)
+        tokens = _to_device(torch.cat([columns for columns, _, _ in packed]), self.device)
+        positions = torch.cat([torch.arange(start, start + c.shape[0]) for c, start, _ in packed])
+        positions = _to_device(positions, self.device)
+        if self.step is not None and self.step.use_kernels and self.kv._prefill_meta is not None:
+            return self.step.prefill(tokens, positions, self.kv._slots, self.kv._prefill_meta)
+        return self.model.forward_slow(tokens, positions, self.kv), None
+
+    def _prefill_static(self, packed: list[Chunk]) -> tuple[Tensor, Tensor]:
+        """The chunks through `PrefillBatch`: fill, replay their bucket (or run it eagerly)."""
+        batch = self.prefill_batch
         bucket = batch.fill_chunks(packed)
         if self.prefill_graphs is not None:
             self.prefill_graphs.replay(bucket)
         else:
             batch.compute(bucket)
-        if not completing:
-            return [], None
-        return completing, self._first_frames_after_prefill(completing, batch.hidden, batch.normed, last_rows)
+        return batch.hidden, batch.normed
 
     def _first_frames_after_prefill(
         self, completing: list[Request], hidden: Tensor, normed: Tensor | None, last_rows: list[int]
