@@ -13,6 +13,7 @@ drained, reserved under a lock held for a few instructions, never across a step)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -318,11 +319,9 @@ class LocalEngine(Engine):
             except Exception as error:
                 self._fail(error)
                 continue
-            if self.vocoder is None:
+            # One wake-up of the vocoder thread for the step's frames.
+            with self.vocoder.deferred_wakeups() if self.vocoder is not None else contextlib.nullcontext():
                 self._guarded(self.core.end_step, pending)
-            else:
-                with self.vocoder.deferred_wakeups():  # one wake-up for the step's frames
-                    self._guarded(self.core.end_step, pending)
 
     def _drain(self, block: bool) -> bool:
         """Apply the inbox's commands in order (waiting for the first one if `block`).

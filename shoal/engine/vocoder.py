@@ -283,12 +283,10 @@ class Vocoder:
             audio = self.pool.step([s.codec_stream for s, _ in with_frames], codes)
             # One read-back for the whole call (on CUDA one copy and one sync, not one per stream).
             host = torch.cat([samples.float() for samples in audio]).cpu().numpy()
-            ends = np.cumsum([samples.shape[0] for samples in audio])
-            for (stream, _), end, count, frames in zip(
-                with_frames, ends, (s.shape[0] for s in audio), stacked, strict=True
-            ):
+            pieces = np.split(host, np.cumsum([samples.shape[0] for samples in audio])[:-1])
+            for (stream, _), samples, frames in zip(with_frames, pieces, stacked, strict=True):
                 stream.emitted = True
-                stream.on_audio(host[end - count : end], frames.numpy())
+                stream.on_audio(samples, frames.numpy())
         for stream, _, done in work:
             if done is not None:
                 if stream.codec_stream is not None:
