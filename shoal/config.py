@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 WEIGHT_FORMATS = ("bf16", "fp8")
 
 
-def _default_overlap_steps() -> bool:
+def default_overlap_steps() -> bool:
     # On by default: FP8 per-request frames/s +5.6% / +9.7% / +11% at concurrency 1 / 16 / 64 on
     # the H200, concurrency 1 now at its step's rate (docs/performance.md run 42). The price: a
     # request submitted while a step is launched ahead joins one step (4-6 ms) later.
@@ -87,7 +87,7 @@ class EngineConfig:
     # Launch decode step n+1 before step n's frames are read back when the batch cannot change
     # between them (pure decode, nothing waiting): the host books step n while the GPU runs
     # n+1. A request that stopped at step n runs one discarded extra row (docs/engine.md).
-    overlap_steps: bool = field(default_factory=_default_overlap_steps)
+    overlap_steps: bool = field(default_factory=default_overlap_steps)
 
     # Benchmarks: keep generating past <|im_end|> until max_new_frames (fixed output length).
     ignore_eos: bool = False

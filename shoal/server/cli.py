@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 
+from shoal.config import default_overlap_steps
 from shoal.server.keys_cli import add_storage_arguments
 
 log = logging.getLogger("shoal.server")
@@ -104,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overlap-steps",
         action=argparse.BooleanOptionalAction,
-        default=(env("OVERLAP_STEPS") or "1").strip().lower() in ("1", "true", "yes", "on"),
+        default=default_overlap_steps(),  # SHOAL_OVERLAP_STEPS, read as EngineConfig reads it
         help="launch decode step n+1 before reading step n (5-11%% more frames/s; a request arriving "
         "meanwhile joins one step later; on by default) (SHOAL_OVERLAP_STEPS)",
     )
