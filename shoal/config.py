@@ -64,8 +64,8 @@ class EngineConfig:
     first_frame_graphs: bool | None = None
     # A step's prefill chunk (or up to `prefill_graph_segments` chunks) of at most
     # max(prefill_graph_buckets) tokens in all on static buffers, padded to the next bucket and
-    # replayed as one CUDA graph (`prefill_batch.py`): the
-    # eager prefill is bound by the host's launches (docs/performance.md run 36). None: wherever
+    # replayed as one CUDA graph (`prefill_batch.py`): the eager prefill is bound by the host's
+    # launches (docs/performance.md run 36). None: wherever
     # the decode graphs are captured; True: also without graphs, eagerly on the static buffers
     # (needs the kernel step, which CPU engines do not build: the CPU tests attach the batch
     # themselves); False: eager. First frame at concurrency 1 with a 300-token prompt, FP8 on the

@@ -439,7 +439,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-graphs",
         choices=("off", "on"),
         default="on",
-        help="single-request prefill chunks as CUDA graphs (EngineConfig.prefill_graphs; on by default)",
+        help="prefill chunks as CUDA graphs (EngineConfig.prefill_graphs; on by default)",
     )
     parser.add_argument(
         "--prefill-graph-segments",

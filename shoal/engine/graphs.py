@@ -15,9 +15,10 @@ because a prefill's completing rows are not the decode batch's rows. Captured af
 graphs, into their pool (both run on one stream, one after the other, so their temporaries may
 share memory), with the same buckets, hence the same GEMM row counts (FP8's reserved M values).
 
-`PrefillGraphs`: one request's prefill chunk (`prefill_batch.PrefillBatch`), padded to a token
-bucket: the whole slow model over the chunk in one launch instead of hundreds of eager ones
-from Python (the host, not the GPU, bounded the time to first frame: docs/performance.md run 36).
+`PrefillGraphs`: a step's prefill chunk, or several requests' chunks packed
+(`prefill_batch.PrefillBatch`), padded to a token bucket: the whole slow model in one launch
+instead of hundreds of eager ones from Python (the host, not the GPU, bounded the time to first
+frame: docs/performance.md run 36).
 Its own pool: its temporaries (up to the largest bucket's activations) are not the decode step's.
 
 All capture the same way (`BucketGraphs.capture`): warm every bucket up on a side stream, then
