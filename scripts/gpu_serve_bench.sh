@@ -10,7 +10,9 @@
 # Knobs (environment): SIZE s2-pro|demo, DEVICE cuda|cpu, PY, OUT, CKPT, PORT, BUDGET_S (whole run,
 # default 200), INSTALL_WHEELS (default 1 on cuda), HTTP_LEVELS, WS_LEVELS, EXTRA_HTTP_LEVELS,
 # EXTRA_WS_LEVELS (run only while time is left), MAX_NEW_TOKENS, REQUESTS, ROUNDS, TEXT,
-# SERVE_ARGS (more `shoal serve` options, e.g. --weight-format fp8).
+# SERVE_ARGS (more `shoal serve` options, e.g. --weight-format fp8), PYSPY_S (seconds of py-spy
+# sampling of the server during the extra levels, 0 = none: which thread holds the GIL, and where
+# every thread is; needs a py-spy wheel among the carried ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${SIZE:-s2-pro}
@@ -133,6 +135,14 @@ bench() {  # bench JSON_NAME HTTP_LEVELS WS_LEVELS WARMUP_REQUESTS
 }
 bench serve_bench.json "$HTTP_LEVELS" "$WS_LEVELS" 2
 if [ -n "$EXTRA_HTTP_LEVELS$EXTRA_WS_LEVELS" ]; then
+  if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
+    # After 15 s of load; --nonblocking reads the server without pausing it.
+    for mode in gil idle; do
+      (sleep 15; /tmp/site/bin/py-spy record --pid "$server_pid" --duration "$PYSPY_S" --rate 200 \
+        --format raw --threads --nonblocking "--$mode" -o "$OUT/pyspy_$mode.txt" \
+        >"$OUT/pyspy_$mode.log" 2>&1) &
+    done
+  fi
   bench serve_bench_extra.json "$EXTRA_HTTP_LEVELS" "$EXTRA_WS_LEVELS" 0
 fi
 
