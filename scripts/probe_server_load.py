@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
+import itertools
 import os
 import subprocess
 import threading
@@ -44,11 +46,22 @@ def thread_cpu_seconds() -> dict[str, float]:
     return result
 
 
-def instrument(engine) -> tuple[list, list]:
-    """Each delivered frame's time, and each codec call's (start, end, streams)."""
+def instrument(engine) -> tuple[list, list, list]:
+    """Each delivered frame's time, each codec call's (start, end, streams), and the seconds
+    the engine thread spends in its decode uploads (one running total)."""
     frames: list[float] = []
     calls: list[tuple[float, float, int]] = []
+    uploading = [0.0]
     core = engine.core
+    host = core.runner.host
+    upload = host.upload
+
+    def timed_upload(*args, **kwargs):
+        start = time.perf_counter()
+        upload(*args, **kwargs)
+        uploading[0] += time.perf_counter() - start
+
+    host.upload = timed_upload
     deliver = core._deliver
 
     def timed_deliver(request, frame):
@@ -65,7 +78,7 @@ def instrument(engine) -> tuple[list, list]:
         calls.append((start, time.perf_counter(), len(work)))
 
     vocoder.decode = timed_decode
-    return frames, calls
+    return frames, calls, uploading
 
 
 async def client(
@@ -102,7 +115,7 @@ def start_py_spy(binary: str, out: Path, seconds: int, tag: str) -> list[subproc
     return spies
 
 
-async def measure(engine, args, concurrency: int, frames: list, calls: list) -> dict:
+async def measure(engine, args, concurrency: int, frames: list, calls: list, uploading: list) -> dict:
     samples, first_audio = [0], []
     deadline = time.perf_counter() + args.warmup_seconds + args.seconds
     tasks = [
@@ -127,6 +140,7 @@ async def measure(engine, args, concurrency: int, frames: list, calls: list) -> 
             "calls": len(calls),
             "samples": samples[0],
             "steps": steps,
+            "upload": uploading[0],
         }
 
     before = snapshot()
@@ -148,6 +162,7 @@ async def measure(engine, args, concurrency: int, frames: list, calls: list) -> 
         "audio s/s": (after["samples"] - before["samples"]) / engine.sample_rate / window,
         "steps/s": steps / window,
         "ms/step": 1000 * window / steps if steps else float("nan"),
+        "upload ms/step": 1000 * (after["upload"] - before["upload"]) / steps if steps else float("nan"),
         "codec calls/s": len(codec_calls) / window,
         "codec busy": codec_busy / window,
         "streams/call": sum(c[2] for c in codec_calls) / max(1, len(codec_calls)),
@@ -159,14 +174,20 @@ async def measure(engine, args, concurrency: int, frames: list, calls: list) -> 
 
 async def main(args) -> None:
     config = EngineConfig(
-        max_running_requests=max(args.concurrency), prefill_graph_segments=args.prefill_graph_segments
+        max_running_requests=max(args.concurrency),
+        prefill_graph_segments=args.prefill_graph_segments,
+        vocoder_max_chunk_frames=args.max_chunk_frames,
     )
     engine = load_engine(args.checkpoint, weight_format=args.weight_format, config=config)
-    frames, calls = instrument(engine)
+    frames, calls, uploading = instrument(engine)
+    captured = engine.vocoder.policy
     await engine.start()
     try:
-        for concurrency in args.concurrency:
-            row = await measure(engine, args, concurrency, frames, calls)
+        for concurrency, cap in itertools.product(args.concurrency, args.chunk_caps or [None]):
+            if cap is not None:  # the largest chunk of the growth, among the captured ones
+                engine.vocoder.policy = dataclasses.replace(captured, max_chunk_frames=cap)
+            print(f"-- largest chunk {engine.vocoder.policy.largest_chunk}")
+            row = await measure(engine, args, concurrency, frames, calls, uploading)
             cpu = row.pop("cpu")
             print("  ".join(f"{k} {v:.3g}" for k, v in row.items()))
             named = {k: v for k, v in cpu.items() if k in NAMED_THREADS}
@@ -206,6 +227,10 @@ if __name__ == "__main__":
     parser.add_argument("--weight-format", default="fp8")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64])
     parser.add_argument("--prefill-graph-segments", type=int, default=1)
+    parser.add_argument(
+        "--max-chunk-frames", type=int, default=None, help="EngineConfig.vocoder_max_chunk_frames"
+    )
+    parser.add_argument("--chunk-caps", type=int, nargs="*", help="run each level with these largest chunks")
     parser.add_argument("--frames", type=int, default=256, help="max_new_frames per request")
     parser.add_argument("--seconds", type=float, default=12.0, help="the measured window")
     parser.add_argument("--warmup-seconds", type=float, default=4.0)

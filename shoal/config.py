@@ -92,10 +92,12 @@ class EngineConfig:
     # Benchmarks: keep generating past <|im_end|> until max_new_frames (fixed output length).
     ignore_eos: bool = False
 
-    # Vocoder: decode at least this many new frames per request in one codec call (latency vs
-    # efficiency); the first chunk of a request is decoded as soon as it has `first_chunk_frames`.
+    # Vocoder: a request's first chunk is decoded as soon as it has `first_chunk_frames`, its
+    # second at `chunk_frames`, and each later one is twice the one before, up to
+    # `max_chunk_frames` (None: no growth). See `engine.vocoder.ChunkPolicy`.
     vocoder_chunk_frames: int = 8
     vocoder_first_chunk_frames: int = 4
+    vocoder_max_chunk_frames: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

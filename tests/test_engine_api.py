@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 
 import numpy as np
@@ -228,6 +229,50 @@ def test_chunk_policy_feeds_captured_chunks():
         2: 4,
         0: 8,
     }
+
+
+def test_chunk_policy_grows_chunks_up_to_the_largest():
+    grow = ChunkPolicy(8, 4, max_chunk_frames=32)
+    assert [grow.chunk_size(k) for k in range(6)] == [4, 8, 16, 32, 32, 32]
+    assert ChunkPolicy(8, 4).chunk_size(5) == 8  # no growth unless asked
+    assert ChunkPolicy.graph_chunk_sizes(8, 4, 32) == (4, 8, 16, 32)
+    assert ChunkPolicy.graph_chunk_sizes(8, 4, 24) == (4, 8, 16, 24)
+    assert ChunkPolicy.graph_chunk_sizes(8, 4, 8) == ChunkPolicy.graph_chunk_sizes(8, 4) == (4, 8)
+    graphs = ChunkPolicy(8, 4, (4, 8, 16, 32), max_chunk_frames=32)
+    # After two chunks the third is due at 16; a backlog gives the largest captured chunk it fills.
+    assert [graphs.take(n, 2, False) for n in (15, 16, 31, 40)] == [0, 16, 16, 32]
+    assert graphs.take(40, 2, True) == 32 and graphs.take(5, 2, True) == 5
+    # Graphs captured beyond the policy's largest chunk are used for tails only.
+    capped = ChunkPolicy(8, 4, (4, 8, 16, 32))
+    assert capped.take(40, 3, False) == 8 and capped.take(40, 3, True) == 32
+    with pytest.raises(ValueError, match="max_chunk_frames"):
+        ChunkPolicy(8, 4, max_chunk_frames=6)
+
+
+def test_vocoder_growing_chunks_equal_full_decode(codec):
+    vocoder = Vocoder(codec, 2, chunk_frames=4, first_chunk_frames=2, max_batch=2, max_chunk_frames=16)
+    vocoder.policy = dataclasses.replace(vocoder.policy, graph_chunks=(2, 4, 8, 16))  # as captured on CUDA
+    calls: list[list[int]] = []
+    step = vocoder.pool.step
+
+    def recording_step(streams, codes):
+        calls.append([c.shape[-1] for c in codes])
+        return step(streams, codes)
+
+    vocoder.pool.step = recording_step
+    sent = torch.randint(0, 32, (41, 5), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+    audio: list[np.ndarray] = []
+    stream = vocoder.open(lambda samples, _: audio.append(samples))
+    for start in range(0, 41, 3):  # three frames per engine step
+        vocoder.push(stream, sent[start : start + 3], last=start + 3 >= 41)
+        while work := vocoder.collect():
+            vocoder.decode(work)
+    vocoder.end(stream, lambda: None)
+    while work := vocoder.collect():
+        vocoder.decode(work)
+    assert calls == [[2], [4], [8], [16], [10]]  # 2, 4, 8, 16, then the 10-frame tail of 40
+    expected = codec.decode(sent[:-1, 1:].t().long())[0, 0]
+    np.testing.assert_allclose(np.concatenate(audio), expected.numpy(), atol=1e-4)
 
 
 def test_vocoder_decodes_due_chunks_and_equals_full_decode(codec):

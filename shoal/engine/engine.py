@@ -131,7 +131,11 @@ class LocalEngine(Engine):
         if codec is not None:
             streams = 2 * config.max_running_requests
             self.vocoder = Vocoder(
-                codec, streams, config.vocoder_chunk_frames, config.vocoder_first_chunk_frames
+                codec,
+                streams,
+                config.vocoder_chunk_frames,
+                config.vocoder_first_chunk_frames,
+                max_chunk_frames=config.vocoder_max_chunk_frames,
             )
             # Before the KV pool is sized from free memory, so the codec's graphs are counted.
             if config.use_cuda_graphs and self.vocoder.capture_graphs():

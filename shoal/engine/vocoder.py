@@ -11,7 +11,8 @@ the 34 ms measured in docs/performance.md run 45.)
 
 On CUDA the pool's CUDA graphs are captured once (`capture_graphs`, called by the engine
 before it sizes its KV pool) for batch buckets 1, 2, 4, .. `max_batch` and the chunk lengths
-`first_chunk_frames` and `chunk_frames`; the policy then feeds the pool only chunks that fit
+of `ChunkPolicy.graph_chunk_sizes` (the first chunk, then each size a stream's chunks grow
+through); the policy then feeds the pool only chunks that fit
 a captured shape (a stream's first chunk and the tail of a text batch pad up to one), and at
 most `max_batch` streams per call. On the CPU nothing is captured and a ready stream's whole
 backlog is decoded at once.
@@ -25,6 +26,7 @@ behind those launched meanwhile: the first audio chunk took 27-38 ms for a 2.7 m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -53,33 +55,62 @@ def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
 class ChunkPolicy:
     """How many of a stream's released frames to decode now (pure; the vocoder applies it).
 
-    A stream is due once it holds `chunk_frames` frames (`first_chunk_frames` until its first
-    audio went out, so the first audio stays prompt), or as soon as its text batch has ended
-    (the tail is flushed). Without captured graphs (`graph_chunks` empty) a due stream's whole
+    A stream's first chunk is `first_chunk_frames` long, so the first audio stays prompt; its
+    next is `chunk_frames`, and each after that twice the one before, up to `max_chunk_frames`
+    (None: `chunk_frames`, no growth). Growing chunks cost the listener nothing once audio is
+    ahead of playback (each chunk's audio lasts longer than the next one takes to generate while
+    the stream runs at least twice as fast as real time), and they make the codec cheaper per
+    frame: a call's cost is mostly per stream, not per frame (docs/performance.md runs 4-5:
+    64 streams x 4 frames 15.7 ms, x 8 frames 20.4 ms).
+
+    A stream is due once it holds its next chunk, or as soon as its text batch has ended (the
+    tail is flushed). Without captured graphs (`graph_chunks` empty) a due stream's whole
     backlog is taken. With graphs a due stream gives the largest captured chunk that it fills,
-    and an ending stream its tail up to the largest captured chunk (the pool pads it up to the
-    next captured length); the rest waits for the next call. At most `max_batch` streams are
-    taken per call, streams whose first audio is waiting first, then in opening order."""
+    up to `max_chunk_frames`, and an ending stream its tail up to the largest captured chunk
+    (the pool pads it up to the next captured length); the rest waits for the next call. At
+    most `max_batch` streams are taken per call, streams whose first audio is waiting first,
+    then in opening order."""
 
     chunk_frames: int = 8
     first_chunk_frames: int = 4
     graph_chunks: tuple[int, ...] = ()  # captured chunk lengths, ascending
     max_batch: int | None = None  # streams per codec call; None: unbounded
+    max_chunk_frames: int | None = None  # the largest chunk after growth; None: chunk_frames
 
     def __post_init__(self) -> None:
         if self.chunk_frames < 1 or self.first_chunk_frames < 1:
             raise ValueError("chunk sizes must be >= 1")
+        if self.max_chunk_frames is not None and self.max_chunk_frames < self.chunk_frames:
+            raise ValueError("max_chunk_frames must be at least chunk_frames")
         if list(self.graph_chunks) != sorted(set(self.graph_chunks)) or any(c < 1 for c in self.graph_chunks):
             raise ValueError("graph_chunks must be ascending, distinct and >= 1")
 
-    @staticmethod
-    def graph_chunk_sizes(chunk_frames: int, first_chunk_frames: int) -> tuple[int, ...]:
-        """The chunk lengths worth capturing: the first chunk and the steady chunk."""
-        return tuple(sorted({chunk_frames, first_chunk_frames}))
+    @property
+    def largest_chunk(self) -> int:
+        return self.max_chunk_frames or self.chunk_frames
 
-    def take(self, pending: int, emitted: bool, ending: bool) -> int:
+    def chunk_size(self, chunks_done: int) -> int:
+        """The length of a stream's next chunk after `chunks_done` chunks."""
+        if chunks_done <= 0:
+            return self.first_chunk_frames
+        return min(self.largest_chunk, self.chunk_frames << min(chunks_done - 1, 30))
+
+    @staticmethod
+    def graph_chunk_sizes(
+        chunk_frames: int, first_chunk_frames: int, max_chunk_frames: int | None = None
+    ) -> tuple[int, ...]:
+        """The chunk lengths worth capturing: the first chunk and each size of the growth."""
+        sizes, size = {first_chunk_frames, chunk_frames}, chunk_frames
+        largest = max_chunk_frames or chunk_frames
+        while size < largest:
+            sizes.add(size)
+            size *= 2
+        sizes.add(largest)
+        return tuple(sorted(sizes))
+
+    def take(self, pending: int, chunks_done: int, ending: bool) -> int:
         """Frames to decode now from `pending` released frames (0: keep holding them)."""
-        need = self.chunk_frames if emitted else self.first_chunk_frames
+        need = self.chunk_size(chunks_done)
         if pending <= 0 or (pending < need and not ending):
             return 0
         if not self.graph_chunks:
@@ -87,13 +118,14 @@ class ChunkPolicy:
         limit = min(pending, self.graph_chunks[-1])
         if ending:
             return limit
+        limit = min(limit, max(need, self.largest_chunk))
         return max((c for c in self.graph_chunks if c <= limit), default=limit)
 
-    def plan(self, streams: Sequence[tuple[int, bool, bool]]) -> dict[int, int]:
-        """`streams`: (pending, emitted, ending) per stream -> {index: frames to take now}."""
-        due = [(i, n) for i, (p, e, end) in enumerate(streams) if (n := self.take(p, e, end)) > 0]
+    def plan(self, streams: Sequence[tuple[int, int, bool]]) -> dict[int, int]:
+        """`streams`: (pending, chunks done, ending) per stream -> {index: frames to take now}."""
+        due = [(i, n) for i, (p, c, end) in enumerate(streams) if (n := self.take(p, c, end)) > 0]
         if self.max_batch is not None and len(due) > self.max_batch:
-            due.sort(key=lambda item: streams[item[0]][1])  # stable: first audio waiting first
+            due.sort(key=lambda item: streams[item[0]][1] > 0)  # stable: first audio waiting first
             due = due[: self.max_batch]
         return dict(due)
 
@@ -107,7 +139,7 @@ class VocoderStream:
         self.pending: list[torch.Tensor] = []  # frames released for decoding, [N+1] each
         self.ending: DoneCallback | None = None  # set by end(): flush, then call it
         self.closed = False
-        self.emitted = False
+        self.chunks = 0  # chunks decoded so far (their lengths follow `ChunkPolicy.chunk_size`)
         self.codec_stream = None
 
 
@@ -116,12 +148,18 @@ Work = list[tuple[VocoderStream, list[torch.Tensor], DoneCallback | None]]
 
 class Vocoder:
     def __init__(
-        self, codec, max_streams: int, chunk_frames: int = 8, first_chunk_frames: int = 4, max_batch: int = 64
+        self,
+        codec,
+        max_streams: int,
+        chunk_frames: int = 8,
+        first_chunk_frames: int = 4,
+        max_batch: int = 64,
+        max_chunk_frames: int | None = None,
     ) -> None:
         self.codec = codec
         self.max_streams = max_streams
         self.pool = codec.stream_pool(max_streams)
-        self.policy = ChunkPolicy(chunk_frames, first_chunk_frames)
+        self.policy = ChunkPolicy(chunk_frames, first_chunk_frames, max_chunk_frames=max_chunk_frames)
         self.max_batch = max(1, min(max_batch, max_streams))
         self._streams: list[VocoderStream] = []
         self._wake = threading.Condition()
@@ -151,11 +189,12 @@ class Vocoder:
         Returns whether graphs were captured."""
         if self.codec.device.type != "cuda" or self.policy.graph_chunks:
             return bool(self.policy.graph_chunks)
-        chunks = ChunkPolicy.graph_chunk_sizes(self.policy.chunk_frames, self.policy.first_chunk_frames)
-        self.pool.capture_cuda_graphs(list(graph_batch_sizes(self.max_batch)), list(chunks))
-        self.policy = ChunkPolicy(
-            self.policy.chunk_frames, self.policy.first_chunk_frames, chunks, self.max_batch
+        policy = self.policy
+        chunks = ChunkPolicy.graph_chunk_sizes(
+            policy.chunk_frames, policy.first_chunk_frames, policy.max_chunk_frames
         )
+        self.pool.capture_cuda_graphs(list(graph_batch_sizes(self.max_batch)), list(chunks))
+        self.policy = dataclasses.replace(policy, graph_chunks=chunks, max_batch=self.max_batch)
         return True
 
     # Engine thread -------------------------------------------------------------------------
@@ -225,7 +264,7 @@ class Vocoder:
         """Take the frames due now (`policy.plan`) and the streams that are done, as
         (stream, frames, done callback or None); finished streams leave the list. Caller holds
         `_wake` (or owns the vocoder, as tests do)."""
-        plan = self.policy.plan([(len(s.pending), s.emitted, s.ending is not None) for s in self._streams])
+        plan = self.policy.plan([(len(s.pending), s.chunks, s.ending is not None) for s in self._streams])
         work: Work = []
         for index, stream in enumerate(self._streams):
             count = plan.get(index, 0)
@@ -279,13 +318,13 @@ class Vocoder:
                 if stream.codec_stream is None:
                     stream.codec_stream = self.pool.open()
             stacked = [torch.stack(frames) for _, frames in with_frames]
-            codes = [f[:, 1:].t().contiguous().to(self.codec.device) for f in stacked]
+            codes = [f[:, 1:].t() for f in stacked]  # on the host: the pool sends them in one copy
             audio = self.pool.step([s.codec_stream for s, _ in with_frames], codes)
             # One read-back for the whole call (on CUDA one copy and one sync, not one per stream).
-            host = torch.cat([samples.float() for samples in audio]).cpu().numpy()
+            host = read_back(torch.cat([samples.float() for samples in audio]))
             pieces = np.split(host, np.cumsum([samples.shape[0] for samples in audio])[:-1])
             for (stream, _), samples, frames in zip(with_frames, pieces, stacked, strict=True):
-                stream.emitted = True
+                stream.chunks += 1
                 stream.on_audio(samples, frames.numpy())
         for stream, _, done in work:
             if done is not None:
@@ -295,4 +334,19 @@ class Vocoder:
                 done()
 
 
-__all__ = ["ChunkPolicy", "Vocoder", "VocoderStream", "graph_batch_sizes"]
+def read_back(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor on the host. From CUDA through pinned memory and an event on the current
+    stream: only this thread waits, for this stream's work alone. (A plain `.cpu()` copies into
+    pageable memory; measured under load in docs/performance.md run 48, the engine thread then
+    spent half its time blocked in its own non-blocking uploads.)"""
+    if tensor.device.type != "cuda":
+        return tensor.numpy()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return host.numpy()
+
+
+__all__ = ["ChunkPolicy", "Vocoder", "VocoderStream", "graph_batch_sizes", "read_back"]

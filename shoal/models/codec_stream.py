@@ -162,22 +162,30 @@ class CodecStreamPool:
         graph_batch = next((b for b, t in sorted(self._graphs) if t == chunk and b >= batch), None)
         rows = graph_batch or batch
         device = self.codec.device
-        slots = torch.full((rows,), self.scratch, dtype=torch.long)
-        slots[:batch] = torch.tensor([s.slot for s in streams])
-        valid = torch.zeros(rows, dtype=torch.long)
-        valid[:batch] = torch.tensor([c.shape[-1] for c in codes])
-        packed = torch.zeros(rows, self.codec.num_codebooks, chunk, dtype=torch.long, device=device)
+        # Codes on the host (the vocoder's) are packed there, in pinned memory on CUDA, and sent
+        # in one non-blocking copy: no pageable copies, which stall the thread on their stream.
+        on_host = all(c.device.type == "cpu" for c in codes)
+        pin = on_host and device.type == "cuda"
+        pack_device = torch.device("cpu") if on_host else device
+        meta = torch.zeros(2, rows, dtype=torch.long, pin_memory=pin)  # slots, valid frames
+        meta[0] = self.scratch
+        meta[0, :batch] = torch.tensor([s.slot for s in streams])
+        meta[1, :batch] = torch.tensor([c.shape[-1] for c in codes])
+        packed = torch.zeros(
+            rows, self.codec.num_codebooks, chunk, dtype=torch.long, device=pack_device, pin_memory=pin
+        )
         if all(c.shape[-1] == chunk for c in codes):  # the usual case: one copy, not one per row
-            packed[:batch] = torch.stack([c.to(device) for c in codes])
+            packed[:batch] = torch.stack([c.to(pack_device) for c in codes])
         else:
             for row, c in enumerate(codes):
                 packed[row, :, : c.shape[-1]] = c
         if graph_batch is None:
-            return self.run(slots.to(device), packed, valid.to(device))
+            meta = meta.to(device, non_blocking=pin)
+            return self.run(meta[0], packed.to(device, non_blocking=pin), meta[1])
         graph, static, out = self._graphs[(graph_batch, chunk)]
-        static["slots"].copy_(slots)
-        static["valid"].copy_(valid)
-        static["codes"].copy_(packed)
+        static["slots"].copy_(meta[0], non_blocking=pin)
+        static["valid"].copy_(meta[1], non_blocking=pin)
+        static["codes"].copy_(packed, non_blocking=pin)
         graph.replay()
         return out[:batch].clone()  # the graph's output buffer is overwritten by the next replay
 
