@@ -226,7 +226,7 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoint", default="/tmp/ckpt")
     parser.add_argument("--weight-format", default="fp8")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64])
-    parser.add_argument("--prefill-graph-segments", type=int, default=1)
+    parser.add_argument("--prefill-graph-segments", type=int, default=EngineConfig.prefill_graph_segments)
     parser.add_argument(
         "--max-chunk-frames", type=int, default=None, help="EngineConfig.vocoder_max_chunk_frames"
     )

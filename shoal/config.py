@@ -72,10 +72,11 @@ class EngineConfig:
     # H200: 19.3-38.8 ms eager, 9.2-9.4 ms replayed (runs 35, 37, 38).
     prefill_graphs: bool | None = None
     prefill_graph_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
-    # Chunks of distinct requests packed into one static prefill (a step that admits a burst of
-    # prompts). 1: a single chunk, the layout measured on the GPU (runs 37-41); more is built and
-    # tested on the CPU, not yet measured (docs/engine.md).
-    prefill_graph_segments: int = 1
+    # Chunks of distinct requests packed into one static prefill, so a step that admits a burst
+    # of prompts replays too instead of prefilling eagerly. 1: a single chunk per replay. With
+    # 8, FP8 on the H200, in process: first audio at concurrency 8 54 / 61 ms p50 / p95 against
+    # 68 / 103 with 1, at 64 213 against 279, same throughput (docs/performance.md run 48).
+    prefill_graph_segments: int = 8
 
     # The decode step: "fast" (graph-safe fused step, `engine/decode_step.py`) or "reference"
     # (`models/reference.decode_frame`, the oracle's code); None: fast on CUDA, else reference.
@@ -118,6 +119,9 @@ class EngineConfig:
             raise ValueError("prefill_graph_segments must be at least 1")
         if self.decode_step not in (None, "fast", "reference"):
             raise ValueError("decode_step must be 'fast', 'reference' or None")
+        largest_chunk = self.vocoder_max_chunk_frames
+        if largest_chunk is not None and largest_chunk < self.vocoder_chunk_frames:
+            raise ValueError("vocoder_max_chunk_frames must be at least vocoder_chunk_frames (or None)")
 
     def resolved_decode_step(self, device_type: str) -> str:
         if self.decode_step is not None:

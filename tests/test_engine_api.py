@@ -247,9 +247,15 @@ def test_chunk_policy_grows_chunks_up_to_the_largest():
     assert capped.take(40, 3, False) == 8 and capped.take(40, 3, True) == 32
     with pytest.raises(ValueError, match="max_chunk_frames"):
         ChunkPolicy(8, 4, max_chunk_frames=6)
+    with pytest.raises(ValueError, match="vocoder_max_chunk_frames"):
+        EngineConfig(vocoder_max_chunk_frames=4)
 
 
-def test_vocoder_growing_chunks_equal_full_decode(codec):
+def test_vocoder_growing_chunks_equal_full_decode(model, codec):
+    config = EngineConfig(
+        device="cpu", dtype="float64", num_pages=24, page_size=4, vocoder_max_chunk_frames=32
+    )
+    assert LocalEngine(model, config, codec=codec).vocoder.policy.largest_chunk == 32  # the config's
     vocoder = Vocoder(codec, 2, chunk_frames=4, first_chunk_frames=2, max_batch=2, max_chunk_frames=16)
     vocoder.policy = dataclasses.replace(vocoder.policy, graph_chunks=(2, 4, 8, 16))  # as captured on CUDA
     calls: list[list[int]] = []

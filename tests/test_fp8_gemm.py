@@ -168,6 +168,53 @@ def test_unreduced_split_k_returns_the_partials_of_the_reduced_result(inline: bo
     assert isinstance(whole, torch.Tensor) and _rel_err(whole, reduced) < 4e-3
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["prequantized", "inline-swiglu"])
+def test_bf16_partials_round_each_split_once(inline: bool) -> None:
+    """`bf16_partials`: each split's fp32 partial is stored rounded to bf16 (half the workspace),
+    the reducing launch and `SplitKPartials.reduce()` sum them in fp32 in split order, and the
+    result stays within bf16 rounding of the fp32-partial result."""
+    m, n, k = 3, 64, 768
+    w_q, w_s = _weight(n, k)
+    x = torch.randn(m, 2 * k if inline else k, device=DEVICE).to(torch.bfloat16)
+    config = gemm.GemmConfig(block_m=16, block_n=32, split_k=4, num_warps=2, num_stages=1, bf16_partials=True)
+    need, tiles = gemm.SplitKWorkspace.required(m, n, config)
+    assert need == (4 * m * n + 1) // 2  # fp32 elements: half of fp32 partials
+    workspace = gemm.SplitKWorkspace(need, tiles, DEVICE)
+
+    def launch(config, workspace=workspace, **kwargs):
+        if inline:
+            return gemm.fp8_linear(x, w_q, w_s, True, True, workspace=workspace, config=config, **kwargs)
+        return gemm.fp8_gemm(
+            *quant.quantize_activations(x), w_q, w_s, workspace=workspace, config=config, **kwargs
+        )
+
+    partials = launch(config, unreduced=True)
+    assert isinstance(partials, gemm.SplitKPartials) and partials.parts.dtype == torch.bfloat16
+    assert partials.parts.data_ptr() == workspace.partials.data_ptr()
+    reduced = launch(config, out=_poisoned_out(m, n))
+    assert torch.equal(partials.reduce(), reduced) and (workspace.counters == 0).all()
+    fp32 = launch(replace(config, bf16_partials=False), workspace=None)
+    expected = sum(p.float() for p in partials.parts)  # the rounded partials, summed in order
+    assert torch.equal(reduced, expected.to(torch.bfloat16))
+    assert _rel_err(reduced, fp32) < 1e-2
+    with pytest.raises(ValueError, match="workspace too small"):
+        launch(replace(config, bf16_partials=False))  # fp32 partials need twice the room
+
+
+def test_bf16_partials_everywhere_marks_split_configs_only_while_active() -> None:
+    split, whole = (
+        gemm.pick_config(2560, 9728, 64, fp8_activations=True),
+        gemm.pick_config(19456, 2560, 64, fp8_activations=True),
+    )
+    assert split.split_k > 1 and whole.split_k == 1 and not split.bf16_partials
+    with gemm.bf16_partials_everywhere():
+        assert gemm.pick_config(2560, 9728, 64, fp8_activations=True) == replace(split, bf16_partials=True)
+        assert (
+            gemm.pick_config(19456, 2560, 64, fp8_activations=True) == whole
+        )  # nothing to store without a split
+    assert gemm.pick_config(2560, 9728, 64, fp8_activations=True) == split
+
+
 def test_rejects_transposed_or_restrided_scales() -> None:
     w_q, w_s = _weight(256, 384)  # scale grid 2 x 3
     x = torch.randn(1, 384, device=DEVICE).to(torch.bfloat16)

@@ -254,7 +254,7 @@ def test_qk_norm_rope_kv_write_sums_split_k_partials_as_the_gemm_would() -> None
 @pytest.mark.parametrize("slice_groups", [None, 1], ids=["row", "split-row"])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_rms_norm_sums_split_k_partials_as_the_gemm_would(quantized: bool, slice_groups: int | None) -> None:
-    """Fed a split-K GEMM's fp32 partials (`SplitKPartials`), the norm writes the same bits as on
+    """Fed a split-K GEMM's partials (`SplitKPartials`), the norm writes the same bits as on
     the bf16 output the GEMM's own reduction stores (their sum in split order, rounded once), the
     residual stream included (`tie_partials`: any other summation order changes every element)."""
     from shoal.kernels.fp8_gemm import SplitKPartials
@@ -283,5 +283,10 @@ def test_rms_norm_sums_split_k_partials_as_the_gemm_would(quantized: bool, slice
     (fused, fused_residual), (plain, plain_residual) = run(partials), run(reduced)
     assert_same_normed(fused, plain, quantized)
     assert torch.equal(fused_residual, plain_residual)
-    with pytest.raises(ValueError, match="float32"):
-        rms_norm(SplitKPartials(parts.to(torch.bfloat16)), weight, 1e-6)
+    # bf16 partials (`GemmConfig.bf16_partials`): summed in fp32 in split order, as `reduce()` does.
+    halves = SplitKPartials(parts.to(torch.bfloat16))
+    (fused, fused_residual), (plain, plain_residual) = run(halves), run(halves.reduce())
+    assert_same_normed(fused, plain, quantized)
+    assert torch.equal(fused_residual, plain_residual)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        SplitKPartials(parts.to(torch.float16))

@@ -282,7 +282,7 @@ def run_engine_bench(
     ttff_samples: int = 7,
     max_seq_len: int | None = None,
     prefill_graphs: bool = True,
-    prefill_graph_segments: int = 1,
+    prefill_graph_segments: int = EngineConfig.prefill_graph_segments,
 ) -> list[dict]:
     """One result dict per concurrency. With `step_timing` (on a GPU) each also carries the decode
     step at batch = concurrency timed as CUDA-graph replays at `step_context` keys (default
@@ -444,7 +444,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-graph-segments",
         type=int,
-        default=1,
+        default=EngineConfig.prefill_graph_segments,
         help="requests' chunks packed into one prefill replay (EngineConfig.prefill_graph_segments)",
     )
     parser.add_argument(

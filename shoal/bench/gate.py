@@ -38,6 +38,7 @@ placeholder never passes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -222,15 +223,19 @@ def run_correctness(args: argparse.Namespace) -> int:
         def fp8_frames(prompt: Tensor, frames: int) -> Tensor:
             return engine_greedy(fp8_model, prompt, frames, "fp8", args.quantize_activations)
 
-    result = check_correctness(
-        reference_model,
-        fp8_model,
-        gate_prompt(reference_model.config),
-        args.frames,
-        args.max_logit_error,
-        fp8_frames,
-    )
-    print(f"FP8 frames through the {args.path} path")
+    from shoal.kernels.fp8_gemm import bf16_partials_everywhere
+
+    with bf16_partials_everywhere() if args.bf16_partials else contextlib.nullcontext():
+        result = check_correctness(
+            reference_model,
+            fp8_model,
+            gate_prompt(reference_model.config),
+            args.frames,
+            args.max_logit_error,
+            fp8_frames,
+        )
+    partials = ", split-K partials in bf16" if args.bf16_partials else ""
+    print(f"FP8 frames through the {args.path} path{partials}")
     print(result.report())
     return 0 if result.passed else 1
 
@@ -734,6 +739,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--path", choices=("engine", "reference"), default="engine", help="where the FP8 frames come from"
     )
     correctness.add_argument("--device", default=None)
+    correctness.add_argument(
+        "--bf16-partials",
+        action="store_true",
+        help="every split-K FP8 GEMM stores bf16 partials (GemmConfig.bf16_partials): the gate's "
+        "verdict before a tuned table adopts them (the Triton GEMMs run on a GPU only)",
+    )
     performance = sub.add_parser(
         "performance",
         help="decode step frames/s within tolerance of a frozen baseline",

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shoal.config import EngineConfig
@@ -61,8 +62,9 @@ class PendingStep:
     decode: PendingDecode | None = None
     completing: list[Request] = field(default_factory=list)
     prefill_frames: torch.Tensor | None = None
-    decode_frames: torch.Tensor | list = field(default_factory=list)
-    prefill_frames_host: torch.Tensor | list = field(default_factory=list)
+    # On the host as numpy int32 [rows, N+1]: booked row by row without a torch op per frame.
+    decode_frames: np.ndarray | list = field(default_factory=list)
+    prefill_frames_host: np.ndarray | list = field(default_factory=list)
     ahead: bool = False  # launched before the previous step was booked (overlap_steps)
     # Requests that finished while this step (ahead) still runs a row for them: their pages
     # are freed when this step is booked.
@@ -78,9 +80,9 @@ class PendingStep:
     def wait(self) -> None:
         """Block until the step's frames are on the host (the only sync of a step)."""
         if self.decode is not None:
-            self.decode_frames = self.decode.result()
+            self.decode_frames = self.decode.result().numpy()
         if self.prefill_frames is not None:
-            self.prefill_frames_host = self.prefill_frames.cpu()
+            self.prefill_frames_host = self.prefill_frames.cpu().numpy()
 
 
 class EngineCore:
@@ -289,7 +291,9 @@ class EngineCore:
         self._rate_window.append((time.monotonic(), self.steps, self.frames_out))
         return [r for r, _ in produced]
 
-    def _deliver(self, request: Request, frame: torch.Tensor) -> None:
+    def _deliver(self, request: Request, frame: np.ndarray) -> None:
+        """Book one frame (int32 [N+1]) and hand it to the request's sink as a [1, N+1] tensor
+        sharing its memory (each step's frames are a fresh array, never written again)."""
         request.append_frame(frame)
         reason = None
         if int(frame[0]) == self.im_end_id and not self.config.ignore_eos:
@@ -299,7 +303,7 @@ class EngineCore:
         if reason is not None:
             self.requests.pop(request.request_id, None)
             self._finish(request, reason)
-        self._notify(request, frame[None], reason)
+        self._notify(request, torch.from_numpy(frame[None]), reason)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):

@@ -145,7 +145,7 @@ class SynthesisHandle(RequestHandle):
                 last = reason in (FinishReason.STOP, FinishReason.LENGTH)
                 vocoder.push(self._stream, frames, last=last)
             else:
-                self._on_audio(np.zeros(0, dtype=np.float32), frames.numpy())
+                self._on_audio(np.zeros(0, dtype=np.float32), frames.numpy().copy())
         if reason is None:
             return
         more = reason in (FinishReason.STOP, FinishReason.LENGTH) and self.batch + 1 < len(self.texts)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shoal.engine.api import FinishReason, Priority
@@ -73,6 +74,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.frames = torch.zeros(max_new_frames, self.prompt.shape[0], dtype=torch.int32)
+        # The same memory as numpy: the engine thread books each frame through it (a torch
+        # setitem per frame costs several µs and lets other threads take the GIL).
+        self._frames_np = self.frames.numpy()
+        self._prompt_len = self.prompt.shape[1]  # the prompt never changes
         self.num_frames = 0
         self.num_computed = 0  # leading columns whose KV is in the cache
         self.block_table: list[int] = []  # page ids, in position order
@@ -85,7 +90,7 @@ class Request:
 
     @property
     def prompt_len(self) -> int:
-        return self.prompt.shape[1]
+        return self._prompt_len
 
     @property
     def num_rows(self) -> int:
@@ -133,10 +138,11 @@ class Request:
 
     # Progress ------------------------------------------------------------------------------
 
-    def append_frame(self, frame: torch.Tensor) -> None:
+    def append_frame(self, frame: np.ndarray | torch.Tensor) -> None:
+        """Book the next frame, int32 [N+1] (numpy on the engine's hot path)."""
         if self.num_frames >= self.max_new_frames:
             raise RuntimeError(f"request {self.request_id} already has max_new_frames frames")
-        self.frames[self.num_frames] = frame
+        self._frames_np[self.num_frames] = frame
         self.num_frames += 1
         if self.first_frame_time is None:
             self.first_frame_time = time.monotonic()

@@ -136,7 +136,7 @@ class VocoderStream:
     def __init__(self, on_audio: AudioCallback, on_error: ErrorCallback | None = None) -> None:
         self.on_audio = on_audio
         self.on_error = on_error  # the decode of this stream's frames failed: it gets no more audio
-        self.pending: list[torch.Tensor] = []  # frames released for decoding, [N+1] each
+        self.pending: list[np.ndarray] = []  # frames released for decoding, int32 [N+1] each
         self.ending: DoneCallback | None = None  # set by end(): flush, then call it
         self.closed = False
         self.chunks = 0  # chunks decoded so far (their lengths follow `ChunkPolicy.chunk_size`)
@@ -205,11 +205,15 @@ class Vocoder:
             self._streams.append(stream)
         return stream
 
-    def push(self, stream: VocoderStream, frames: torch.Tensor, last: bool = False) -> None:
+    def push(self, stream: VocoderStream, frames: torch.Tensor | np.ndarray, last: bool = False) -> None:
         """New frames int32 [n, N+1] of the stream, in order. `last`: the final one is the text
-        batch's last frame, which the reference never decodes: it is dropped."""
+        batch's last frame, which the reference never decodes: it is dropped. The frames are
+        copied once, into numpy (no torch op per frame on the engine thread)."""
+        if isinstance(frames, torch.Tensor):
+            frames = frames.numpy()
+        released = np.array(frames[:-1] if last else frames, dtype=np.int32)
         with self._wake:
-            stream.pending.extend(frame.clone() for frame in (frames[:-1] if last else frames))
+            stream.pending.extend(released)
             self._notify_locked()
 
     def end(self, stream: VocoderStream, done: DoneCallback, drop: bool = False) -> None:
@@ -317,15 +321,15 @@ class Vocoder:
             for stream, _ in with_frames:
                 if stream.codec_stream is None:
                     stream.codec_stream = self.pool.open()
-            stacked = [torch.stack(frames) for _, frames in with_frames]
-            codes = [f[:, 1:].t() for f in stacked]  # on the host: the pool sends them in one copy
+            stacked = [np.stack(frames) for _, frames in with_frames]
+            codes = [torch.from_numpy(f[:, 1:].T) for f in stacked]  # on the host: sent in one copy
             audio = self.pool.step([s.codec_stream for s, _ in with_frames], codes)
             # One read-back for the whole call (on CUDA one copy and one sync, not one per stream).
             host = read_back(torch.cat([samples.float() for samples in audio]))
             pieces = np.split(host, np.cumsum([samples.shape[0] for samples in audio])[:-1])
             for (stream, _), samples, frames in zip(with_frames, pieces, stacked, strict=True):
                 stream.chunks += 1
-                stream.on_audio(samples, frames.numpy())
+                stream.on_audio(samples, frames)
         for stream, _, done in work:
             if done is not None:
                 if stream.codec_stream is not None:

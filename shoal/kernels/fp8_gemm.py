@@ -22,7 +22,10 @@ With `unreduced=True` the programs only write their partials and the caller gets
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +71,10 @@ class GemmConfig:
     # descriptors: bulk async tile copies, out-of-range rows and columns zero-filled) instead of
     # per-thread pointer loads. W8A8 only; needs K % 16 == 0 (16-byte aligned rows).
     tma: bool = False
+    # Split-K partials stored as bf16 (each rounded once, summed in fp32 in split order) instead
+    # of fp32: half the partial bytes written and read back (10.3 MB per layer at M = 64 with
+    # today's tables). The output's bits change, so only with the correctness gate's consent.
+    bf16_partials: bool = False
 
 
 # Measured winners per (N, K, M bucket), filled from `shoal bench gemm --sweep` on the H200, for
@@ -167,11 +174,29 @@ def pick_config(
     n: int, k: int, m: int, device: torch.device | None = None, fp8_activations: bool = False
 ) -> GemmConfig:
     table = TUNED_CONFIGS_FP8 if fp8_activations else TUNED_CONFIGS
-    tuned = table.get((n, k, m_bucket(m)))
-    if tuned is not None:
-        return tuned
-    sms = _multiprocessors(device) if device is not None else H200_SMS
-    return default_config(n, k, m, sms)
+    config = table.get((n, k, m_bucket(m)))
+    if config is None:
+        sms = _multiprocessors(device) if device is not None else H200_SMS
+        config = default_config(n, k, m, sms)
+    if _BF16_PARTIALS_EVERYWHERE[0] and config.split_k > 1:
+        config = dataclasses.replace(config, bf16_partials=True)
+    return config
+
+
+_BF16_PARTIALS_EVERYWHERE = [False]
+
+
+@contextlib.contextmanager
+def bf16_partials_everywhere() -> Iterator[None]:
+    """Every split-K config `pick_config` hands out stores bf16 partials meanwhile: how
+    `shoal gate correctness --bf16-partials` judges `GemmConfig.bf16_partials` before a tuned
+    table adopts it."""
+    before = _BF16_PARTIALS_EVERYWHERE[0]
+    _BF16_PARTIALS_EVERYWHERE[0] = True
+    try:
+        yield
+    finally:
+        _BF16_PARTIALS_EVERYWHERE[0] = before
 
 
 class SplitKWorkspace:
@@ -184,11 +209,17 @@ class SplitKWorkspace:
 
     @staticmethod
     def required(m: int, n: int, config: GemmConfig) -> tuple[int, int]:
-        """(partial elements, counters) a launch with this config needs."""
+        """(fp32 partial elements, counters) a launch with this config needs (bf16 partials
+        take half the fp32 elements)."""
         if config.split_k == 1:
             return 0, 0
         tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-        return config.split_k * m * n, tiles
+        partials = config.split_k * m * n
+        return (partials + 1) // 2 if config.bf16_partials else partials, tiles
+
+    def partials_for(self, config: GemmConfig) -> torch.Tensor:
+        """The flat partial buffer in the config's partial dtype (one memory, two views)."""
+        return self.partials.view(torch.bfloat16) if config.bf16_partials else self.partials
 
     def check(self, m: int, n: int, config: GemmConfig) -> None:
         partials, tiles = self.required(m, n, config)
@@ -201,8 +232,9 @@ class SplitKWorkspace:
 
 @dataclass(frozen=True)
 class SplitKPartials:
-    """A split-K GEMM's output left unreduced (`unreduced=True`): the fp32 partials [splits, M, N]
-    in the split-K workspace. The GEMM's result is their sum in split order, rounded to bf16,
+    """A split-K GEMM's output left unreduced (`unreduced=True`): the partials [splits, M, N]
+    (fp32, or bf16 with `GemmConfig.bf16_partials`) in the split-K workspace. The GEMM's result is
+    their sum in fp32 in split order, rounded to bf16,
     exactly what the reducing epilogue would store; a consumer kernel that sums them while loading
     its input (`kernels/norm_rope.rms_norm`) saves the GEMM its arrival atomic, fence and
     last-program reduction (1.4-1.5 µs of a 6-11 µs GEMM at M = 1, 2.5-4.3 µs at M = 64 on the
@@ -213,8 +245,10 @@ class SplitKPartials:
 
     def __post_init__(self) -> None:
         parts = self.parts
-        if parts.dtype != torch.float32 or parts.dim() != 3 or parts.stride(2) != 1:
-            raise ValueError("split-K partials must be float32 [splits, M, N] with contiguous rows")
+        if parts.dtype not in (torch.float32, torch.bfloat16) or parts.dim() != 3 or parts.stride(2) != 1:
+            raise ValueError(
+                "split-K partials must be float32 or bfloat16 [splits, M, N] with contiguous rows"
+            )
 
     @property
     def shape(self) -> torch.Size:
@@ -222,9 +256,9 @@ class SplitKPartials:
 
     def reduce(self) -> torch.Tensor:
         """The bf16 result, summed in the kernel's order (tests, and consumers without the fusion)."""
-        total = torch.zeros_like(self.parts[0])
+        total = torch.zeros_like(self.parts[0], dtype=torch.float32)
         for part in self.parts:
-            total += part
+            total += part.float()
         return total.to(torch.bfloat16)
 
 
@@ -286,6 +320,7 @@ def _fp8_gemm_kernel(
     BLOCK_K_: tl.constexpr,
     SPLIT_K: tl.constexpr,
     LEAVE_PARTIALS: tl.constexpr,
+    BF16_PARTIALS: tl.constexpr,
     STEPS_PER_SPLIT: tl.constexpr,
     STEPS_P2: tl.constexpr,
     PRELOAD_A_SCALES: tl.constexpr,
@@ -383,7 +418,11 @@ def _fp8_gemm_kernel(
     else:
         tile_offsets = offs_m[:, None] * N + offs_n[None, :]  # int32: split_k * M * N < 2**31
         split_stride = M * N
-        tl.store(partial_ptr + pid_k * split_stride + tile_offsets, acc, mask=out_mask)
+        if BF16_PARTIALS:
+            partial = round_to_bf16(acc)
+        else:
+            partial = acc
+        tl.store(partial_ptr + pid_k * split_stride + tile_offsets, partial, mask=out_mask)
         if not LEAVE_PARTIALS:  # else the consumer sums them (`SplitKPartials`)
             tl.debug_barrier()  # every thread's partial is written before the release below
             tile = pid_m * tl.num_programs(1) + pid_n
@@ -396,7 +435,7 @@ def _fp8_gemm_kernel(
                         mask=out_mask,
                         other=0.0,
                         cache_modifier=".cg",
-                    )
+                    ).to(tl.float32)
                 tl.store(out_ptrs, round_to_bf16(total), mask=out_mask)
                 tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -475,7 +514,7 @@ def _launch(
         w_desc,
         w_scale,
         out,
-        workspace.partials,
+        workspace.partials_for(config),
         workspace.counters,
         m,
         n,
@@ -495,6 +534,7 @@ def _launch(
         BLOCK_K_=BLOCK_K,
         SPLIT_K=config.split_k,
         LEAVE_PARTIALS=leave_partials,
+        BF16_PARTIALS=config.bf16_partials and config.split_k > 1,
         STEPS_PER_SPLIT=steps,
         STEPS_P2=steps_p2,
         PRELOAD_A_SCALES=config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT,
@@ -508,7 +548,8 @@ def _launch(
         **launch,
     )
     if leave_partials:
-        return SplitKPartials(workspace.partials[: config.split_k * m * n].view(config.split_k, m, n))
+        parts = workspace.partials_for(config)[: config.split_k * m * n]
+        return SplitKPartials(parts.view(config.split_k, m, n))
     return out
 
 
