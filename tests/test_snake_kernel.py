@@ -77,3 +77,57 @@ def test_snake_kernel_time_major_with_bias_and_strided_inputs(need_sum):
         assert total is x
     _, bias_only = snake_triton(x, alpha, None, bias, channels_last=True)
     torch.testing.assert_close(bias_only, snake_reference(x, alpha, None, bias, channels_last=True)[1])
+
+
+@pytest.mark.parametrize("need_sum", [False, True])
+def test_snake_kernel_writes_into_a_view_after_carried_context(need_sum):
+    """`out`: the activation lands in rows [context:] of a [B, context + T, C] buffer (what a causal
+    conv reads), the carried rows before it untouched, the sum still contiguous."""
+    gen = torch.Generator().manual_seed(3)
+    channels, context, steps = 24, 6, 40
+    x = torch.randn(2, steps, channels, generator=gen).to(DEVICE)
+    residual = torch.randn(2, steps, channels, generator=gen).to(DEVICE)
+    alpha = (0.3 + torch.rand(1, channels, 1, generator=gen)).to(DEVICE)
+    joined = torch.full((2, context + steps, channels), 7.0, device=DEVICE)
+    total, out = snake_triton(
+        x, alpha, residual, channels_last=True, need_sum=need_sum, out=joined[:, context:]
+    )
+    ref_total, ref_out = snake_reference(x, alpha, residual, channels_last=True)
+    assert out.data_ptr() == joined[:, context:].data_ptr()
+    assert (joined[:, :context] == 7.0).all()
+    torch.testing.assert_close(joined[:, context:], ref_out, atol=2e-6, rtol=1e-6)
+    if need_sum:
+        assert total.is_contiguous()
+        torch.testing.assert_close(total, ref_total, atol=0, rtol=0)
+    channels_first = torch.empty(2, channels, steps, device=DEVICE).transpose(1, 2)  # right shape, strided
+    with pytest.raises(ValueError, match="unit last stride"):
+        snake_triton(x, alpha, channels_last=True, out=channels_first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_time_major_path_equals_the_tiled_path(dtype):
+    """Time-major inputs whose rows are contiguous take the flat kernel (no padded channel lanes);
+    the same values through strided views take the tiled kernel: the same bits."""
+    from shoal.kernels import snake as snake_module
+
+    gen = torch.Generator().manual_seed(4)
+    batch, steps, channels = 3, 45, 96  # 4,320 elements per row: a partial last block
+    x = (2 * torch.randn(batch, steps, channels, generator=gen)).to(DEVICE, dtype)
+    residual = torch.randn(batch, steps, channels, generator=gen).to(DEVICE, dtype)
+    alpha = (0.3 + torch.rand(1, channels, 1, generator=gen)).to(DEVICE)
+    bias = torch.randn(channels, generator=gen).to(DEVICE)
+    assert all(snake_module._rows_contiguous(t, channels) for t in (x, residual))
+    flat_total, flat_out = snake_triton(x, alpha, residual, bias, channels_last=True)
+
+    def strided(t):  # the same values, channel stride 2: not flat
+        wide = torch.zeros(batch, steps, 2 * channels, dtype=dtype, device=DEVICE)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    assert not snake_module._rows_contiguous(strided(x), channels)
+    tiled_total, tiled_out = snake_triton(strided(x), alpha, strided(residual), bias, channels_last=True)
+    assert torch.equal(flat_total, tiled_total) and torch.equal(flat_out, tiled_out)
+    ref_total, ref_out = snake_reference(x.float(), alpha, residual.float(), bias, channels_last=True)
+    torch.testing.assert_close(
+        flat_out.float(), ref_out, atol=2e-6, rtol=1e-6 if dtype == torch.float32 else 8e-3
+    )

@@ -143,7 +143,7 @@ class VocoderStream:
         self.codec_stream = None
 
 
-Work = list[tuple[VocoderStream, list[torch.Tensor], DoneCallback | None]]
+Work = list[tuple[VocoderStream, list[np.ndarray], DoneCallback | None]]
 
 
 class Vocoder:

@@ -8,7 +8,10 @@ computed in fp32, reading x and residual once and writing s (only when asked) an
 
 Layouts: channels first `[B, C, T]` (the full decode) or time-major `[B, T, C]`
 (`channels_last=True`, the streaming decode, whose convolutions run channels-last). Inputs may
-be any strided view (e.g. a time slice of a transposed conv's output); outputs are contiguous.
+be any strided view (e.g. a time slice of a transposed conv's output); the sum is contiguous,
+and the activation too unless `out` gives it a place: a view with unit last stride, e.g. the
+rows after a causal conv's carried context in the buffer the conv reads (`StepContext`), which
+saves the streaming decode a concatenation per conv.
 
 On the CPU (and as the test oracle) the torch form below is used; it is the reference
 arithmetic exactly: `x + (alpha + 1e-9).reciprocal() * sin(alpha * x).pow(2)`.
@@ -49,13 +52,17 @@ def _use_triton(x: Tensor) -> bool:
 
 def snake(
     x: Tensor, alpha: Tensor, residual: Tensor | None = None, bias: Tensor | None = None,
-    channels_last: bool = False, need_sum: bool = True,
+    channels_last: bool = False, need_sum: bool = True, out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Fused on CUDA, the torch reference elsewhere. Returns (sum, activation); with
-    `need_sum=False` the fused path skips writing the sum and returns x in its place."""
+    `need_sum=False` the fused path skips writing the sum and returns x in its place. With `out`
+    the activation is written there (and `out` returned)."""
     if x.is_cuda and _use_triton(x) and x.dim() == 3:
-        return snake_triton(x, alpha, residual, bias, channels_last, need_sum)
-    return snake_reference(x, alpha, residual, bias, channels_last)
+        return snake_triton(x, alpha, residual, bias, channels_last, need_sum, out)
+    total, activation = snake_reference(x, alpha, residual, bias, channels_last)
+    if out is None:
+        return total, activation
+    return total, out.copy_(activation)
 
 
 if triton is not None:
@@ -63,7 +70,7 @@ if triton is not None:
     def _snake_kernel(
         x_ptr, res_ptr, alpha_ptr, bias_ptr, sum_ptr, out_ptr,
         rows, inner, cols,
-        xs0, xs1, xs2, rs0, rs1, rs2,
+        xs0, xs1, xs2, rs0, rs1, rs2, os0, os1,
         CHANNELS_LAST: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         WRITE_SUM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     ):  # fmt: skip
@@ -88,12 +95,37 @@ if triton is not None:
                 s += tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
             else:
                 s += tl.load(bias_ptr + r % inner, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        out_off = r.to(tl.int64)[:, None] * cols + c64[None, :]
-        if WRITE_SUM:
-            tl.store(sum_ptr + out_off, s.to(sum_ptr.dtype.element_ty), mask=mask)
+        if WRITE_SUM:  # contiguous
+            sum_off = r.to(tl.int64)[:, None] * cols + c64[None, :]
+            tl.store(sum_ptr + sum_off, s.to(sum_ptr.dtype.element_ty), mask=mask)
         sine = tl.sin(alpha * s)
         y = s + sine * sine / (alpha + 1e-9)
+        out_off = (i0 * os0 + i1 * os1)[:, None] + c64[None, :]
         tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    def _snake_flat_kernel(
+        x_ptr, res_ptr, alpha_ptr, bias_ptr, sum_ptr, out_ptr,
+        per_batch, channels, xs0, rs0, os0,
+        HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Time-major tensors whose [T, C] block per batch row is contiguous, as flat runs of
+        # `per_batch` elements: no lanes padded up to a power-of-two channel count (C = 96
+        # wastes a quarter of a 128-wide tile), whole 16-byte vectors. Same arithmetic, same bits.
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < per_batch
+        channel = offs % channels
+        alpha = tl.load(alpha_ptr + channel, mask=mask, other=1.0).to(tl.float32)
+        s = tl.load(x_ptr + b * xs0 + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(res_ptr + b * rs0 + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+        if WRITE_SUM:  # contiguous
+            tl.store(sum_ptr + b * per_batch + offs, s.to(sum_ptr.dtype.element_ty), mask=mask)
+        sine = tl.sin(alpha * s)
+        y = s + sine * sine / (alpha + 1e-9)
+        tl.store(out_ptr + b * os0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -102,18 +134,45 @@ def _jitted_kernel():
     return triton.jit(_snake_kernel)
 
 
+@functools.cache
+def _jitted_flat_kernel():
+    return triton.jit(_snake_flat_kernel)
+
+
+FLAT_BLOCK = 2048  # elements per program of the flat kernel
+
+
+def _rows_contiguous(t: Tensor, cols: int) -> bool:
+    """Whether each batch row of [B, T, C] is one contiguous run of T * C elements."""
+    return t.stride(2) == 1 and (t.stride(1) == cols or t.shape[1] == 1)
+
+
 def snake_triton(
     x: Tensor, alpha: Tensor, residual: Tensor | None = None, bias: Tensor | None = None,
-    channels_last: bool = False, need_sum: bool = True,
+    channels_last: bool = False, need_sum: bool = True, out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The Triton path for x [B, C, T] (or [B, T, C] with channels_last), any strides."""
+    """The Triton path for x [B, C, T] (or [B, T, C] with channels_last), any strides; `out`,
+    if given, any view of that shape with unit last stride."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     batch, inner, cols = x.shape
-    out = torch.empty((batch, inner, cols), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((batch, inner, cols), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (batch, inner, cols) or (out.numel() and out.stride(2) != 1):
+        raise ValueError(f"out must be a [{batch}, {inner}, {cols}] view with unit last stride")
     write_sum = need_sum and (residual is not None or bias is not None)
-    total = torch.empty_like(out) if write_sum else x
+    total = torch.empty((batch, inner, cols), dtype=x.dtype, device=x.device) if write_sum else x
     if out.numel() == 0:
+        return total, out
+    res = residual if residual is not None else x
+    if channels_last and all(_rows_contiguous(t, cols) for t in (x, res, out)):
+        per_batch = inner * cols
+        _jitted_flat_kernel()[(batch, triton.cdiv(per_batch, FLAT_BLOCK))](
+            x, res, alpha.reshape(-1), bias if bias is not None else alpha, total, out,
+            per_batch, cols, x.stride(0), res.stride(0), out.stride(0),
+            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, WRITE_SUM=write_sum,
+            BLOCK=FLAT_BLOCK,
+        )  # fmt: skip
         return total, out
     if channels_last:  # cols = channels (96 .. 1536): a few hundred time steps per program
         block_cols = min(triton.next_power_of_2(cols), 256)
@@ -122,11 +181,10 @@ def snake_triton(
         block_cols = min(triton.next_power_of_2(cols), 1024)
         block_rows = max(1, 2048 // block_cols)
     rows = batch * inner
-    res = residual if residual is not None else x
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
     _jitted_kernel()[grid](
         x, res, alpha.reshape(-1), bias if bias is not None else alpha, total, out,
-        rows, inner, cols, *x.stride(), *res.stride(),
+        rows, inner, cols, *x.stride(), *res.stride(), out.stride(0), out.stride(1),
         CHANNELS_LAST=channels_last, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         WRITE_SUM=write_sum, ROWS=block_rows, COLS=block_cols,
     )  # fmt: skip

@@ -107,6 +107,20 @@ class StepContext:
         self.new_states[key] = take_window(joined, valid, carried.shape[dim], dim)
         return joined
 
+    def joined(self, key: str, new: int) -> Tensor:
+        """A time-major buffer [B, context + new, C]: the carried rows, then `new` rows for the
+        caller to write (what `extend` would return, without copying the new rows into it);
+        `keep` saves the state once they are written."""
+        carried = self.states[key]
+        batch, context, channels = carried.shape
+        buffer = carried.new_empty(batch, context + new, channels)
+        buffer[:, :context] = carried
+        return buffer
+
+    def keep(self, key: str, joined: Tensor, valid: Tensor) -> None:
+        """Save the new carried rows of a filled `joined` buffer (time-major)."""
+        self.new_states[key] = take_window(joined, valid, self.states[key].shape[1], 1)
+
 
 def take_window(x: Tensor, start: Tensor, length: int, dim: int = -1) -> Tensor:
     """x[b, ..., start[b] : start[b] + length, ...] along `dim`, per row, without host sync."""
@@ -135,9 +149,28 @@ class Snake1d(nn.Module):
         """Returns (x + residual, snake(x + residual)); the sum is the next skip connection."""
         return snake(x, self.alpha, residual)
 
-    def step(self, x: Tensor, pending: Pending = NO_PENDING, need_sum: bool = True) -> tuple[Tensor, Tensor]:
-        """Time-major x [B, T, C]: (s, snake(s)) with s = x + pending tensor + pending bias."""
-        return snake(x, self.alpha, pending[0], pending[1], channels_last=True, need_sum=need_sum)
+    def step(
+        self, x: Tensor, pending: Pending = NO_PENDING, need_sum: bool = True, out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Time-major x [B, T, C]: (s, snake(s)) with s = x + pending tensor + pending bias;
+        the activation written into `out` if given."""
+        return snake(x, self.alpha, pending[0], pending[1], channels_last=True, need_sum=need_sum, out=out)
+
+
+def snake_then_conv(
+    snake_module: Snake1d, conv, x: Tensor, pending: Pending, ctx: StepContext, key: str, valid: Tensor,
+    bias: bool = True, need_sum: bool = True,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(s, conv(snake(s))) in the streaming step, s = x + pending. A conv with carried context
+    reads [carried | snake(s)]: the Snake writes its output straight after the carried rows
+    (`StepContext.joined`) instead of `extend` concatenating them, which saves a read and a write
+    of the activation per conv (the decoder's widest tensors)."""
+    if not conv.context:
+        total, h = snake_module.step(x, pending, need_sum=need_sum)
+        return total, conv.step(h, ctx, key, valid, bias=bias)
+    joined = ctx.joined(key, x.shape[1])
+    total, _ = snake_module.step(x, pending, need_sum=need_sum, out=joined[:, conv.context :])
+    return total, conv.step(joined, ctx, key, valid, bias=bias, joined=True)
 
 
 def channels_last_2d(x: Tensor) -> Tensor:
@@ -166,11 +199,17 @@ class CausalConv1d(nn.Module):
         extra = (frames - 1) * self.stride + self.receptive - self.context - length
         return self.conv(F.pad(x, (self.context, extra)))
 
-    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor, bias: bool = True) -> Tensor:
-        """Time-major x [B, T, C] -> [B, T, C_out]; without `bias` the caller adds conv.bias."""
+    def step(
+        self, x: Tensor, ctx: StepContext, key: str, valid: Tensor, bias: bool = True, joined: bool = False
+    ) -> Tensor:
+        """Time-major x [B, T, C] -> [B, T, C_out]; without `bias` the caller adds conv.bias.
+        `joined`: x already starts with the carried context (`StepContext.joined`)."""
         assert self.stride == 1, "streaming is only defined for the stride-1 decode-path convs"
         if self.context > 0:
-            x = ctx.extend(key, x, valid, dim=1)
+            if joined:
+                ctx.keep(key, x, valid)
+            else:
+                x = ctx.extend(key, x, valid, dim=1)
         conv = self.conv
         if conv.groups > 1:  # depthwise (ConvNeXt): see `_depthwise`
             return self._depthwise(x, bias)
@@ -208,11 +247,17 @@ class CausalConvTranspose1d(nn.Module):
         y = self.conv(x)
         return y[..., : y.shape[-1] - self.trim]
 
-    def step(self, x: Tensor, ctx: StepContext, key: str, valid: Tensor, bias: bool = True) -> Tensor:
-        """Time-major x [B, t, C] -> [B, t * stride, C_out] (a view into the conv's output)."""
-        new = x.shape[1]
+    def step(
+        self, x: Tensor, ctx: StepContext, key: str, valid: Tensor, bias: bool = True, joined: bool = False
+    ) -> Tensor:
+        """Time-major x [B, t, C] -> [B, t * stride, C_out] (a view into the conv's output).
+        `joined`: x already starts with the carried context (`StepContext.joined`)."""
+        new = x.shape[1] - (self.context if joined else 0)
         if self.context > 0:
-            x = ctx.extend(key, x, valid, dim=1)
+            if joined:
+                ctx.keep(key, x, valid)
+            else:
+                x = ctx.extend(key, x, valid, dim=1)
         conv = self.conv
         y = F.conv_transpose2d(
             channels_last_2d(x), conv.weight.unsqueeze(2), conv.bias if bias else None, (1, *conv.stride)
@@ -243,9 +288,8 @@ class ResidualUnit(nn.Module):
         self, x: Tensor, pending: Pending, ctx: StepContext, key: str, valid: Tensor
     ) -> tuple[Tensor, Pending]:
         """Time-major; (x, pending) stand for x + pending, as in `forward`. Biases are fused."""
-        x, h = self.block[0].step(x, pending)
         conv, pointwise = self.block[1], self.block[3]
-        h = conv.step(h, ctx, f"{key}.block.1", valid, bias=False)
+        x, h = snake_then_conv(self.block[0], conv, x, pending, ctx, f"{key}.block.1", valid, bias=False)
         h = self.block[2].step(h, (None, conv.conv.bias), need_sum=False)[1]
         return x, (pointwise.step(h, ctx, f"{key}.block.3", valid, bias=False), pointwise.conv.bias)
 

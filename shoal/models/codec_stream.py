@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, StepContext
+from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, StepContext, snake_then_conv
 
 if TYPE_CHECKING:
     from shoal.models.codec import Codec
@@ -57,14 +57,16 @@ def decode_step(
     x = layers[0].step(x, ctx, "decoder.model.0", valid, bias=False)
     for j in range(1, len(layers) - 3):
         block, key = layers[j].block, f"decoder.model.{j}.block"
-        h = block[0].step(x, pending, need_sum=False)[1]
-        x = block[1].step(h, ctx, f"{key}.1", valid, bias=False)
+        x = snake_then_conv(
+            block[0], block[1], x, pending, ctx, f"{key}.1", valid, bias=False, need_sum=False
+        )[1]
         valid, pending = valid * block[1].stride, (None, block[1].conv.bias)
         for u in range(2, len(block)):
             x, pending = block[u].step(x, pending, ctx, f"{key}.{u}", valid)
     last = len(layers) - 2
-    h = layers[last - 1].step(x, pending, need_sum=False)[1]
-    audio = layers[last].step(h, ctx, f"decoder.model.{last}", valid)
+    audio = snake_then_conv(
+        layers[last - 1], layers[last], x, pending, ctx, f"decoder.model.{last}", valid, need_sum=False
+    )[1]
     return torch.tanh(audio.squeeze(-1)), ctx.new_states
 
 
