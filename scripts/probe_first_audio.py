@@ -14,6 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
+from shoal.bench.probes import record_codec_calls
 from shoal.config import EngineConfig
 from shoal.engine.api import SynthesisRequest
 from shoal.engine.load import load_engine
@@ -24,7 +25,6 @@ TEXT = "Shoal streams speech while it is generated, one frame at a time."
 def instrument(engine) -> tuple[dict, list]:
     """Record each delivered frame's time per request id and each codec call's start and end."""
     frames: dict[str, list[float]] = {}
-    calls: list[tuple[float, float, int]] = []
     core = engine.core
     deliver = core._deliver
 
@@ -33,16 +33,7 @@ def instrument(engine) -> tuple[dict, list]:
         return deliver(request, frame)
 
     core._deliver = timed_deliver
-    vocoder = engine.vocoder
-    decode = vocoder.decode
-
-    def timed_decode(work):
-        start = time.perf_counter()
-        decode(work)
-        calls.append((start, time.perf_counter(), len(work)))
-
-    vocoder.decode = timed_decode
-    return frames, calls
+    return frames, record_codec_calls(engine.vocoder)
 
 
 async def one(engine, frames: dict, calls: list, index: int) -> dict:

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from shoal.bench.probes import record_codec_calls
 from shoal.config import EngineConfig
 from shoal.engine.api import SynthesisRequest
 from shoal.engine.load import load_engine
@@ -50,7 +51,6 @@ def instrument(engine) -> tuple[list, list, list]:
     """Each delivered frame's time, each codec call's (start, end, streams), and the seconds
     the engine thread spends in its decode uploads (one running total)."""
     frames: list[float] = []
-    calls: list[tuple[float, float, int]] = []
     uploading = [0.0]
     core = engine.core
     host = core.runner.host
@@ -69,16 +69,7 @@ def instrument(engine) -> tuple[list, list, list]:
         return deliver(request, frame)
 
     core._deliver = timed_deliver
-    vocoder = engine.vocoder
-    decode = vocoder.decode
-
-    def timed_decode(work):
-        start = time.perf_counter()
-        decode(work)
-        calls.append((start, time.perf_counter(), len(work)))
-
-    vocoder.decode = timed_decode
-    return frames, calls, uploading
+    return frames, record_codec_calls(engine.vocoder), uploading
 
 
 async def client(

@@ -231,6 +231,19 @@ def test_chunk_policy_feeds_captured_chunks():
     }
 
 
+def record_codec_chunks(vocoder: Vocoder) -> list[list[int]]:
+    """The frames of each stream in each codec call the vocoder makes from now on."""
+    calls: list[list[int]] = []
+    step = vocoder.pool.step
+
+    def recording_step(streams, codes):
+        calls.append([c.shape[-1] for c in codes])
+        return step(streams, codes)
+
+    vocoder.pool.step = recording_step
+    return calls
+
+
 def test_chunk_policy_grows_chunks_up_to_the_largest():
     grow = ChunkPolicy(8, 4, max_chunk_frames=32)
     assert [grow.chunk_size(k) for k in range(6)] == [4, 8, 16, 32, 32, 32]
@@ -258,14 +271,7 @@ def test_vocoder_growing_chunks_equal_full_decode(model, codec):
     assert LocalEngine(model, config, codec=codec).vocoder.policy.largest_chunk == 32  # the config's
     vocoder = Vocoder(codec, 2, chunk_frames=4, first_chunk_frames=2, max_batch=2, max_chunk_frames=16)
     vocoder.policy = dataclasses.replace(vocoder.policy, graph_chunks=(2, 4, 8, 16))  # as captured on CUDA
-    calls: list[list[int]] = []
-    step = vocoder.pool.step
-
-    def recording_step(streams, codes):
-        calls.append([c.shape[-1] for c in codes])
-        return step(streams, codes)
-
-    vocoder.pool.step = recording_step
+    calls = record_codec_chunks(vocoder)
     sent = torch.randint(0, 32, (41, 5), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
     audio: list[np.ndarray] = []
     stream = vocoder.open(lambda samples, _: audio.append(samples))
@@ -285,14 +291,7 @@ def test_vocoder_decodes_due_chunks_and_equals_full_decode(codec):
     vocoder = Vocoder(codec, 4, chunk_frames=8, first_chunk_frames=4, max_batch=2)
     assert not vocoder.capture_graphs() and not vocoder.policy.graph_chunks  # CPU: nothing changes
     vocoder.policy = ChunkPolicy(8, 4, (4, 8), max_batch=2)  # as after a capture on CUDA
-    calls: list[list[int]] = []
-    step = vocoder.pool.step
-
-    def recording_step(streams, codes):
-        calls.append([c.shape[-1] for c in codes])
-        return step(streams, codes)
-
-    vocoder.pool.step = recording_step
+    calls = record_codec_chunks(vocoder)
     g = torch.Generator().manual_seed(5)
     frames = {
         k: torch.randint(0, 32, (n, 5), generator=g, dtype=torch.int32)
