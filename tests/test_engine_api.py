@@ -287,6 +287,43 @@ def test_vocoder_growing_chunks_equal_full_decode(model, codec):
     np.testing.assert_allclose(np.concatenate(audio), expected.numpy(), atol=1e-4)
 
 
+def test_first_chunks_get_their_own_call_beside_long_chunks(codec):
+    policy = ChunkPolicy(8, 4, max_chunk_frames=32)
+    assert policy.first_chunks_apart([(4, 0), (32, 3)]) and policy.first_chunks_apart([(4, 0), (16, 2)])
+    assert not policy.first_chunks_apart([(4, 0), (8, 1)])  # the default sizes: one call
+    assert not policy.first_chunks_apart([(4, 0), (4, 0)]) and not policy.first_chunks_apart([(32, 3)])
+    vocoder = Vocoder(codec, 4, chunk_frames=4, first_chunk_frames=2, max_batch=4, max_chunk_frames=8)
+    vocoder.policy = dataclasses.replace(vocoder.policy, graph_chunks=(2, 4, 8))  # as captured on CUDA
+    calls = record_codec_chunks(vocoder)
+    gen = torch.Generator().manual_seed(13)
+    sent = {
+        k: torch.randint(0, 32, (n, 5), generator=gen, dtype=torch.int32)
+        for k, n in {"old": 15, "new": 3}.items()
+    }
+    audio = {k: [] for k in sent}
+    streams = {k: vocoder.open(lambda samples, _, k=k: audio[k].append(samples)) for k in sent}
+
+    def run() -> None:
+        while work := vocoder.collect():
+            for call in vocoder.calls(work):
+                vocoder.decode(call)
+
+    for piece in (slice(0, 2), slice(2, 6)):  # its chunks of 2, then 4
+        vocoder.push(streams["old"], sent["old"][piece])
+        run()
+    vocoder.push(streams["old"], sent["old"][6:14])  # 8 more: its third chunk (8) is due
+    vocoder.push(streams["new"], sent["new"], last=True)  # 2: a first chunk, beside an 8-frame one
+    run()
+    assert calls == [[2], [4], [2], [8]]  # the first chunk apart, and before the long one
+    vocoder.push(streams["old"], sent["old"][14:], last=True)  # its last frame: dropped
+    for key in sent:
+        vocoder.end(streams[key], lambda: None)
+    run()
+    for key, frames in sent.items():
+        expected = codec.decode(frames[:-1, 1:].t().long())[0, 0]
+        np.testing.assert_allclose(np.concatenate(audio[key]), expected.numpy(), atol=1e-4)
+
+
 def test_vocoder_decodes_due_chunks_and_equals_full_decode(codec):
     vocoder = Vocoder(codec, 4, chunk_frames=8, first_chunk_frames=4, max_batch=2)
     assert not vocoder.capture_graphs() and not vocoder.policy.graph_chunks  # CPU: nothing changes
