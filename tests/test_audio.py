@@ -263,3 +263,12 @@ def test_silent_upload_is_rejected() -> None:
         decode_audio(encode_audio(np.zeros(RATE, np.float32), "wav"))
     with pytest.raises(AudioDecodeError, match="silent"):
         decode_audio(encode_audio(np.full(RATE, 1e-4, np.float32), "wav"))
+
+
+def test_cheap_encoders_are_pcm_and_wav_at_the_input_rate_without_prosody():
+    """`AudioEncoder.cheap`: the server calls these in place instead of on a worker thread."""
+    assert create_encoder("wav").cheap and create_encoder("pcm").cheap
+    assert create_encoder("wav", streaming=False).cheap
+    assert not create_encoder("wav", sample_rate=16000).cheap  # resampling
+    assert not create_encoder("pcm", speed=1.2).cheap  # prosody
+    assert not create_encoder("mp3").cheap and not create_encoder("opus").cheap

@@ -36,7 +36,7 @@ from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import ApiError
 from shoal.server.schemas import JobCreateBody, JobEntity, JobItemEntity, JobPage
 from shoal.server.store import JOB_ACTIVE, JobItemRow, JobRow, Store, codes_from_bytes
-from shoal.server.tts import build_synthesis_request, make_encoder, parse_model
+from shoal.server.tts import build_synthesis_request, encode_chunk, make_encoder, parse_model
 
 if TYPE_CHECKING:
     from shoal.server.app import ServerSettings
@@ -182,7 +182,7 @@ class JobRunner:
         try:
             async for chunk in handle:
                 samples += len(chunk.samples)
-                parts.append(await anyio.to_thread.run_sync(encoder.write, chunk.samples))
+                parts.append(await encode_chunk(encoder, chunk.samples))
         finally:
             if handle.finish_reason is None:  # cancelled: abort the request, free its pages
                 with anyio.CancelScope(shield=True):

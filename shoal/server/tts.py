@@ -101,6 +101,14 @@ def make_encoder(body: TTSRequestBody, input_sample_rate: int, streaming: bool =
         raise ApiError(400, str(error)) from error
 
 
+async def encode_chunk(encoder: audio.AudioEncoder, samples) -> bytes:
+    """`encoder.write` in place when it is cheap (PCM and wav at the model's rate), else on a
+    worker thread (mp3, opus, resampling), so the event loop never waits for an encoder."""
+    if encoder.cheap:  # a hop to a worker thread would cost ten times the work
+        return encoder.write(samples)
+    return await anyio.to_thread.run_sync(encoder.write, samples)
+
+
 class EncodedAudio:
     """One engine request piped through a format encoder, as an async iterator of file bytes."""
 
@@ -116,7 +124,7 @@ class EncodedAudio:
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for chunk in self.handle:
             self.audio_seconds += len(chunk.samples) / chunk.sample_rate
-            data = await anyio.to_thread.run_sync(self.encoder.write, chunk.samples)
+            data = await encode_chunk(self.encoder, chunk.samples)
             if data:
                 yield data
         if self.handle.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
