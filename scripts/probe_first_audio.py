@@ -46,9 +46,11 @@ async def one(engine, frames: dict, calls: list, index: int) -> dict:
         if first_chunk is None:
             first_chunk = time.perf_counter()
     batch_frames = next(v for k, v in frames.items() if k.startswith(request_id))
-    first_call = calls[0]
+    # The previous request's last codec call may be noted after `calls.clear()` (its end reaches
+    # the caller before the recorder appends it): this request's calls start after its submit.
+    first_call = next(call for call in calls if call[0] >= submit)
     ms = lambda t: 1000 * (t - submit)  # noqa: E731
-    need = engine.vocoder.first_chunk_frames
+    need = min(engine.vocoder.first_chunk_frames, len(batch_frames))  # a short request's last
     return {
         "first frame": ms(batch_frames[0]),
         f"frame {need}": ms(batch_frames[need - 1]),
