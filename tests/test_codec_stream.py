@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,3 +177,21 @@ def test_vocoder_codec_calls_do_not_wait_for_the_default_stream(codec):
             assert still_busy, "the default stream's work ended before the codec call returned"
     assert seconds[True] < 0.2, seconds
     assert np.array_equal(outputs[False], outputs[True])
+
+
+@pytest.mark.gpu
+def test_host_read_back_reuses_its_pinned_buffer_and_returns_independent_arrays():
+    from shoal.engine.vocoder import HostReadBack
+
+    read_back = HostReadBack()
+    first_gpu = torch.arange(1000, dtype=torch.float32, device="cuda")
+    first = read_back(first_gpu)
+    staging = read_back._staging
+    assert staging.is_pinned() and staging.numel() == 1024
+    second = read_back(-torch.arange(700, dtype=torch.float32, device="cuda"))
+    assert read_back._staging is staging  # fits: reused
+    np.testing.assert_array_equal(first, np.arange(1000, dtype=np.float32))  # not overwritten
+    np.testing.assert_array_equal(second, -np.arange(700, dtype=np.float32))
+    assert not np.shares_memory(first, staging.numpy()) and first.flags.owndata
+    read_back(torch.zeros(3000, device="cuda"))
+    assert read_back._staging.numel() == 4096  # grown to the next power of two

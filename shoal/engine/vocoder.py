@@ -181,6 +181,7 @@ class Vocoder:
         on_gpu = codec.device.type == "cuda"
         # Negative: above the default priority (0) of the engine's stream (see the module docstring).
         self.cuda_stream = torch.cuda.Stream(codec.device, priority=-1) if on_gpu else None
+        self.read_back = HostReadBack()
 
     @property
     def sample_rate(self) -> int:
@@ -347,7 +348,7 @@ class Vocoder:
             codes = [torch.from_numpy(f[:, 1:].T) for f in stacked]  # on the host: sent in one copy
             audio = self.pool.step([s.codec_stream for s, _ in with_frames], codes)
             # One read-back for the whole call (on CUDA one copy and one sync, not one per stream).
-            host = read_back(torch.cat([samples.float() for samples in audio]))
+            host = self.read_back(torch.cat([samples.float() for samples in audio]))
             pieces = np.split(host, np.cumsum([samples.shape[0] for samples in audio])[:-1])
             for (stream, _), samples, frames in zip(with_frames, pieces, stacked, strict=True):
                 stream.chunks += 1
@@ -360,19 +361,32 @@ class Vocoder:
                 done()
 
 
-def read_back(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor on the host. From CUDA through pinned memory and an event on the current
-    stream: only this thread waits, for this stream's work alone. (A plain `.cpu()` copies into
-    pageable memory; measured under load in docs/performance.md run 48, the engine thread then
-    spent half its time blocked in its own non-blocking uploads.)"""
-    if tensor.device.type != "cuda":
-        return tensor.numpy()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    copied.synchronize()
-    return host.numpy()
+class HostReadBack:
+    """A codec call's audio to the host. From CUDA through one pinned staging buffer, reused by
+    every call (grown to the next power of two when a call needs more), and a CUDA event on the
+    current stream: only this thread waits, for this stream's work alone. (A plain `.cpu()`
+    copies into pageable memory; under load in docs/performance.md run 48 the engine thread then
+    spent half its time blocked in its own non-blocking uploads.) The result is copied out of the
+    staging buffer into memory numpy owns, so audio that clients hold on to never keeps
+    page-locked memory."""
+
+    def __init__(self) -> None:
+        self._staging: torch.Tensor | None = None
+
+    def __call__(self, tensor: torch.Tensor) -> np.ndarray:
+        if tensor.device.type != "cuda":
+            return tensor.numpy()
+        count = tensor.numel()
+        staging = self._staging
+        if staging is None or staging.dtype != tensor.dtype or staging.numel() < count:
+            size = 1 << max(0, count - 1).bit_length()
+            staging = self._staging = torch.empty(size, dtype=tensor.dtype, pin_memory=True)
+        view = staging[:count].view(tensor.shape)
+        view.copy_(tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        copied.synchronize()
+        return view.numpy().copy()
 
 
-__all__ = ["ChunkPolicy", "Vocoder", "VocoderStream", "graph_batch_sizes", "read_back"]
+__all__ = ["ChunkPolicy", "HostReadBack", "Vocoder", "VocoderStream", "graph_batch_sizes"]
