@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200: the GPU tests, then the benchmarks, each printing a short table.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|ab|engine|all]...
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|ab|gate|probe|engine|all]...
 # Logs go to $OUT (when set) so the device tool brings them back; TAG=x suffixes their names (A/B runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,5 +32,10 @@ want codec && step bench_codec 240 python3 -m shoal.cli bench codec ${CODEC_ARGS
 want profile && step bench_profile ${PROFILE_LIMIT:-300} python3 -m shoal.cli bench profile ${PROFILE_ARGS:-}
 # ab only with variants to compare: AB_ARGS="--batch 16 64 --variant attention@16:block_n=128"
 if want ab && [ -n "${AB_ARGS:-}" ]; then step bench_ab ${AB_LIMIT:-400} python3 -m shoal.cli bench ab $AB_ARGS; fi
+# gate: `shoal gate correctness` (GATE_ARGS, e.g. "--bf16-partials"); probe: the in-process load probe
+# on a random S2-Pro-size checkpoint it writes first (PROBE_ARGS, e.g. "--concurrency 8 64").
+want gate && step gate_correctness ${GATE_LIMIT:-300} python3 -m shoal.cli gate correctness ${GATE_ARGS:-}
+want probe && step probe_server_load ${PROBE_LIMIT:-400} python3 scripts/probe_server_load.py \
+  --checkpoint "${PROBE_CHECKPOINT:-/tmp/ckpt}" ${PROBE_ARGS:---weight-format fp8}
 want engine && step bench_engine ${ENGINE_LIMIT:-400} python3 -m shoal.cli bench engine ${ENGINE_ARGS:-}
 exit 0
