@@ -100,26 +100,24 @@ class StepContext:
         self.new_states: dict[str, Tensor] = {}
         self.positions = positions  # [B] absolute frame index of each row's first new frame
 
-    def extend(self, key: str, x: Tensor, valid: Tensor, dim: int = -1) -> Tensor:
-        """Prepend the carried last samples of this row's stream along `dim`; save the new ones."""
+    def extend(self, key: str, x: Tensor, valid: Tensor, dim: int = -1, joined: bool = False) -> Tensor:
+        """Prepend the carried last samples of this row's stream along `dim`; save the new ones.
+        `joined`: x already starts with them (a filled `StepContext.joined` buffer)."""
         carried = self.states[key]
-        joined = torch.cat([carried, x], dim=dim)
-        self.new_states[key] = take_window(joined, valid, carried.shape[dim], dim)
-        return joined
+        if not joined:
+            x = torch.cat([carried, x], dim=dim)
+        self.new_states[key] = take_window(x, valid, carried.shape[dim], dim)
+        return x
 
     def joined(self, key: str, new: int) -> Tensor:
         """A time-major buffer [B, context + new, C]: the carried rows, then `new` rows for the
         caller to write (what `extend` would return, without copying the new rows into it);
-        `keep` saves the state once they are written."""
+        `extend(..., dim=1, joined=True)` saves the state once they are written."""
         carried = self.states[key]
         batch, context, channels = carried.shape
         buffer = carried.new_empty(batch, context + new, channels)
         buffer[:, :context] = carried
         return buffer
-
-    def keep(self, key: str, joined: Tensor, valid: Tensor) -> None:
-        """Save the new carried rows of a filled `joined` buffer (time-major)."""
-        self.new_states[key] = take_window(joined, valid, self.states[key].shape[1], 1)
 
 
 def take_window(x: Tensor, start: Tensor, length: int, dim: int = -1) -> Tensor:
@@ -206,10 +204,7 @@ class CausalConv1d(nn.Module):
         `joined`: x already starts with the carried context (`StepContext.joined`)."""
         assert self.stride == 1, "streaming is only defined for the stride-1 decode-path convs"
         if self.context > 0:
-            if joined:
-                ctx.keep(key, x, valid)
-            else:
-                x = ctx.extend(key, x, valid, dim=1)
+            x = ctx.extend(key, x, valid, dim=1, joined=joined)
         conv = self.conv
         if conv.groups > 1:  # depthwise (ConvNeXt): see `_depthwise`
             return self._depthwise(x, bias)
@@ -254,10 +249,7 @@ class CausalConvTranspose1d(nn.Module):
         `joined`: x already starts with the carried context (`StepContext.joined`)."""
         new = x.shape[1] - (self.context if joined else 0)
         if self.context > 0:
-            if joined:
-                ctx.keep(key, x, valid)
-            else:
-                x = ctx.extend(key, x, valid, dim=1)
+            x = ctx.extend(key, x, valid, dim=1, joined=joined)
         conv = self.conv
         y = F.conv_transpose2d(
             channels_last_2d(x), conv.weight.unsqueeze(2), conv.bias if bias else None, (1, *conv.stride)
