@@ -194,6 +194,7 @@ class AudioEncoder:
     """Incremental encoder: mono float32 in [-1, 1] at `input_sample_rate` in, file bytes out."""
 
     format: str
+    plain_pcm = False  # the samples written as 16-bit PCM, no codec (`cheap`)
     sample_rate: int  # of the encoded output
     prosody: ProsodyTransform | None = None  # applied at the input rate, before resampling
 
@@ -211,7 +212,7 @@ class AudioEncoder:
         """Whether `write` costs so little that a caller on an event loop should call it in place:
         16-bit PCM (raw or wav) at the input rate, no prosody (8 µs for an 8-frame chunk, where
         a hop to a worker thread costs about 90 µs; an mp3 chunk takes about 4.5 ms)."""
-        return False
+        return self.plain_pcm and self.prosody is None and self._resampler.passthrough
 
     def write(self, samples: np.ndarray) -> bytes:
         """Encode more audio; returns whatever bytes are ready (possibly none)."""
@@ -236,10 +237,7 @@ class PcmEncoder(AudioEncoder):
     """Raw headerless s16le (the Fish `pcm` format)."""
 
     format = "pcm"
-
-    @property
-    def cheap(self) -> bool:
-        return self.prosody is None and self._resampler.passthrough
+    plain_pcm = True
 
     def _encode(self, samples: np.ndarray) -> bytes:
         return _pcm16(samples)
@@ -250,16 +248,13 @@ class WavEncoder(AudioEncoder):
     Not streaming: everything is held until `finish`, which returns one exactly sized file."""
 
     format = "wav"
+    plain_pcm = True
 
     def __init__(self, input_sample_rate: int, sample_rate: int, streaming: bool = True) -> None:
         super().__init__(input_sample_rate, sample_rate)
         self.streaming = streaming
         self._header_sent = False
         self._held: list[bytes] = []
-
-    @property
-    def cheap(self) -> bool:
-        return self.prosody is None and self._resampler.passthrough
 
     def _encode(self, samples: np.ndarray) -> bytes:
         data = _pcm16(samples)
