@@ -178,12 +178,12 @@ def pick_config(
     if config is None:
         sms = _multiprocessors(device) if device is not None else H200_SMS
         config = default_config(n, k, m, sms)
-    if _BF16_PARTIALS_EVERYWHERE[0] and config.split_k > 1:
+    if _bf16_partials_everywhere and config.split_k > 1:
         config = dataclasses.replace(config, bf16_partials=True)
     return config
 
 
-_BF16_PARTIALS_EVERYWHERE = [False]
+_bf16_partials_everywhere = False
 
 
 @contextlib.contextmanager
@@ -191,12 +191,12 @@ def bf16_partials_everywhere() -> Iterator[None]:
     """Every split-K config `pick_config` hands out stores bf16 partials meanwhile: how
     `shoal gate correctness --bf16-partials` judges `GemmConfig.bf16_partials` before a tuned
     table adopts it."""
-    before = _BF16_PARTIALS_EVERYWHERE[0]
-    _BF16_PARTIALS_EVERYWHERE[0] = True
+    global _bf16_partials_everywhere
+    before, _bf16_partials_everywhere = _bf16_partials_everywhere, True
     try:
         yield
     finally:
-        _BF16_PARTIALS_EVERYWHERE[0] = before
+        _bf16_partials_everywhere = before
 
 
 class SplitKWorkspace:
