@@ -21,9 +21,9 @@ attention computes no output row for them. Segments without a chunk have no quer
 keys. Every other op of the prefill is row-wise (embedding, norms, GEMMs, per-token activation
 quantization), so a padding row cannot reach a live row.
 
-With `segments` 1 (the default, `EngineConfig.prefill_graph_segments`) the metadata has exactly
-the shapes of one eager chunk's; more segments let a step that admits several prompts at once
-(a burst of arrivals) replay too, instead of launching its prefill eagerly (host-bound).
+With `segments` 1 the metadata has exactly the shapes of one eager chunk's; more segments
+(`EngineConfig.prefill_graph_segments`, 8 by default) let a step that admits several prompts at
+once (a burst of arrivals) replay too, instead of launching its prefill eagerly (host-bound).
 """
 
 from __future__ import annotations

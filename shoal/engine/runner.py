@@ -282,8 +282,8 @@ class ModelRunner:
 
     def uses_prefill_batch(self, chunks: list[tuple[Request, int]]) -> bool:
         """Whether these chunks take the static prefill (`PrefillBatch`, a graph replay on CUDA):
-        it exists (a kernel step), and they are at most its segment count of chunks (1 by
-        default: `EngineConfig.prefill_graph_segments`) that fit its largest bucket together."""
+        it exists (a kernel step), and they are at most its segment count of chunks
+        (`EngineConfig.prefill_graph_segments`) that fit its largest bucket together."""
         batch = self.prefill_batch
         return batch is not None and batch.takes([count for _, count in chunks])
 
