@@ -295,7 +295,8 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
     128-row scale block), split-K counts that put about 2 and 4 programs on every SM (one per SM
     leaves too few loads in flight; at least 2 K steps per split); A/B swapped or not; 4 or 6
     pipeline stages (8 warps instead of 6 stages for 64+ row M tiles). With `tma` (W8A8), each
-    also with TMA descriptor loads."""
+    also with TMA descriptor loads, and at M <= 16 stream-K launches of one and two programs per
+    SM (`kernels/fp8_gemm_stream_k.py`)."""
     from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
     k_blocks = -(-k // BLOCK_K)
@@ -313,6 +314,12 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
                             configs.append(
                                 GemmConfig(bm, bn, split, warps, stages, swap_ab=swap, tma=use_tma)
                             )
+    if tma and m <= 16:  # stream-K (pre-quantized activations only): one or two programs per SM
+        for programs in (sms, 2 * sms):
+            for bn in (64, 128):
+                for stages in (4, 6, 8):
+                    for use_tma in (False, True):
+                        configs.append(GemmConfig(16, bn, 1, 4, stages, tma=use_tma, stream_k=programs))
     return configs
 
 
