@@ -37,7 +37,13 @@ def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(
     "n,k,block_n,programs",
-    [(2560, 9728, 64, 132), (19456, 2560, 64, 132), (19456, 2560, 128, 264), (256, 640, 32, 6), (64, 128, 32, 9)],
+    [
+        (2560, 9728, 64, 132),
+        (19456, 2560, 64, 132),
+        (19456, 2560, 128, 264),
+        (256, 640, 32, 6),
+        (64, 128, 32, 9),
+    ],
 )
 def test_plan_deals_every_unit_to_one_program_and_counts_slots(n, k, block_n, programs) -> None:
     plan = StreamKPlan.make(n, k, block_n, 128, programs)
@@ -76,7 +82,9 @@ def test_stream_k_matches_split_k_and_reduces_its_own_partials(m, n, k, programs
 
     workspace.partials.fill_(float("nan"))
     untouched = torch.full_like(out, float("nan"))
-    partials = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=untouched, workspace=workspace, config=config, unreduced=True)
+    partials = gemm.fp8_gemm(
+        x_q, x_s, w_q, w_s, out=untouched, workspace=workspace, config=config, unreduced=True
+    )
     assert isinstance(partials, gemm.SplitKPartials) and partials.parts.shape == (plan.slots, m, n)
     assert torch.isnan(untouched.float()).all() and (workspace.counters == 0).all()
     assert torch.isfinite(partials.parts).all(), "a slot was left unwritten (the consumer sums them all)"
