@@ -412,6 +412,11 @@ def sweep(
                 default = next((t for t, c in timed if c is None), math.nan)
                 best_t, best_c = min((item for item in timed if item[1] is not None), key=lambda i: i[0])
                 row[mode] = {"best_us": best_t * 1e6, "config": repr(best_c), "default_us": default * 1e6}
+                streamed = [item for item in timed if item[1] is not None and item[1].stream_k]
+                if streamed:  # stream-K's best beside split-K's, to see how far apart they are
+                    sk_t, sk_c = min(streamed, key=lambda i: i[0])
+                    row[mode]["stream_k"] = {"us": sk_t * 1e6, "config": repr(sk_c)}
+                    print(f"      best stream-K {sk_t * 1e6:.1f} us: {sk_c!r}")
                 table = "TUNED_CONFIGS_FP8" if mode == "w8a8" else "TUNED_CONFIGS"
                 print(
                     f"    ({n}, {k}, {fp8_gemm.m_bucket(m)}): {best_c!r},  # {table} {name} "

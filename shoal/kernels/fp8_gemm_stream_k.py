@@ -34,8 +34,6 @@ import triton.language as tl
 from shoal.kernels.pdl import wait_for_inputs
 from shoal.kernels.quant import round_to_bf16
 
-# Activation scales of a program's whole run are preloaded up to BLOCK_M x units this big.
-MAX_PRELOADED_SCALES = 2048
 MAX_ROWS = 16  # one M tile of 16 rows (decode batches); larger M keeps split-K's 2-D tiling
 
 
@@ -92,7 +90,6 @@ def _fp8_gemm_stream_k_kernel(
     N_TILES: tl.constexpr,
     K_BLOCKS: tl.constexpr,
     UNITS_PER_PROGRAM: tl.constexpr,
-    UNITS_P2: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -108,23 +105,18 @@ def _fp8_gemm_stream_k_kernel(
     first = pid * UNITS_PER_PROGRAM
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    # Both scale sets of the whole run, loaded once (a scale load in the loop is not pipelined).
-    # Units past the end get scale 0: they add nothing and are never flushed.
-    steps = tl.arange(0, UNITS_P2)
-    run = first + steps
-    in_run = (steps < UNITS_PER_PROGRAM) & (run < total_units)
-    run_tiles = run // K_BLOCKS
-    run_kb = run % K_BLOCKS
-    w_scales = tl.load(
-        w_scale_ptr + ((run_tiles * BLOCK_N) // BLOCK_K_) * stride_wsn + run_kb * stride_wsk,
-        mask=in_run,
-        other=0.0,
-    )
     wait_for_inputs(USE_PDL)
-    a_scales = tl.load(
-        a_scale_ptr + offs_m[:, None] * stride_asm + run_kb[None, :] * stride_asg,
-        mask=m_mask[:, None] & in_run[None, :],
-        other=0.0,
+    # Each unit's two scales are loaded one unit ahead (loop-carried): the pipeliner prefetches
+    # only the loads that feed the MMA, and selecting from a preloaded vector of the whole run
+    # cost a cross-lane reduction per unit, which one program per SM cannot hide.
+    next_unit = tl.minimum(first, total_units - 1)
+    w_scale_next = tl.load(
+        w_scale_ptr
+        + (((next_unit // K_BLOCKS) * BLOCK_N) // BLOCK_K_) * stride_wsn
+        + (next_unit % K_BLOCKS) * stride_wsk
+    )
+    a_scale_next = tl.load(
+        a_scale_ptr + offs_m * stride_asm + (next_unit % K_BLOCKS) * stride_asg, mask=m_mask, other=0.0
     )
     split_stride = M * N
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -143,8 +135,18 @@ def _fp8_gemm_stream_k_kernel(
             w = tl.load(w_rows + offs_k[None, :], mask=(offs_n < N)[:, None] & k_mask[None, :], other=0.0)
             a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
             a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_scale = tl.sum(tl.where(steps == step, w_scales, 0.0), 0)
-        a_scale = tl.sum(tl.where((steps == step)[None, :], a_scales, 0.0), 1)
+        # Past the end of the units (the last program's short run) the scale is 0: nothing added.
+        w_scale = tl.where(first + step < total_units, w_scale_next, 0.0)
+        a_scale = a_scale_next
+        next_unit = tl.minimum(first + step + 1, total_units - 1)
+        w_scale_next = tl.load(
+            w_scale_ptr
+            + (((next_unit // K_BLOCKS) * BLOCK_N) // BLOCK_K_) * stride_wsn
+            + (next_unit % K_BLOCKS) * stride_wsk
+        )
+        a_scale_next = tl.load(
+            a_scale_ptr + offs_m * stride_asm + (next_unit % K_BLOCKS) * stride_asg, mask=m_mask, other=0.0
+        )
         acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * w_scale)
         # The end of this tile's part of the run: store the partial in this program's slot.
         if (first + step < total_units) & ((kb == K_BLOCKS - 1) | (step == UNITS_PER_PROGRAM - 1)):
@@ -172,21 +174,51 @@ def _fp8_gemm_stream_k_kernel(
                 tl.store(out_ptrs, round_to_bf16(acc), mask=tile_mask)
             else:
                 tl.store(partial_ptr + slot * split_stride + tile_offsets, partial, mask=tile_mask)
-                tl.debug_barrier()  # every thread's partial is written before the release below
-                counter = counter_ptr + pid_m * N_TILES + tile
-                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if arrived == used - 1:
-                    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                    for s in range(SLOTS):  # slot order: independent of arrival order
-                        total += tl.load(
-                            partial_ptr + s * split_stride + tile_offsets,
-                            mask=tile_mask & (s < used),
-                            other=0.0,
-                            cache_modifier=".cg",
-                        ).to(tl.float32)
-                    tl.store(out_ptrs, round_to_bf16(total), mask=tile_mask)
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if not LEAVE_PARTIALS:
+        # Arrivals after the loop: an atomic inside it stops Triton from pipelining the loads.
+        # Only the run's first and last tiles can be shared with other programs.
+        tl.debug_barrier()  # every thread's partials are written before the releases below
+        last = tl.minimum(first + UNITS_PER_PROGRAM, total_units) - 1
+        _arrive_and_reduce(
+            first // K_BLOCKS, out_ptr, partial_ptr, counter_ptr, offs_m, m_mask, N, split_stride,
+            stride_om, N_TILES, K_BLOCKS, UNITS_PER_PROGRAM, SLOTS, BLOCK_N, pid_m,
+        )  # fmt: skip
+        if last // K_BLOCKS != first // K_BLOCKS:
+            _arrive_and_reduce(
+                last // K_BLOCKS, out_ptr, partial_ptr, counter_ptr, offs_m, m_mask, N, split_stride,
+                stride_om, N_TILES, K_BLOCKS, UNITS_PER_PROGRAM, SLOTS, BLOCK_N, pid_m,
+            )  # fmt: skip
+
+
+@triton.jit
+def _arrive_and_reduce(
+    tile, out_ptr, partial_ptr, counter_ptr, offs_m, m_mask, N, split_stride, stride_om,
+    N_TILES: tl.constexpr, K_BLOCKS: tl.constexpr, UNITS_PER_PROGRAM: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, pid_m,
+):  # fmt: skip
+    """Count this program's partial of a shared tile; the last to arrive sums the tile's slots
+    in slot order (independent of arrival order), stores bf16 and resets the counter."""
+    tile_first = (tile * K_BLOCKS) // UNITS_PER_PROGRAM
+    used = (tile * K_BLOCKS + K_BLOCKS - 1) // UNITS_PER_PROGRAM - tile_first + 1
+    if used > 1:
+        counter = counter_ptr + pid_m * N_TILES + tile
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == used - 1:
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            tile_mask = (offs_n < N)[:, None] & m_mask[None, :]
+            tile_offsets = offs_m[None, :] * N + offs_n[:, None]
+            total = tl.zeros((BLOCK_N, offs_m.shape[0]), dtype=tl.float32)
+            for s in range(SLOTS):
+                total += tl.load(
+                    partial_ptr + s * split_stride + tile_offsets,
+                    mask=tile_mask & (s < used),
+                    other=0.0,
+                    cache_modifier=".cg",
+                ).to(tl.float32)
+            out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, round_to_bf16(total), mask=tile_mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def launch_stream_k(
@@ -242,7 +274,6 @@ def launch_stream_k(
         N_TILES=plan.n_tiles,
         K_BLOCKS=plan.k_blocks,
         UNITS_PER_PROGRAM=plan.units_per_program,
-        UNITS_P2=max(2, triton.next_power_of_2(plan.units_per_program)),
         SLOTS=plan.slots,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
