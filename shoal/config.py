@@ -97,10 +97,11 @@ class EngineConfig:
     # second at `chunk_frames`, and each later one is twice the one before, up to
     # `max_chunk_frames` (None or `chunk_frames`: no growth). See `engine.vocoder.ChunkPolicy`.
     # 32 (run 50): 7% more frames/s at concurrency 64 and the codec's GPU share 0.76 -> 0.42,
-    # first audio unchanged (first chunks get a codec call of their own beside long chunks).
+    # first audio unchanged; but capturing the 16- and 32-frame codec graphs (each with a cuDNN
+    # algorithm search) made the FP8 engine's cold load 170 s (run 53), so it stays opt-in.
     vocoder_chunk_frames: int = 8
     vocoder_first_chunk_frames: int = 4
-    vocoder_max_chunk_frames: int | None = 32
+    vocoder_max_chunk_frames: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

@@ -121,14 +121,15 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (6144, 2560, 4): _G(16, 64, 6, 4, 4, swap_ab=False),  # 8.2 us
     (6144, 2560, 8): _G(16, 64, 3, 4, 4, swap_ab=True),
     # split 6 (was 3, 8.7 us alone): FP8 step at batch 16 0.986x (`shoal bench ab`, run 39).
-    (6144, 2560, 16): _G(16, 64, 6, 4, 4, swap_ab=True),
+    # bf16 partials in the three M = 16 split-K entries: batch-16 step 0.991x (run 53).
+    (6144, 2560, 16): _G(16, 64, 6, 4, 4, swap_ab=True, bf16_partials=True),
     # o at M = 1: split 4 looked 1% faster in run 32's step, but not once the batch-1 attention
     # split its rows as the engine does (run 33: 3.872 ms with 7, 3.88 with 4): 7 stays.
     (2560, 4096, 1): _G(16, 64, 7, 4, 4, swap_ab=True),  # o 7.0 us (default 7.9)
     (2560, 4096, 2): _G(16, 64, 7, 4, 4, swap_ab=True),
     (2560, 4096, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 7.2 us
     (2560, 4096, 8): _G(16, 32, 4, 4, 4, swap_ab=False),
-    (2560, 4096, 16): _G(16, 32, 4, 4, 4, swap_ab=False),  # 7.9 us
+    (2560, 4096, 16): _G(16, 32, 4, 4, 4, swap_ab=False, bf16_partials=True),  # 7.9 us
     (19456, 2560, 1): _G(16, 64, 1, 4, 4, swap_ab=True, tma=True),  # gate_up 14.7 us (run 18; 15.2 no TMA)
     (19456, 2560, 2): _G(16, 64, 1, 4, 4, swap_ab=True),
     (19456, 2560, 4): _G(16, 64, 1, 4, 4, swap_ab=True),  # 16.1 us
@@ -138,7 +139,7 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 2): _G(16, 64, 7, 4, 4, swap_ab=True),
     (2560, 9728, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 11.1 us
     (2560, 9728, 8): _G(16, 64, 7, 4, 4, swap_ab=True),
-    (2560, 9728, 16): _G(16, 64, 7, 4, 4, swap_ab=True),  # 12.1 us
+    (2560, 9728, 16): _G(16, 64, 7, 4, 4, swap_ab=True, bf16_partials=True),  # 12.1 us
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates); bucket 32 is not swept and keeps the default heuristic.
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness

@@ -119,10 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocoder-max-chunk-frames",
         type=int,
-        default=int(env("VOCODER_MAX_CHUNK_FRAMES") or EngineConfig.vocoder_max_chunk_frames),
-        help="let each stream's codec chunks grow 4, 8, 16, .. up to this many frames (default "
-        "32: 7%% more frames/s at concurrency 64 than 8 and half the codec's GPU time, same "
-        "first audio; 8: no growth) (SHOAL_VOCODER_MAX_CHUNK_FRAMES)",
+        default=int(env("VOCODER_MAX_CHUNK_FRAMES") or 0) or None,
+        help="let each stream's codec chunks grow 4, 8, 16, .. up to this many frames (default: "
+        "no growth, 8). 32: 7%% more frames/s at concurrency 64 and half the codec's GPU time, "
+        "same first audio, but the extra codec graphs make startup minutes longer (see "
+        "docs/deployment.md) (SHOAL_VOCODER_MAX_CHUNK_FRAMES)",
     )
     parser.add_argument(
         "--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning (SHOAL_LOG_LEVEL)"
