@@ -247,43 +247,79 @@ def run_gemm_bench(
                     f"{100 * bandwidth / ceilings['copy']:6.1f} {100 * bandwidth / ceilings['read']:6.1f}"
                 )
     if mlp:
-        _mlp_rows(m_values, rows)
+        _mlp_rows(m_values, rows, ceilings, only)
     return rows
 
 
-def _mlp_rows(m_values, rows: list[dict]) -> None:
-    """The whole SwiGLU MLP: bf16 eager, torch.compile, ours (W8A16, SwiGLU fused into down)."""
-    from shoal.kernels import fp8_gemm
+def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list[str] | None = None) -> None:
+    """The whole SwiGLU MLP: bf16 eager, torch.compile, ours W8A16 (SwiGLU fused into down), and
+    at M <= 16 ours W8A8 as the engine runs it (gate+up, `swiglu_quantize`, down leaving its
+    split-K partials: three launches) against the persistent one-launch `kernels/fused_mlp.py`.
+    FP8 rows also report bandwidth on the FP8 weight bytes of both projections."""
+    from shoal.kernels import fp8_gemm, quant
+    from shoal.kernels.fused_mlp import BLOCK_M, FusedMlpConfig, FusedMlpWorkspace, fused_mlp
 
     (n_up, k_up), (n_down, k_down) = SHAPES["gate_up"], SHAPES["down"]
     up, down = _weight_sets(n_up, k_up, 2), _weight_sets(n_down, k_down, 2)
+    fp8_bytes = n_up * k_up + n_down * k_down
 
     def eager(x, i):
         gate, upv = F.linear(x, up[i]["bf16"]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * upv, down[i]["bf16"])
 
-    compiled = torch.compile(eager, mode="max-autotune-no-cudagraphs", dynamic=False)
-
     def ours(x, i):
         gate_up = fp8_gemm.fp8_linear(x, up[i]["w_q"], up[i]["w_scale"], False)
         return fp8_gemm.fp8_linear(gate_up, down[i]["w_q"], down[i]["w_scale"], False, True)
 
+    def chain(x, i):
+        x_q, x_s = x
+        gate_up = fp8_gemm.fp8_gemm(x_q, x_s, up[i]["w_q"], up[i]["w_scale"])
+        h_q, h_s = quant.swiglu_quantize(gate_up)
+        return fp8_gemm.fp8_gemm(h_q, h_s, down[i]["w_q"], down[i]["w_scale"], unreduced=True)
+
+    def fused(config: FusedMlpConfig) -> Callable:
+        workspace = FusedMlpWorkspace(k_up, k_down, BLOCK_M, config.split_down, "cuda", config.bf16_partials)
+
+        def call(x, i):
+            weights = (up[i]["w_q"], up[i]["w_scale"], down[i]["w_q"], down[i]["w_scale"])
+            return fused_mlp(*x, *weights, workspace, config)
+
+        return call
+
+    variants: dict[str, Callable] = {"mlp_bf16_eager": eager, "mlp_ours_w8a16": ours}
+    if not only or any("mlp_bf16_compile".startswith(prefix) for prefix in only):
+        variants["mlp_bf16_compile"] = torch.compile(eager, mode="max-autotune-no-cudagraphs", dynamic=False)
+    fp8_variants = {
+        "mlp_ours_w8a8_chain": chain,
+        "mlp_ours_fused": fused(FusedMlpConfig()),
+        "mlp_ours_fused_6stages": fused(FusedMlpConfig(num_stages=6)),
+        "mlp_ours_fused_76progs": fused(FusedMlpConfig(programs=76, num_stages=6)),
+    }
     for m in m_values:
         x = torch.randn(m, k_up, device="cuda", dtype=torch.bfloat16)
-        for variant, fn in (
-            ("mlp_bf16_eager", eager),
-            ("mlp_bf16_compile", compiled),
-            ("mlp_ours_w8a16", ours),
-        ):
+        x_quantized = quant.quantize_activations(x)
+        chosen = dict(variants)
+        if m <= BLOCK_M:
+            chosen.update(fp8_variants)
+        for variant, fn in chosen.items():
+            if only and not any(variant.startswith(prefix) for prefix in only):
+                continue
+            quantized = variant.startswith("mlp_ours_fused") or variant == "mlp_ours_w8a8_chain"
+            arg = x_quantized if quantized else x
             ms = time_graph_ms(
-                lambda fn=fn, x=x: [fn(x, i) for i in range(2)],
+                lambda fn=fn, arg=arg: [fn(arg, i) for i in range(2)],
                 repeats=5,
                 replays_per_sample=50,
                 calls_per_replay=2,
             )
             seconds = ms / 1e3
             rows.append({"shape": "mlp", "m": m, "variant": variant, "us": seconds * 1e6})
-            print(f"{'mlp':>8} {m:>4} {variant:>18} {seconds * 1e6:8.1f}")
+            line = f"{'mlp':>8} {m:>4} {variant:>22} {seconds * 1e6:8.1f}"
+            if quantized:
+                bandwidth = fp8_bytes / seconds
+                copy, read = (100 * bandwidth / ceilings[key] for key in ("copy", "read"))
+                line += f" {bandwidth / 1e12:6.2f} {copy:6.1f} {read:6.1f}"
+            print(line)
 
 
 SWEEP_MODES = ("w8a8", "w8a16")  # pre-quantized activations; bf16 activations (dequant in registers)
