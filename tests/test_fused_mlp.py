@@ -58,7 +58,7 @@ def test_fused_mlp_equals_the_three_launch_chain(m: int, config: FusedMlpConfig)
     hidden, inter = 256, 384  # 3 groups of SwiGLU output; the down K split over 3 programs
     up, down = _weight(2 * inter, hidden), _weight(hidden, inter)
     x_q, x_s = quant.quantize_activations(torch.randn(m, hidden, device=DEVICE).to(torch.bfloat16))
-    workspace = FusedMlpWorkspace(hidden, inter, 4, config.split_down, DEVICE, config.bf16_partials)
+    workspace = FusedMlpWorkspace(hidden, inter, 4, config.split_down, DEVICE)
     workspace.partials.fill_(float("nan"))
     fused = fused_mlp(x_q, x_s, *up, *down, workspace, config)
     chain = _chain(x_q, x_s, up, down, config)
@@ -100,7 +100,7 @@ def test_s2_mlp_on_the_gpu_one_launch_with_grid_barriers(m: int) -> None:
         FusedMlpConfig(programs=76, num_stages=6),
         FusedMlpConfig(bf16_partials=True),
     ):
-        workspace = FusedMlpWorkspace(hidden, inter, 16, config.split_down, DEVICE, config.bf16_partials)
+        workspace = FusedMlpWorkspace(hidden, inter, 16, config.split_down, DEVICE)
         chain = _chain(x_q, x_s, up, down, config)
         fused = fused_mlp(x_q, x_s, *up, *down, workspace, config)
         torch.cuda.synchronize()

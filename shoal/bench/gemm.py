@@ -278,7 +278,7 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
         return fp8_gemm.fp8_gemm(h_q, h_s, down[i]["w_q"], down[i]["w_scale"], unreduced=True)
 
     def fused(config: FusedMlpConfig) -> Callable:
-        workspace = FusedMlpWorkspace(k_up, k_down, BLOCK_M, config.split_down, "cuda", config.bf16_partials)
+        workspace = FusedMlpWorkspace(k_up, k_down, BLOCK_M, config.split_down, "cuda")
 
         def call(x, i):
             weights = (up[i]["w_q"], up[i]["w_scale"], down[i]["w_q"], down[i]["w_scale"])

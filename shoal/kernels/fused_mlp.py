@@ -200,17 +200,15 @@ class FusedMlpWorkspace:
     gate+up in bf16, the quantized SwiGLU output and its scales, the down partials and the
     barrier counter (0 between launches)."""
 
-    def __init__(
-        self, hidden: int, inter: int, max_rows: int, splits: int, device, bf16_partials: bool = False
-    ):
+    def __init__(self, hidden: int, inter: int, max_rows: int, splits: int, device):
         self.max_rows = max_rows
         self.gate_up = torch.empty(max_rows, 2 * inter, dtype=torch.bfloat16, device=device)
         self.h = torch.empty(max_rows, inter, dtype=torch.float8_e4m3fn, device=device)
         self.h_scale_storage = torch.empty(
             triton.cdiv(inter, GROUP) * max_rows, dtype=torch.float32, device=device
         )
-        partial_dtype = torch.bfloat16 if bf16_partials else torch.float32
-        self.partials = torch.empty(splits * max_rows * hidden, dtype=partial_dtype, device=device)
+        # fp32 storage for up to `splits` partials; bf16 partials use a view of its first half
+        self.partials = torch.empty(splits * max_rows * hidden, dtype=torch.float32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def h_scales(self, m: int, inter: int) -> torch.Tensor:
@@ -246,7 +244,8 @@ def fused_mlp(
         raise ValueError(f"fused_mlp takes 1..{min(BLOCK_M, workspace.max_rows)} rows, got {m}")
     check_activation_scales(x_scale, m, hidden)
     splits = config.split_down
-    partials = workspace.partials[: splits * m * hidden]
+    storage = workspace.partials.view(torch.bfloat16) if config.bf16_partials else workspace.partials
+    partials = storage[: splits * m * hidden]
     if partials.numel() < splits * m * hidden:
         raise ValueError("fused_mlp workspace holds fewer down partials than the config's split")
     interpreted = x_q.device.type != "cuda"
