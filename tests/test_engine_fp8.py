@@ -412,6 +412,17 @@ def _wide_head_model(directory) -> torch.nn.Module:
     return model
 
 
+def _slow_and_first_fast_pass(step: DecodeStep, model, runner, fields) -> tuple[torch.Tensor, ...]:
+    """The two running requests' slow step and first fast pass through `step` (fresh buffers)."""
+    b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
+    for name in fields:
+        getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
+    with torch.no_grad():
+        hidden, normed = step.slow(b)
+        x = torch.stack([normed, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
+        return hidden.clone(), normed.clone(), step._fast_kernels(x.flatten(0, 1), 0).clone()
+
+
 @pytest.mark.parametrize("heads", ["golden", "wide", "split-rows"])
 def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path, heads: str) -> None:
     """With reserved row counts the norms (and, with 128-wide heads, the attention) write the
@@ -441,13 +452,7 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
     fields = runner.host.fill(requests)
     outputs = []
     for step in (fused, separate):
-        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
-        for name in fields:
-            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
-        with torch.no_grad():
-            hidden, normed = step.slow(b)
-            x = torch.stack([normed, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
-            outputs.append((hidden.clone(), normed.clone(), step._fast_kernels(x.flatten(0, 1), 0).clone()))
+        outputs.append(_slow_and_first_fast_pass(step, model, runner, fields))
     for got, want in zip(*outputs, strict=True):
         assert torch.equal(got, want)
 
@@ -489,15 +494,9 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
         step.norm_split_max_rows = 1 << 20 if split_rows else 0
         step.norm_slice_groups = 1
         step.fused_fast_max_batch = 16 if fused_fast else 0
-        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
-        for name in fields:
-            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
         for calls in handed.values():
             calls.clear()
-        with torch.no_grad():
-            hidden, normed = step.slow(b)
-            x = torch.stack([normed, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
-            outputs.append((hidden.clone(), normed.clone(), step._fast_kernels(x.flatten(0, 1), 0).clone()))
+        outputs.append(_slow_and_first_fast_pass(step, model, runner, fields))
         layers = len(model.layers) + len(model.fast_layers)
         rope_layers = len(model.layers) + (0 if fused_fast else len(model.fast_layers))
         expected = (2 * layers, rope_layers) if switch == "1" else (0, 0)
@@ -588,14 +587,8 @@ def test_fused_mlp_switch_gives_the_three_launch_step_bits(tmp_path, monkeypatch
         monkeypatch.setenv("SHOAL_FUSED_MLP", switch)
         step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
         step.fp8.reserve(graph_row_counts([2]))
-        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
-        for name in fields:
-            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
         launches.clear()
-        with torch.no_grad():
-            hidden, normed = step.slow(b)
-            x = torch.stack([normed, model.fast_embed(torch.zeros(2, dtype=torch.long))], 1)
-            outputs.append((hidden.clone(), normed.clone(), step._fast_kernels(x.flatten(0, 1), 0).clone()))
+        outputs.append(_slow_and_first_fast_pass(step, model, runner, fields))
         expected = len(model.layers) + len(model.fast_layers) if switch == "1" else 0
         assert len(launches) == expected
     for got, want in zip(*outputs, strict=True):

@@ -14,32 +14,11 @@ if not torch.cuda.is_available():
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
+from fp8_testing import DEVICE, S2_SHAPES, fp8_weight, poisoned_out, rel_err  # noqa: E402
 
 from shoal.kernels import fp8_gemm as gemm  # noqa: E402
 from shoal.kernels import quant  # noqa: E402
 from shoal.kernels import reference as ref  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-# Real S2-Pro projection shapes (N, K); the fast transformer's layers have the same ones.
-S2_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-
-
-def _weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random weights with per-channel magnitude spread, so the 128x128 block scales differ."""
-    w = torch.randn(n, k, device=DEVICE) * torch.exp(0.5 * torch.randn(n, 1, device=DEVICE))
-    w = w * torch.exp(0.5 * torch.randn(1, k, device=DEVICE))
-    return ref.quantize_weight(w * 0.02)
-
-
-def _poisoned_out(m: int, n: int) -> torch.Tensor:
-    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-
-
-def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
-    assert torch.isfinite(out).all(), "output has unwritten (NaN) elements"
-    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-
 
 CONFIGS = [
     gemm.GemmConfig(block_m=16, block_n=32, split_k=1, num_warps=2, num_stages=1),
@@ -51,22 +30,22 @@ SWAPPED = gemm.GemmConfig(block_m=16, block_n=32, split_k=2, num_warps=2, num_st
 @pytest.mark.parametrize("config", [*CONFIGS, SWAPPED], ids=["nosplit", "split3", "swap-split2"])
 @pytest.mark.parametrize("m,n,k", [(1, 96, 384), (5, 160, 256), (17, 64, 200)])
 def test_w8a8_prequantized_matches_reference(config: gemm.GemmConfig, m: int, n: int, k: int) -> None:
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
     x_q, x_s = quant.quantize_activations(x)
-    out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=config)
-    assert _rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
+    out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=poisoned_out(m, n), config=config)
+    assert rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
 
 
 def test_activation_scales_loaded_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback that loads activation scales inside the K loop (large BLOCK_M x steps)."""
     monkeypatch.setattr(gemm, "PRELOAD_A_SCALES_LIMIT", 0)
     m, n, k = 3, 64, 384
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     for config in (CONFIGS[0], SWAPPED):
-        out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=config)
-        assert _rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
+        out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=poisoned_out(m, n), config=config)
+        assert rel_err(out, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
 
 
 @pytest.mark.parametrize("base", [CONFIGS[0], CONFIGS[1], SWAPPED], ids=["nosplit", "split3", "swap-split2"])
@@ -74,22 +53,22 @@ def test_tma_loads_equal_pointer_loads(base: gemm.GemmConfig) -> None:
     """Descriptor loads zero-fill past M, N and K exactly as the masked pointer loads do: the
     same tiles, the same products, bit-identical output (M, N and K all ragged here)."""
     m, n, k = 5, 160, 400
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
-    plain = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=base)
-    tma = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=_poisoned_out(m, n), config=replace(base, tma=True))
+    plain = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=poisoned_out(m, n), config=base)
+    tma = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=poisoned_out(m, n), config=replace(base, tma=True))
     assert torch.isfinite(plain).all() and torch.equal(tma, plain)
 
 
 def test_tma_needs_aligned_rows() -> None:
-    w_q, w_s = _weight(64, 136)
+    w_q, w_s = fp8_weight(64, 136)
     x_q, x_s = quant.quantize_activations(torch.randn(2, 136, device=DEVICE).to(torch.bfloat16))
     with pytest.raises(ValueError, match="K % 16"):
         gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=replace(CONFIGS[0], tma=True))
 
 
 def test_rejects_block_n_that_does_not_divide_128() -> None:
-    w_q, w_s = _weight(256, 256)
+    w_q, w_s = fp8_weight(256, 256)
     x = torch.randn(1, 256, device=DEVICE).to(torch.bfloat16)
     with pytest.raises(ValueError, match="block_n"):
         gemm.fp8_linear(x, w_q, w_s, False, config=gemm.GemmConfig(16, 256, 1))
@@ -100,38 +79,38 @@ def test_rejects_block_n_that_does_not_divide_128() -> None:
 @pytest.mark.parametrize("swiglu_input", [False, True], ids=["plain", "swiglu"])
 def test_fp8_linear_modes_match_reference(quantize_input: bool, swiglu_input: bool, swap_ab: bool) -> None:
     m, n, k = 3, 192, 256
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x = torch.randn(m, 2 * k if swiglu_input else k, device=DEVICE).to(torch.bfloat16)
     expected = ref.fp8_linear(x, w_q, w_s, quantize_input=quantize_input, swiglu_input=swiglu_input)
     config = SWAPPED if swap_ab else CONFIGS[1]
-    out = gemm.fp8_linear(x, w_q, w_s, quantize_input, swiglu_input, out=_poisoned_out(m, n), config=config)
-    assert _rel_err(out, expected) < 4e-3
+    out = gemm.fp8_linear(x, w_q, w_s, quantize_input, swiglu_input, out=poisoned_out(m, n), config=config)
+    assert rel_err(out, expected) < 4e-3
     # and the FP8 product is close to the unquantized bf16 one (the error FP8 costs the model)
     a = ref.swiglu(x) if swiglu_input else x.float()
     exact = a @ ref.dequantize_weight(w_q, w_s).t()
-    assert _rel_err(out, exact) < (0.06 if quantize_input else 4e-3)
+    assert rel_err(out, exact) < (0.06 if quantize_input else 4e-3)
 
 
 def test_inline_quantization_equals_separate_quant_launch() -> None:
     """The fused-in-GEMM activation quantization computes what `quant.swiglu_quantize` + GEMM does."""
     m, n, k = 2, 128, 384
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     gate_up = torch.randn(m, 2 * k, device=DEVICE).to(torch.bfloat16)
     fused = gemm.fp8_linear(gate_up, w_q, w_s, True, True, config=CONFIGS[0])
     separate = gemm.fp8_gemm(*quant.swiglu_quantize(gate_up), w_q, w_s, config=CONFIGS[0])
-    assert _rel_err(fused, separate) < 1e-2
+    assert rel_err(fused, separate) < 1e-2
 
 
 def test_split_k_workspace_is_reusable_and_deterministic() -> None:
     m, n, k = 4, 64, 512
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     config = gemm.GemmConfig(block_m=16, block_n=32, split_k=4, num_warps=2, num_stages=1)
     partials, tiles = gemm.SplitKWorkspace.required(m, n, config)
     workspace = gemm.SplitKWorkspace(partials, tiles, DEVICE)
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
     first = gemm.fp8_linear(x, w_q, w_s, False, workspace=workspace, config=config)
     assert (workspace.counters == 0).all(), "counters must be reset for the next launch / graph replay"
-    second = gemm.fp8_linear(x, w_q, w_s, False, out=_poisoned_out(m, n), workspace=workspace, config=config)
+    second = gemm.fp8_linear(x, w_q, w_s, False, out=poisoned_out(m, n), workspace=workspace, config=config)
     assert torch.equal(first, second)
     small = gemm.SplitKWorkspace(partials - 1, tiles, DEVICE)
     with pytest.raises(ValueError, match="workspace too small"):
@@ -144,7 +123,7 @@ def test_unreduced_split_k_returns_the_partials_of_the_reduced_result(inline: bo
     left alone) and `SplitKPartials.reduce()` gives the reducing launch's bits; without split the
     launch writes `out` as usual."""
     m, n, k = 3, 64, 768
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x = torch.randn(m, 2 * k if inline else k, device=DEVICE).to(torch.bfloat16)
     config = gemm.GemmConfig(block_m=16, block_n=32, split_k=4, num_warps=2, num_stages=1)
     workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config), DEVICE)
@@ -157,15 +136,15 @@ def test_unreduced_split_k_returns_the_partials_of_the_reduced_result(inline: bo
         )
 
     reduced = launch(config)
-    untouched = _poisoned_out(m, n)
+    untouched = poisoned_out(m, n)
     workspace.partials.fill_(float("nan"))
     partials = launch(config, out=untouched, unreduced=True)
     assert isinstance(partials, gemm.SplitKPartials) and partials.parts.shape == (4, m, n)
     assert partials.parts.data_ptr() == workspace.partials.data_ptr()
     assert torch.equal(partials.reduce(), reduced)
     assert torch.isnan(untouched.float()).all() and (workspace.counters == 0).all()
-    whole = launch(replace(config, split_k=1), out=_poisoned_out(m, n), unreduced=True)
-    assert isinstance(whole, torch.Tensor) and _rel_err(whole, reduced) < 4e-3
+    whole = launch(replace(config, split_k=1), out=poisoned_out(m, n), unreduced=True)
+    assert isinstance(whole, torch.Tensor) and rel_err(whole, reduced) < 4e-3
 
 
 @pytest.mark.parametrize("inline", [False, True], ids=["prequantized", "inline-swiglu"])
@@ -174,7 +153,7 @@ def test_bf16_partials_round_each_split_once(inline: bool) -> None:
     the reducing launch and `SplitKPartials.reduce()` sum them in fp32 in split order, and the
     result stays within bf16 rounding of the fp32-partial result."""
     m, n, k = 3, 64, 768
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x = torch.randn(m, 2 * k if inline else k, device=DEVICE).to(torch.bfloat16)
     config = gemm.GemmConfig(block_m=16, block_n=32, split_k=4, num_warps=2, num_stages=1, bf16_partials=True)
     need, tiles = gemm.SplitKWorkspace.required(m, n, config)
@@ -191,12 +170,12 @@ def test_bf16_partials_round_each_split_once(inline: bool) -> None:
     partials = launch(config, unreduced=True)
     assert isinstance(partials, gemm.SplitKPartials) and partials.parts.dtype == torch.bfloat16
     assert partials.parts.data_ptr() == workspace.partials.data_ptr()
-    reduced = launch(config, out=_poisoned_out(m, n))
+    reduced = launch(config, out=poisoned_out(m, n))
     assert torch.equal(partials.reduce(), reduced) and (workspace.counters == 0).all()
     fp32 = launch(replace(config, bf16_partials=False), workspace=None)
     expected = sum(p.float() for p in partials.parts)  # the rounded partials, summed in order
     assert torch.equal(reduced, expected.to(torch.bfloat16))
-    assert _rel_err(reduced, fp32) < 1e-2
+    assert rel_err(reduced, fp32) < 1e-2
     with pytest.raises(ValueError, match="workspace too small"):
         launch(replace(config, bf16_partials=False))  # fp32 partials need twice the room
 
@@ -216,11 +195,11 @@ def test_bf16_partials_everywhere_marks_split_configs_only_while_active() -> Non
 
 
 def test_rejects_transposed_or_restrided_scales() -> None:
-    w_q, w_s = _weight(256, 384)  # scale grid 2 x 3
+    w_q, w_s = fp8_weight(256, 384)  # scale grid 2 x 3
     x = torch.randn(1, 384, device=DEVICE).to(torch.bfloat16)
     with pytest.raises(ValueError, match="weight_scale"):
         gemm.fp8_linear(x, w_q, w_s.t().contiguous(), False)
-    square_q, square_s = _weight(256, 256)
+    square_q, square_s = fp8_weight(256, 256)
     with pytest.raises(ValueError, match="contiguous"):
         gemm.fp8_linear(x[:, :256], square_q, square_s.t(), False)
 
@@ -240,10 +219,10 @@ def test_default_config_fills_the_gpu() -> None:
 @pytest.mark.parametrize("mode", ["w8a8", "w8a8-inline", "w8a16"])
 def test_full_s2_shapes_gpu(m: int, shape: str, mode: str) -> None:
     n, k = S2_SHAPES[shape]
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     swiglu = shape == "down" and mode != "w8a8"
     x = torch.randn(m, 2 * k if swiglu else k, device=DEVICE).to(torch.bfloat16)
-    out = _poisoned_out(m, n)
+    out = poisoned_out(m, n)
     if mode == "w8a8":
         x_q, x_s = quant.quantize_activations(x)
         gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=out)
@@ -252,7 +231,7 @@ def test_full_s2_shapes_gpu(m: int, shape: str, mode: str) -> None:
         gemm.fp8_linear(x, w_q, w_s, mode == "w8a8-inline", swiglu, out=out)
         expected = ref.fp8_linear(x, w_q, w_s, mode == "w8a8-inline", swiglu)
     torch.cuda.synchronize()
-    assert _rel_err(out, expected) < 4e-3
+    assert rel_err(out, expected) < 4e-3
 
 
 @pytest.mark.gpu
@@ -262,12 +241,12 @@ def test_tma_full_s2_shapes_gpu(m: int, shape: str) -> None:
     """On the GPU the descriptor loads (real TMA) give what the pointer loads give, bit for bit,
     inside a CUDA graph."""
     n, k = S2_SHAPES[shape]
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     config = replace(gemm.pick_config(n, k, m, x_q.device, fp8_activations=True), tma=True)
     workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config), DEVICE)
     plain = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=replace(config, tma=False))
-    out = _poisoned_out(m, n)
+    out = poisoned_out(m, n)
     gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=out, workspace=workspace, config=config)  # compile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -281,11 +260,11 @@ def test_tma_full_s2_shapes_gpu(m: int, shape: str) -> None:
 @pytest.mark.gpu
 def test_cuda_graph_replay_gpu() -> None:
     n, k = S2_SHAPES["down"]
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x = torch.randn(4, k, device=DEVICE).to(torch.bfloat16)
     config = gemm.pick_config(n, k, 4, x.device)
     workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(4, n, config), DEVICE)
-    out = _poisoned_out(4, n)
+    out = poisoned_out(4, n)
     gemm.fp8_linear(x, w_q, w_s, True, out=out, workspace=workspace)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -295,7 +274,7 @@ def test_cuda_graph_replay_gpu() -> None:
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert _rel_err(out, ref.fp8_linear(x, w_q, w_s, True)) < 4e-3
+        assert rel_err(out, ref.fp8_linear(x, w_q, w_s, True)) < 4e-3
 
 
 def test_tuned_configs_are_launchable() -> None:
@@ -318,7 +297,7 @@ def test_consumers_of_unreduced_partials_at_s2_shapes_gpu(m: int, shape: str) ->
     from shoal.models.layers import rope_table
 
     n, k = S2_SHAPES[shape]
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     reduced = gemm.fp8_gemm(x_q, x_s, w_q, w_s)
     partials = gemm.fp8_gemm(x_q, x_s, w_q, w_s, unreduced=True)

@@ -15,24 +15,12 @@ if not torch.cuda.is_available():
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
+from fp8_testing import DEVICE, S2_SHAPES, fp8_weight, rel_err  # noqa: E402
 
 from shoal.kernels import fp8_gemm as gemm  # noqa: E402
 from shoal.kernels import quant  # noqa: E402
 from shoal.kernels import reference as ref  # noqa: E402
 from shoal.kernels.fp8_gemm_stream_k import StreamKPlan  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-S2_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-
-
-def _weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.randn(n, k, device=DEVICE) * torch.exp(0.5 * torch.randn(n, 1, device=DEVICE))
-    return ref.quantize_weight(w * 0.02)
-
-
-def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
-    assert torch.isfinite(out).all(), "output has unwritten (NaN) elements"
-    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 @pytest.mark.parametrize(
@@ -65,7 +53,7 @@ CASES = [(1, 256, 640, 6), (3, 256, 640, 6), (20, 256, 640, 4), (2, 64, 128, 9),
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("m,n,k,programs", CASES)
 def test_stream_k_matches_split_k_and_reduces_its_own_partials(m, n, k, programs, tma) -> None:
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     config = gemm.GemmConfig(16, 32, 1, 2, 1, tma=tma, stream_k=programs)
     partial_elements, tiles = gemm.SplitKWorkspace.required(m, n, config, k)
@@ -76,9 +64,9 @@ def test_stream_k_matches_split_k_and_reduces_its_own_partials(m, n, k, programs
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     reduced = gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=out, workspace=workspace, config=config)
     assert reduced is out and (workspace.counters == 0).all()
-    assert _rel_err(reduced, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
+    assert rel_err(reduced, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
     split = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=gemm.GemmConfig(16, 32, 2, 2, 1))
-    assert _rel_err(reduced, split) < 8e-3
+    assert rel_err(reduced, split) < 8e-3
 
     workspace.partials.fill_(float("nan"))
     untouched = torch.full_like(out, float("nan"))
@@ -93,7 +81,7 @@ def test_stream_k_matches_split_k_and_reduces_its_own_partials(m, n, k, programs
 
 def test_bf16_partials_and_tma_give_the_pointer_path_bits() -> None:
     m, n, k = 2, 256, 640
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     base = gemm.GemmConfig(16, 32, 1, 2, 1, stream_k=6)
     pointers = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=base)
@@ -104,12 +92,12 @@ def test_bf16_partials_and_tma_give_the_pointer_path_bits() -> None:
     partials = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=halves, unreduced=True)
     assert partials.parts.dtype == torch.bfloat16
     reduced = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=halves)
-    assert torch.equal(partials.reduce(), reduced) and _rel_err(reduced, pointers) < 1e-2
+    assert torch.equal(partials.reduce(), reduced) and rel_err(reduced, pointers) < 1e-2
 
 
 def test_stream_k_refuses_what_it_does_not_do() -> None:
     n, k = 64, 256
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
     config = gemm.GemmConfig(16, 32, 1, 2, 1, stream_k=4)
     with pytest.raises(ValueError, match="pre-quantized"):
@@ -121,21 +109,21 @@ def test_stream_k_refuses_what_it_does_not_do() -> None:
         gemm.fp8_gemm(*quant.quantize_activations(x), w_q, w_s, workspace=workspace, config=config)
     # one program streaming every unit is allowed (scales come one unit ahead, not preloaded)
     long_k = 128 * 40
-    w_q, w_s = _weight(32, long_k)
+    w_q, w_s = fp8_weight(32, long_k)
     x_q, x_s = quant.quantize_activations(torch.randn(1, long_k, device=DEVICE).to(torch.bfloat16))
     single = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=gemm.GemmConfig(16, 32, 1, 2, 1, stream_k=1))
-    assert _rel_err(single, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
+    assert rel_err(single, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3
 
 
 def test_a_tuned_stream_k_entry_leaves_inline_quantization_on_split_k(monkeypatch) -> None:
     """The FP8 table also serves `fp8_linear(quantize_input=True)`, which stream-K does not take."""
     n, k = 64, 256
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
     monkeypatch.setitem(gemm.TUNED_CONFIGS_FP8, (n, k, 1), gemm.GemmConfig(16, 32, 1, 2, 1, stream_k=4))
     inline = gemm.fp8_linear(x, w_q, w_s, True)
     prequantized = gemm.fp8_gemm(*quant.quantize_activations(x), w_q, w_s)
-    assert _rel_err(inline, prequantized) < 8e-3
+    assert rel_err(inline, prequantized) < 8e-3
 
 
 @pytest.mark.gpu
@@ -144,7 +132,7 @@ def test_a_tuned_stream_k_entry_leaves_inline_quantization_on_split_k(monkeypatc
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_s2_shapes_on_the_gpu(shape: str, m: int) -> None:
     n, k = S2_SHAPES[shape]
-    w_q, w_s = _weight(n, k)
+    w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     expected = ref.fp8_gemm(x_q, x_s, w_q, w_s)
     for config in (
@@ -154,7 +142,7 @@ def test_s2_shapes_on_the_gpu(shape: str, m: int) -> None:
     ):
         workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config, k), DEVICE)
         out = gemm.fp8_gemm(x_q, x_s, w_q, w_s, workspace=workspace, config=config)
-        assert _rel_err(out, expected) < 8e-3, config
+        assert rel_err(out, expected) < 8e-3, config
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = gemm.fp8_gemm(x_q, x_s, w_q, w_s, workspace=workspace, config=config)

@@ -15,18 +15,12 @@ if not torch.cuda.is_available():
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
+from fp8_testing import DEVICE, fp8_weight  # noqa: E402
 
 from shoal.kernels import fp8_gemm as gemm  # noqa: E402
 from shoal.kernels import quant  # noqa: E402
 from shoal.kernels import reference as ref  # noqa: E402
 from shoal.kernels.fused_mlp import FusedMlpConfig, FusedMlpWorkspace, fused_mlp  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.randn(n, k, device=DEVICE) * torch.exp(0.5 * torch.randn(n, 1, device=DEVICE))
-    return ref.quantize_weight(w * 0.05)
 
 
 def _chain(x_q, x_s, up, down, config: FusedMlpConfig) -> gemm.SplitKPartials:
@@ -56,7 +50,7 @@ SMALL = FusedMlpConfig(
 )
 def test_fused_mlp_equals_the_three_launch_chain(m: int, config: FusedMlpConfig) -> None:
     hidden, inter = 256, 384  # 3 groups of SwiGLU output; the down K split over 3 programs
-    up, down = _weight(2 * inter, hidden), _weight(hidden, inter)
+    up, down = fp8_weight(2 * inter, hidden, magnitude=0.05), fp8_weight(hidden, inter, magnitude=0.05)
     x_q, x_s = quant.quantize_activations(torch.randn(m, hidden, device=DEVICE).to(torch.bfloat16))
     workspace = FusedMlpWorkspace(hidden, inter, 4, config.split_down, DEVICE)
     workspace.partials.fill_(float("nan"))
@@ -77,7 +71,7 @@ def test_fused_mlp_equals_the_three_launch_chain(m: int, config: FusedMlpConfig)
 
 def test_fused_mlp_refuses_bad_inputs() -> None:
     hidden, inter = 256, 384
-    up, down = _weight(2 * inter, hidden), _weight(hidden, inter)
+    up, down = fp8_weight(2 * inter, hidden, magnitude=0.05), fp8_weight(hidden, inter, magnitude=0.05)
     workspace = FusedMlpWorkspace(hidden, inter, 2, SMALL.split_down, DEVICE)
     x_q, x_s = quant.quantize_activations(torch.randn(3, hidden, device=DEVICE).to(torch.bfloat16))
     with pytest.raises(ValueError, match="rows"):
@@ -93,7 +87,7 @@ def test_fused_mlp_refuses_bad_inputs() -> None:
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_s2_mlp_on_the_gpu_one_launch_with_grid_barriers(m: int) -> None:
     hidden, inter = 2560, 9728
-    up, down = _weight(2 * inter, hidden), _weight(hidden, inter)
+    up, down = fp8_weight(2 * inter, hidden, magnitude=0.05), fp8_weight(hidden, inter, magnitude=0.05)
     x_q, x_s = quant.quantize_activations(torch.randn(m, hidden, device=DEVICE).to(torch.bfloat16))
     for config in (
         FusedMlpConfig(),

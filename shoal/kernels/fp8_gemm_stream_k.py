@@ -66,6 +66,19 @@ class StreamKPlan:
         return StreamKPlan(n_tiles, k_blocks, per_program, plan.programs, slots)
 
 
+@triton.jit
+def _unit_scales(
+    unit, w_scale_ptr, a_scale_ptr, offs_m, m_mask, stride_wsn, stride_wsk, stride_asm, stride_asg,
+    K_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr,
+):  # fmt: skip
+    """A unit's weight-block scale (scalar) and its K step's activation scales ([BLOCK_M])."""
+    kb = unit % K_BLOCKS
+    scale_row = ((unit // K_BLOCKS) * BLOCK_N) // BLOCK_K_
+    w_scale = tl.load(w_scale_ptr + scale_row * stride_wsn + kb * stride_wsk)
+    a_scale = tl.load(a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask, other=0.0)
+    return w_scale, a_scale
+
+
 @triton.jit(do_not_specialize=["M", "stride_asg"])
 def _fp8_gemm_stream_k_kernel(
     a_ptr,
@@ -109,15 +122,10 @@ def _fp8_gemm_stream_k_kernel(
     # Each unit's two scales are loaded one unit ahead (loop-carried): the pipeliner prefetches
     # only the loads that feed the MMA, and selecting from a preloaded vector of the whole run
     # cost a cross-lane reduction per unit, which one program per SM cannot hide.
-    next_unit = tl.minimum(first, total_units - 1)
-    w_scale_next = tl.load(
-        w_scale_ptr
-        + (((next_unit // K_BLOCKS) * BLOCK_N) // BLOCK_K_) * stride_wsn
-        + (next_unit % K_BLOCKS) * stride_wsk
-    )
-    a_scale_next = tl.load(
-        a_scale_ptr + offs_m * stride_asm + (next_unit % K_BLOCKS) * stride_asg, mask=m_mask, other=0.0
-    )
+    w_scale_next, a_scale_next = _unit_scales(
+        tl.minimum(first, total_units - 1), w_scale_ptr, a_scale_ptr, offs_m, m_mask,
+        stride_wsn, stride_wsk, stride_asm, stride_asg, K_BLOCKS, BLOCK_N, BLOCK_K_,
+    )  # fmt: skip
     split_stride = M * N
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, UNITS_PER_PROGRAM):
@@ -138,15 +146,10 @@ def _fp8_gemm_stream_k_kernel(
         # Past the end of the units (the last program's short run) the scale is 0: nothing added.
         w_scale = tl.where(first + step < total_units, w_scale_next, 0.0)
         a_scale = a_scale_next
-        next_unit = tl.minimum(first + step + 1, total_units - 1)
-        w_scale_next = tl.load(
-            w_scale_ptr
-            + (((next_unit // K_BLOCKS) * BLOCK_N) // BLOCK_K_) * stride_wsn
-            + (next_unit % K_BLOCKS) * stride_wsk
-        )
-        a_scale_next = tl.load(
-            a_scale_ptr + offs_m * stride_asm + (next_unit % K_BLOCKS) * stride_asg, mask=m_mask, other=0.0
-        )
+        w_scale_next, a_scale_next = _unit_scales(
+            tl.minimum(first + step + 1, total_units - 1), w_scale_ptr, a_scale_ptr, offs_m, m_mask,
+            stride_wsn, stride_wsk, stride_asm, stride_asg, K_BLOCKS, BLOCK_N, BLOCK_K_,
+        )  # fmt: skip
         acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * w_scale)
         # The end of this tile's part of the run: store the partial in this program's slot.
         if (first + step < total_units) & ((kb == K_BLOCKS - 1) | (step == UNITS_PER_PROGRAM - 1)):
