@@ -31,10 +31,11 @@ CUDA-graph safety: `reserve(ms)` allocates, before capture, the outputs, activat
 split-K workspace for every M the graphs use; a call with a reserved M allocates nothing. A call with
 another M allocates (eager prefill) and is refused while a graph is being captured.
 
-`SHOAL_FUSED_MLP=1` (read when the projections are built; default 0 until measured on a GPU):
-at reserved decode sizes (M <= 16) whose gate+up and down both run "w8a8" with swapped-operand
-split-K tables and a down projection whose partials the next norm sums, the whole MLP runs as one
-persistent launch (`kernels/fused_mlp.py`) with the same tiles, so the same bits.
+`SHOAL_FUSED_MLP=1` (read when the projections are built; default 0): at reserved decode sizes
+(M <= 16) whose gate+up and down both run "w8a8" with swapped-operand split-K tables and a down
+projection whose partials the next norm sums, the whole MLP runs as one persistent launch
+(`kernels/fused_mlp.py`) with the same tiles, so the same bits. Off by default because it is
+slower: 48.3 µs per MLP at M = 1 against the three launches' 25.0 (docs/performance.md run 54).
 
 Gate and up projections run as one GEMM over [w1; w3] when the intermediate size is a multiple of
 128: then no 128-row weight block straddles the two, so concatenating weights and scales is exact.
