@@ -45,8 +45,14 @@ SMALL = FusedMlpConfig(
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize(
     "config",
-    [SMALL, replace(SMALL, tma=True), replace(SMALL, bf16_partials=True, programs=7)],
-    ids=["ptr", "tma", "bf16"],
+    [
+        SMALL,
+        replace(SMALL, tma=True),
+        replace(SMALL, bf16_partials=True, programs=7),
+        replace(SMALL, sync="dataflow"),
+        replace(SMALL, sync="dataflow", tma=True, block_n_up=64, programs=3),
+    ],
+    ids=["ptr", "tma", "bf16", "dataflow", "dataflow-tma"],
 )
 def test_fused_mlp_equals_the_three_launch_chain(m: int, config: FusedMlpConfig) -> None:
     hidden, inter = 256, 384  # 3 groups of SwiGLU output; the down K split over 3 programs
@@ -59,7 +65,8 @@ def test_fused_mlp_equals_the_three_launch_chain(m: int, config: FusedMlpConfig)
     assert fused.parts.shape == chain.parts.shape == (config.split_down, m, hidden)
     assert fused.parts.dtype == chain.parts.dtype
     assert torch.equal(fused.parts, chain.parts)
-    assert torch.equal(fused.reduce(), chain.reduce()) and (workspace.counter == 0).all()
+    assert torch.equal(fused.reduce(), chain.reduce())
+    assert (workspace.counter == 0).all(), "counters and ready flags must be back at 0 for the next launch"
     # and the chain is the MLP: against the bf16 model's arithmetic on dequantized weights
     w_up, w_down = ref.dequantize_weight(*up), ref.dequantize_weight(*down)
     x = ref.dequantize_activations(x_q, x_s)
@@ -78,6 +85,10 @@ def test_fused_mlp_refuses_bad_inputs() -> None:
         fused_mlp(x_q, x_s, *up, *down, workspace, SMALL)
     with pytest.raises(ValueError, match="weights must be"):
         fused_mlp(x_q[:1], x_s[:1], *down, *down, workspace, SMALL)
+    with pytest.raises(ValueError, match="sync"):
+        replace(SMALL, sync="spin")
+    with pytest.raises(ValueError, match="block_n_up"):
+        replace(SMALL, block_n_up=48)
     with pytest.raises(ValueError, match="split"):
         fused_mlp(x_q[:1], x_s[:1].contiguous(), *up, *down, workspace, replace(SMALL, split_down=7))
 
@@ -107,3 +118,14 @@ def test_s2_mlp_on_the_gpu_one_launch_with_grid_barriers(m: int) -> None:
             graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed.parts, chain.parts) and (workspace.counter == 0).all()
+
+
+def test_resident_programs_per_sm_bound() -> None:
+    """The launcher's co-residency bound: 4 stages of 64-row tiles fit four programs an SM (by
+    shared memory and by 128 registers a thread), 6 stages three, 8 warps two."""
+    from shoal.kernels.fused_mlp import resident_per_sm
+
+    assert resident_per_sm(FusedMlpConfig()) == 4
+    assert resident_per_sm(FusedMlpConfig(num_stages=6)) == 3
+    assert resident_per_sm(FusedMlpConfig(num_warps=8)) == 2
+    assert FusedMlpConfig().programs <= 132 * resident_per_sm(FusedMlpConfig())

@@ -291,9 +291,10 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
         variants["mlp_bf16_compile"] = torch.compile(eager, mode="max-autotune-no-cudagraphs", dynamic=False)
     fp8_variants = {
         "mlp_ours_w8a8_chain": chain,
-        "mlp_ours_fused": fused(FusedMlpConfig()),
-        "mlp_ours_fused_6stages": fused(FusedMlpConfig(num_stages=6)),
-        "mlp_ours_fused_76progs": fused(FusedMlpConfig(programs=76, num_stages=6)),
+        "mlp_ours_fused": fused(FusedMlpConfig()),  # grid barriers, three programs per SM
+        "mlp_ours_fused_dataflow": fused(FusedMlpConfig(sync="dataflow")),
+        "mlp_ours_fused_dataflow_2perSM": fused(FusedMlpConfig(sync="dataflow", programs=2 * H200_SMS)),
+        "mlp_ours_fused_1perSM": fused(FusedMlpConfig(programs=H200_SMS)),
     }
     for m in m_values:
         x = torch.randn(m, k_up, device="cuda", dtype=torch.bfloat16)
@@ -314,7 +315,7 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
             )
             seconds = ms / 1e3
             rows.append({"shape": "mlp", "m": m, "variant": variant, "us": seconds * 1e6})
-            line = f"{'mlp':>8} {m:>4} {variant:>22} {seconds * 1e6:8.1f}"
+            line = f"{'mlp':>8} {m:>4} {variant:>30} {seconds * 1e6:8.1f}"
             if quantized:
                 bandwidth = fp8_bytes / seconds
                 copy, read = (100 * bandwidth / ceilings[key] for key in ("copy", "read"))

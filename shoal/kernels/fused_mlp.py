@@ -45,13 +45,15 @@ from shoal.kernels.quant import (
 PHASE_GATE_UP, PHASE_SWIGLU, PHASE_DOWN = 1, 2, 4
 ALL_PHASES = PHASE_GATE_UP | PHASE_SWIGLU | PHASE_DOWN
 BLOCK_M = 16  # decode batches: one M tile
+SYNC_MODES = {"barrier": 1, "dataflow": 2}  # the kernel's SYNC (0: one launch per phase)
 
 
 @dataclass(frozen=True)
 class FusedMlpConfig:
-    """Tiles per phase and the grid; `programs` must all be resident at once (<= SMs)."""
+    """Tiles per phase and the grid; `programs` must all be resident at once (`resident_per_sm`).
+    Three programs per SM streamed best in run 54 (one per SM left each item's ramp exposed)."""
 
-    programs: int = 132
+    programs: int = 3 * 132
     block_n_up: int = 64
     block_n_down: int = 64
     split_down: int = 7
@@ -59,6 +61,25 @@ class FusedMlpConfig:
     num_stages: int = 4
     tma: bool = True
     bf16_partials: bool = False
+    # How the phases wait for each other in one launch: "barrier" (two grid-wide barriers) or
+    # "dataflow" (per-group ready flags: each down item waits only for its K split's groups).
+    sync: str = "barrier"
+
+    def __post_init__(self) -> None:
+        if self.sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {tuple(SYNC_MODES)}, got {self.sync!r}")
+        if GROUP % self.block_n_up:
+            raise ValueError(f"block_n_up must divide {GROUP} (a SwiGLU group's gate or up rows)")
+
+
+def resident_per_sm(config: FusedMlpConfig) -> int:
+    """Programs of this config that surely fit on one Hopper SM at once (228 KB of shared memory,
+    64K registers): the pipeline's tiles plus 8 KB of scratch, and at most 128 registers a thread
+    (the sm_90 builds of run 54 used 41 KB and 64-107 registers). Waiting programs that are not
+    all resident would wait forever, so the launcher refuses more than SMs x this."""
+    block_n = max(config.block_n_up, config.block_n_down)
+    shared = config.num_stages * (block_n + BLOCK_M) * GROUP + 8 * 1024
+    return max(1, min((227 * 1024) // shared, 65536 // (config.num_warps * 32 * 128)))
 
 
 @triton.jit
@@ -124,6 +145,31 @@ def _tile_product(
     return acc
 
 
+@triton.jit
+def _swiglu_group(
+    group, gate_up_ptr, h_ptr, h_scale_ptr, offs_m, m_mask, stride_hm, stride_hsm, stride_hsg,
+    INTER: tl.constexpr, BLOCK_K_: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
+):  # fmt: skip
+    """silu(gate) * up of one 128-column group, quantized per token (`swiglu_quantize`'s math).
+    gate+up was written by this launch: its loads bypass L1."""
+    cols = group * BLOCK_K_ + tl.arange(0, BLOCK_K_)
+    mask = m_mask[:, None] & (cols < INTER)[None, :]
+    rows = gate_up_ptr + offs_m[:, None] * (2 * INTER)
+    gate = tl.load(rows + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    up = tl.load(rows + INTER + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    q, scale = _quantize_groups(gate / (1.0 + tl.exp(-gate)) * up, FP8_MAX_, MIN_SCALE_)
+    tl.store(h_ptr + offs_m[:, None] * stride_hm + cols[None, :], q, mask=mask)
+    tl.store(h_scale_ptr + offs_m * stride_hsm + group * stride_hsg, scale, mask=m_mask)
+
+
+@triton.jit
+def _wait_at_least(flag_ptr, target):
+    """Spin until the flag reaches `target` (acquire: what its writers stored is visible)."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_mlp_kernel(
     x_ptr, x_desc, x_scale_ptr, w1_ptr, w1_desc, w1_scale_ptr, gate_up_ptr,
@@ -133,17 +179,27 @@ def _fused_mlp_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_K_: tl.constexpr,
     BLOCK_N_UP: tl.constexpr, BLOCK_N_DOWN: tl.constexpr, SPLIT_DOWN: tl.constexpr,
     STEPS_UP: tl.constexpr, STEPS_UP_P2: tl.constexpr, STEPS_DOWN: tl.constexpr, STEPS_DOWN_P2: tl.constexpr,
-    PROGRAMS: tl.constexpr, PHASES: tl.constexpr, BARRIERS: tl.constexpr, BF16_PARTIALS: tl.constexpr,
-    USE_TMA: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr, USE_PDL: tl.constexpr,
+    PROGRAMS: tl.constexpr, PHASES: tl.constexpr, SYNC: tl.constexpr, BF16_PARTIALS: tl.constexpr,
+    USE_TMA: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr, FLAGS_P2: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # SYNC 0: phases are separate launches; 1: grid barriers between phases (counter_ptr[0]);
+    # 2: data flow: counter_ptr[1 + g] counts the finished gate+up tiles of SwiGLU group g, the
+    # last of them runs the group's SwiGLU and bumps it once more, and a down item waits only
+    # for the groups of its K split.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M_)
     m_mask = offs_m < M
-    if USE_PDL:  # wait for the input now; let dependents launch only after the last barrier
+    if USE_PDL:  # wait for the input now; let dependents launch only at the very end
         tl.extra.cuda.gdc_wait()
     up_n: tl.constexpr = 2 * INTER
-    if PHASES & 1:  # gate+up [M, 2 * INTER] in bf16
-        for tile in range(pid, tl.cdiv(up_n, BLOCK_N_UP), PROGRAMS):
+    groups: tl.constexpr = INTER // BLOCK_K_
+    half: tl.constexpr = BLOCK_K_ // BLOCK_N_UP  # gate (or up) tiles per group
+    if PHASES & 1:  # gate+up [M, 2 * INTER] in bf16, group by group: gate tiles, then up tiles
+        for item in range(pid, up_n // BLOCK_N_UP, PROGRAMS):
+            group = item // (2 * half)
+            part = item % (2 * half)
+            tile = (group * BLOCK_K_ + (part // half) * INTER) // BLOCK_N_UP + part % half
             acc = _tile_product(
                 x_ptr, x_desc, x_scale_ptr, w1_ptr, w1_desc, w1_scale_ptr, tile, 0, offs_m, m_mask,
                 up_n, HIDDEN, stride_xm, stride_xsm, stride_xsg, stride_w1n, stride_w1sn,
@@ -152,28 +208,36 @@ def _fused_mlp_kernel(
             offs_n = tile * BLOCK_N_UP + tl.arange(0, BLOCK_N_UP)
             ptrs = gate_up_ptr + offs_m[None, :] * up_n + offs_n[:, None]
             tl.store(ptrs, round_to_bf16(acc), mask=(offs_n < up_n)[:, None] & m_mask[None, :])
-        if BARRIERS:
+            if SYNC == 2:
+                tl.debug_barrier()  # every thread's tile is stored before the arrival
+                arrived = tl.atomic_add(counter_ptr + 1 + group, 1, sem="acq_rel", scope="gpu")
+                if arrived == 2 * half - 1:  # the group's last tile: its SwiGLU, then ready
+                    _swiglu_group(
+                        group, gate_up_ptr, h_ptr, h_scale_ptr, offs_m, m_mask, stride_hm, stride_hsm,
+                        stride_hsg, INTER, BLOCK_K_, FP8_MAX_, MIN_SCALE_,
+                    )  # fmt: skip
+                    tl.debug_barrier()
+                    tl.atomic_add(counter_ptr + 1 + group, 1, sem="release", scope="gpu")
+        if SYNC == 1:
             _grid_barrier(counter_ptr, PROGRAMS)
     if PHASES & 2:  # silu(gate) * up, quantized per token per 128 columns
-        for group in range(pid, tl.cdiv(INTER, BLOCK_K_), PROGRAMS):
-            cols = group * BLOCK_K_ + tl.arange(0, BLOCK_K_)
-            mask = m_mask[:, None] & (cols < INTER)[None, :]
-            rows = gate_up_ptr + offs_m[:, None] * up_n
-            gate = tl.load(rows + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            up = tl.load(rows + INTER + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(
-                tl.float32
-            )
-            q, scale = _quantize_groups(gate / (1.0 + tl.exp(-gate)) * up, FP8_MAX_, MIN_SCALE_)
-            tl.store(h_ptr + offs_m[:, None] * stride_hm + cols[None, :], q, mask=mask)
-            tl.store(h_scale_ptr + offs_m * stride_hsm + group * stride_hsg, scale, mask=m_mask)
-        if BARRIERS:
+        for group in range(pid, groups, PROGRAMS):
+            _swiglu_group(
+                group, gate_up_ptr, h_ptr, h_scale_ptr, offs_m, m_mask, stride_hm, stride_hsm, stride_hsg,
+                INTER, BLOCK_K_, FP8_MAX_, MIN_SCALE_,
+            )  # fmt: skip
+        if SYNC == 1:
             _grid_barrier(counter_ptr, 2 * PROGRAMS)
-    if PHASES & 4:  # down: split-K partials [SPLIT_DOWN, M, HIDDEN]
+    if PHASES & 4:  # down: split-K partials [SPLIT_DOWN, M, HIDDEN], the first split first
         # The SwiGLU output comes from this launch's ordinary stores: a TMA read of it would need
         # a generic-to-async proxy fence, so only the weights come through TMA here.
-        for item in range(pid, tl.cdiv(HIDDEN, BLOCK_N_DOWN) * SPLIT_DOWN, PROGRAMS):
-            tile = item // SPLIT_DOWN
-            split = item % SPLIT_DOWN
+        down_tiles: tl.constexpr = (HIDDEN + BLOCK_N_DOWN - 1) // BLOCK_N_DOWN
+        for item in range(pid, down_tiles * SPLIT_DOWN, PROGRAMS):
+            split = item // down_tiles
+            tile = item % down_tiles
+            if SYNC == 2:
+                for group in range(split * STEPS_DOWN, tl.minimum((split + 1) * STEPS_DOWN, groups)):
+                    _wait_at_least(counter_ptr + 1 + group, 2 * half + 1)
             acc = _tile_product(
                 h_ptr, h_desc, h_scale_ptr, w2_ptr, w2_desc, w2_scale_ptr, tile, split, offs_m, m_mask,
                 HIDDEN, INTER, stride_hm, stride_hsm, stride_hsg, stride_w2n, stride_w2sn,
@@ -186,11 +250,12 @@ def _fused_mlp_kernel(
             else:
                 partial = acc
             tl.store(ptrs, partial, mask=(offs_n < HIDDEN)[:, None] & m_mask[None, :])
-        if BARRIERS:  # the last program out resets the counter for the next launch / replay
+        if SYNC != 0:  # the last program out resets the counters for the next launch / replay
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-            if done == 3 * PROGRAMS - 1:
-                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+            if done == (3 if SYNC == 1 else 1) * PROGRAMS - 1:
+                flags = tl.arange(0, FLAGS_P2)
+                tl.store(counter_ptr + flags, 0, mask=flags < groups + 1)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -198,7 +263,8 @@ def _fused_mlp_kernel(
 class FusedMlpWorkspace:
     """What the three phases hand each other, allocated once for up to `max_rows` tokens:
     gate+up in bf16, the quantized SwiGLU output and its scales, the down partials and the
-    barrier counter (0 between launches)."""
+    counters: [0] for barriers and the last program out, [1 + g] the ready flag of SwiGLU group
+    g (all 0 between launches)."""
 
     def __init__(self, hidden: int, inter: int, max_rows: int, splits: int, device):
         self.max_rows = max_rows
@@ -209,7 +275,7 @@ class FusedMlpWorkspace:
         )
         # fp32 storage for up to `splits` partials; bf16 partials use a view of its first half
         self.partials = torch.empty(splits * max_rows * hidden, dtype=torch.float32, device=device)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counter = torch.zeros(1 + triton.cdiv(inter, GROUP), dtype=torch.int32, device=device)
 
     def h_scales(self, m: int, inter: int) -> torch.Tensor:
         """The [m, groups] group-major scale view the GEMM kernels read (strides (1, m))."""
@@ -230,8 +296,10 @@ def fused_mlp(
 ):
     """x (e4m3 [M, H] + scales) -> the down projection's partials ([splits, M, H], a
     `SplitKPartials`) of w_down(silu(gate) * up), gate | up = w_up x. `w_up` is the
-    concatenated [2I, H] gate+up weight. `phases=None`: all three in one launch with grid
-    barriers on a GPU, one launch per phase without barriers in the interpreter."""
+    concatenated [2I, H] gate+up weight (I a multiple of 128, so no weight block straddles gate
+    and up). On a GPU one launch (`config.sync` says how its phases wait); in the interpreter,
+    which runs programs one after another, one launch per phase (for "dataflow": gate+up with
+    each group's SwiGLU, then down). `phases` forces one launch of those phases, no waiting."""
     check_weight_layout(w_up, w_up_scale)
     check_weight_layout(w_down, w_down_scale)
     m, hidden = x_q.shape
@@ -240,6 +308,10 @@ def fused_mlp(
         raise ValueError("fused_mlp takes e4m3 activations with unit column stride")
     if tuple(w_up.shape) != (2 * inter, hidden) or w_down.shape[0] != hidden:
         raise ValueError(f"weights must be gate+up [{2 * inter}, {hidden}] and down [{hidden}, {inter}]")
+    if inter % GROUP:
+        raise ValueError(f"the intermediate size must be a multiple of {GROUP}, got {inter}")
+    if workspace.counter.numel() != 1 + inter // GROUP:
+        raise ValueError("fused_mlp workspace was made for another intermediate size")
     if not 0 < m <= min(BLOCK_M, workspace.max_rows):
         raise ValueError(f"fused_mlp takes 1..{min(BLOCK_M, workspace.max_rows)} rows, got {m}")
     check_activation_scales(x_scale, m, hidden)
@@ -249,15 +321,21 @@ def fused_mlp(
     if partials.numel() < splits * m * hidden:
         raise ValueError("fused_mlp workspace holds fewer down partials than the config's split")
     interpreted = x_q.device.type != "cuda"
-    if phases is None:
-        phase_launches = [PHASE_GATE_UP, PHASE_SWIGLU, PHASE_DOWN] if interpreted else [ALL_PHASES]
+    dataflow = config.sync == "dataflow"
+    if phases is not None:
+        launches = [(phases, 0)]
+    elif interpreted:
+        launches = [(PHASE_GATE_UP, 2), (PHASE_DOWN, 2)] if dataflow else [(p, 0) for p in (1, 2, 4)]
     else:
-        phase_launches = [phases]
+        launches = [(PHASE_GATE_UP | PHASE_DOWN if dataflow else ALL_PHASES, SYNC_MODES[config.sync])]
     programs = config.programs
-    if not interpreted:
+    if not interpreted and launches[0][1]:
         sms = torch.cuda.get_device_properties(x_q.device).multi_processor_count
-        if ALL_PHASES in phase_launches and programs > sms:
-            raise ValueError(f"{programs} programs cannot all be resident on {sms} SMs (grid barriers)")
+        if programs > sms * resident_per_sm(config):
+            raise ValueError(
+                f"{programs} programs that wait for each other cannot all be resident: "
+                f"{sms} SMs x {resident_per_sm(config)}"
+            )
     h, gate_up = workspace.h[:m], workspace.gate_up[:m]
     h_scale = workspace.h_scales(m, inter)
     h_desc = h  # read with plain loads (phase 3's comment)
@@ -269,8 +347,7 @@ def fused_mlp(
         x_desc, w1_desc, w2_desc = x_q, w_up, w_down  # unused pointers
     steps_up = triton.cdiv(hidden, BLOCK_K)
     steps_down = triton.cdiv(triton.cdiv(inter, BLOCK_K), splits)
-    for phase_mask in phase_launches:
-        barriers = phase_mask == ALL_PHASES and not interpreted
+    for phase_mask, sync in launches:
         _fused_mlp_kernel[(programs,)](
             x_q, x_desc, x_scale, w_up, w1_desc, w_up_scale, gate_up,
             h, h_desc, h_scale, w_down, w2_desc, w_down_scale, partials, workspace.counter,
@@ -280,8 +357,9 @@ def fused_mlp(
             BLOCK_N_UP=config.block_n_up, BLOCK_N_DOWN=config.block_n_down, SPLIT_DOWN=splits,
             STEPS_UP=steps_up, STEPS_UP_P2=max(2, triton.next_power_of_2(steps_up)),
             STEPS_DOWN=steps_down, STEPS_DOWN_P2=max(2, triton.next_power_of_2(steps_down)),
-            PROGRAMS=programs, PHASES=phase_mask, BARRIERS=barriers, BF16_PARTIALS=config.bf16_partials,
+            PROGRAMS=programs, PHASES=phase_mask, SYNC=sync, BF16_PARTIALS=config.bf16_partials,
             USE_TMA=config.tma, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
+            FLAGS_P2=triton.next_power_of_2(1 + inter // GROUP),
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(),
         )  # fmt: skip
     return SplitKPartials(partials.view(splits, m, hidden))

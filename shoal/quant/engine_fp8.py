@@ -333,7 +333,8 @@ class Fp8Projections:
             return None
         device = up.q.device
         on_gpu = device.type == "cuda"
-        programs = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 8
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 3
+        programs = 3 * sms  # three per SM streamed best (docs/performance.md run 54)
         return FusedMlpConfig(
             programs=programs, block_n_up=up_config.block_n, block_n_down=down_config.block_n,
             split_down=down_config.split_k, num_warps=down_config.num_warps,
