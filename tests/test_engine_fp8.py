@@ -412,6 +412,15 @@ def _wide_head_model(directory) -> torch.nn.Module:
     return model
 
 
+def _two_requests_on_tiny_s2(tmp_path):
+    """The bf16 tiny S2 checkpoint (`_checkpoint`) loaded, two requests running on it, and the
+    host fields their decode step reads: (model, runner, fields)."""
+    model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16)
+    model.build_rope_tables("cpu")
+    runner, requests = _two_running_requests(model, "bfloat16")
+    return model, runner, runner.host.fill(requests)
+
+
 def _slow_and_first_fast_pass(step: DecodeStep, model, runner, fields) -> tuple[torch.Tensor, ...]:
     """The two running requests' slow step and first fast pass through `step` (fresh buffers)."""
     b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
@@ -482,10 +491,7 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
             return _original(x, *args, **kwargs)
 
         monkeypatch.setattr(norm_rope, name, counting)
-    model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16)
-    model.build_rope_tables("cpu")
-    runner, requests = _two_running_requests(model, "bfloat16")
-    fields = runner.host.fill(requests)
+    model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
     outputs = []
     for switch in ("1", "0"):
         monkeypatch.setenv("SHOAL_SPLITK_CONSUMER", switch)
@@ -578,10 +584,7 @@ def test_fused_mlp_switch_gives_the_three_launch_step_bits(tmp_path, monkeypatch
         return original(*args, **kwargs)
 
     monkeypatch.setattr(fused_mlp, "fused_mlp", counting)
-    model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16)
-    model.build_rope_tables("cpu")
-    runner, requests = _two_running_requests(model, "bfloat16")
-    fields = runner.host.fill(requests)
+    model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
     outputs = []
     for switch in ("1", "0"):
         monkeypatch.setenv("SHOAL_FUSED_MLP", switch)
