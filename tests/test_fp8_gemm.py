@@ -329,3 +329,31 @@ def test_consumers_of_unreduced_partials_at_s2_shapes_gpu(m: int, shape: str) ->
                 )
             (normed, summed), (normed_ref, summed_ref) = results
             assert torch.equal(normed, normed_ref) and torch.equal(summed, summed_ref)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SWAPPED, CONFIGS[1], replace(SWAPPED, tma=True), replace(CONFIGS[0], tma=True)],
+    ids=["swap-split2", "split3", "swap-tma", "tma-nosplit"],
+)
+@pytest.mark.parametrize("m,n,k", [(1, 96, 384), (5, 160, 640), (17, 64, 200)])
+def test_scales_ahead_gives_the_same_bits(config: gemm.GemmConfig, m: int, n: int, k: int) -> None:
+    """`scales_ahead`: the K step's scales loaded one step ahead instead of picked from preloaded
+    vectors. Same values, same arithmetic, so the same bits, reduced or left as partials; inline
+    quantization (scales made in the GEMM) ignores the flag."""
+    if config.tma and k % 16:
+        pytest.skip("TMA needs K % 16 == 0")
+    w_q, w_s = fp8_weight(n, k)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    x_q, x_s = quant.quantize_activations(x)
+    ahead = replace(config, scales_ahead=True)
+    base = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config)
+    assert torch.equal(gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=poisoned_out(m, n), config=ahead), base)
+    if config.split_k > 1:
+        parts = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=ahead, unreduced=True)
+        assert torch.equal(parts.reduce(), base)
+    inline = replace(ahead, tma=False)
+    assert torch.equal(
+        gemm.fp8_linear(x, w_q, w_s, True, config=inline),
+        gemm.fp8_linear(x, w_q, w_s, True, config=replace(inline, scales_ahead=False)),
+    )

@@ -19,6 +19,7 @@ Needs only torch and triton.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -449,6 +450,12 @@ def sweep(
                 default = next((t for t, c in timed if c is None), math.nan)
                 best_t, best_c = min((item for item in timed if item[1] is not None), key=lambda i: i[0])
                 row[mode] = {"best_us": best_t * 1e6, "config": repr(best_c), "default_us": default * 1e6}
+                if mode == "w8a8" and not best_c.stream_k:  # the same tiles, scales loaded ahead
+                    ahead = dataclasses.replace(best_c, scales_ahead=True)
+                    ahead_t = time_variant(_sweep_fn(mode, ahead), x, sets, 20, 3)
+                    row[mode]["scales_ahead_us"] = ahead_t * 1e6
+                    rate = n * k / ahead_t / 1e12
+                    print(f"      best config with scales_ahead: {ahead_t * 1e6:.1f} us ({rate:.2f} TB/s)")
                 streamed = [item for item in timed if item[1] is not None and item[1].stream_k]
                 if streamed:  # stream-K's best beside split-K's, to see how far apart they are
                     sk_t, sk_c = min(streamed, key=lambda i: i[0])

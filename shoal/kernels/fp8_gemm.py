@@ -79,6 +79,12 @@ class GemmConfig:
     # Stream-K (`kernels/fp8_gemm_stream_k.py`) with about this many programs instead of split-K
     # (0: off; `split_k`, `block_m` and `swap_ab` are then unused). Pre-quantized activations only.
     stream_k: int = 0
+    # Pre-quantized activations: each K step's two scales are loaded one step ahead (carried
+    # through the loop) instead of picked out of vectors preloaded for the whole split. The pick
+    # is a cross-warp reduction (shuffles, shared memory, CTA barriers): the sm_90 build of the
+    # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
+    # Same scales, same arithmetic: the same bits either way.
+    scales_ahead: bool = False
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -342,6 +348,7 @@ def _fp8_gemm_kernel(
     STEPS_PER_SPLIT: tl.constexpr,
     STEPS_P2: tl.constexpr,
     PRELOAD_A_SCALES: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
     SWAP_AB: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     FP8_MAX_: tl.constexpr,
@@ -382,6 +389,13 @@ def _fp8_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALES_AHEAD:  # ACT_MODE 1 only (the launcher's check)
+        w_scale_next = tl.load(w_scale_row + kb_start * stride_wsk, mask=kb_start < k_blocks, other=0.0)
+        a_scale_next = tl.load(
+            a_scale_ptr + offs_m * stride_asm + kb_start * stride_asg,
+            mask=m_mask & (kb_start < k_blocks),
+            other=0.0,
+        )
     # A fixed trip count (the last split may run past K: those steps load nothing and add zero).
     for step in range(0, STEPS_PER_SPLIT):
         kb = kb_start + step
@@ -391,14 +405,27 @@ def _fp8_gemm_kernel(
             w = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K_])
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        w_scale = tl.sum(tl.where(steps == step, w_scales, 0.0), 0)
+        if SCALES_AHEAD:
+            w_scale = w_scale_next
+            a_scale_now = a_scale_next
+            following = kb + 1
+            w_scale_next = tl.load(w_scale_row + following * stride_wsk, mask=following < k_blocks, other=0.0)
+            a_scale_next = tl.load(
+                a_scale_ptr + offs_m * stride_asm + following * stride_asg,
+                mask=m_mask & (following < k_blocks),
+                other=0.0,
+            )
+        else:
+            w_scale = tl.sum(tl.where(steps == step, w_scales, 0.0), 0)
         if ACT_MODE == 1:  # pre-quantized e4m3 activations + per-token group scales
             if USE_TMA:
                 a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K_])
             else:
                 a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
                 a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if PRELOAD_A_SCALES:
+            if SCALES_AHEAD:
+                a_scale = a_scale_now
+            elif PRELOAD_A_SCALES:
                 a_scale = tl.sum(tl.where((steps == step)[None, :], a_scales, 0.0), 1)
             else:
                 a_scale_ptrs = a_scale_ptr + offs_m * stride_asm + kb * stride_asg
@@ -503,6 +530,8 @@ def _launch(
         config = pick_config(n, k, m, a.device, fp8_activations=mode != ACT_BF16)
         if config.stream_k and mode != ACT_FP8:  # the FP8 table also serves inline quantization
             config = default_config(n, k, m, _multiprocessors(a.device))
+    if config.scales_ahead and mode != ACT_FP8:
+        config = dataclasses.replace(config, scales_ahead=False)  # the scales of quantized inputs
     if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK_K} (one weight-scale row per tile): {config}")
     if workspace is None:
@@ -560,7 +589,8 @@ def _launch(
         BF16_PARTIALS=config.bf16_partials and config.split_k > 1,
         STEPS_PER_SPLIT=steps,
         STEPS_P2=steps_p2,
-        PRELOAD_A_SCALES=config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT,
+        PRELOAD_A_SCALES=config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT and not config.scales_ahead,
+        SCALES_AHEAD=config.scales_ahead,
         SWAP_AB=config.swap_ab,
         DOT_IN_FP32=_INTERPRETED,
         FP8_MAX_=FP8_MAX,
