@@ -42,6 +42,21 @@ def test_applied_changes_and_restores_the_tables() -> None:
             pass
 
 
+def test_wildcard_gemm_keys_expand_to_the_matching_entries() -> None:
+    changes = ab.concrete(ab.parse_variant("gemm@*x*x1:scales_ahead=true+attention@16:block_n=128"))
+    ones = sorted(key for key in TUNED_CONFIGS_FP8 if key[2] == 1)
+    assert len(ones) == 4 and sorted(c.key for c in changes if c.table == "gemm") == ones
+    assert all(c.fields == {"scales_ahead": True} for c in changes if c.table == "gemm")
+    assert ab.Change("attention", 16, {"block_n": 128}) in changes
+    everything = ab.concrete(ab.parse_variant("gemm@*x*x*:scales_ahead=true"))
+    assert len(everything) == len(TUNED_CONFIGS_FP8)
+    assert [c.key for c in ab.concrete(ab.parse_variant("gemm@2560x*x64:split_k=4"))] == [
+        key for key in TUNED_CONFIGS_FP8 if key[0] == 2560 and key[2] == 64
+    ]
+    with pytest.raises(KeyError, match="no entry matching"):
+        ab.concrete(ab.parse_variant("gemm@*x*x3:split_k=1"))
+
+
 def test_interleaved_order() -> None:
     assert ab.interleaved(["base", "a", "b"], 2) == ["base", "a", "b", "base", "a", "b"]
 

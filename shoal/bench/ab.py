@@ -11,7 +11,8 @@ A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,fie
 - `attention@16:block_n=128,num_stages=4`: the decode attention config of batch bucket 16
   (`kernels.attention.TUNED_DECODE_CONFIGS`);
 - `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
-  (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`).
+  (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part, so
+  `gemm@*x*x1:scales_ahead=true` changes every M = 1 entry and `gemm@*x*x*:...` every entry.
 A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
 """
 
@@ -55,7 +56,7 @@ def parse_variant(spec: str) -> list[Change]:
             if table == "attention":
                 key: int | tuple[int, int, int] = int(key_text)
             elif table == "gemm":
-                n, k, m = (int(v) for v in key_text.split("x"))
+                n, k, m = (None if v == "*" else int(v) for v in key_text.split("x"))
                 key = (n, k, m)
             else:
                 raise ValueError(f"unknown table {table!r} (attention or gemm)")
@@ -67,6 +68,24 @@ def parse_variant(spec: str) -> list[Change]:
             raise ValueError(f"bad variant part {part!r}: {error}") from None
         changes.append(Change(table, key, fields))
     return changes
+
+
+def concrete(changes: list[Change]) -> list[Change]:
+    """Wildcard GEMM keys (None parts, from `*`) expanded to the table entries they match."""
+    tables = _tables()
+    expanded = []
+    for change in changes:
+        if change.table != "gemm" or None not in change.key:
+            expanded.append(change)
+            continue
+        matches = [
+            key for key in tables["gemm"]
+            if all(want is None or want == have for want, have in zip(change.key, key, strict=True))
+        ]  # fmt: skip
+        if not matches:
+            raise KeyError(f"gemm table has no entry matching {change.key}")
+        expanded.extend(Change("gemm", key, change.fields) for key in matches)
+    return expanded
 
 
 @contextlib.contextmanager
@@ -167,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    variants = {spec: parse_variant(spec) for spec in args.variant}
+    variants = {spec: concrete(parse_variant(spec)) for spec in args.variant}
     if not torch.cuda.is_available():
         print("the A/B bench needs a CUDA GPU")
         return 2
