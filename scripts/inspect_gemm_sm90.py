@@ -1,0 +1,113 @@
+"""Compile the FP8 split-K GEMM for the H200 (sm_90) on any machine, GPU or not, and print what
+its steady K loop costs per 128-column step: instructions, CTA barriers, shuffles, shared-memory
+round trips, MMAs, and whether Triton software-pipelined the loads. No device time needed.
+
+Found this way (docs/performance.md, after runs 51 and 54): a stream-K loop that Triton did not
+pipeline at all, and the 7 barriers per step that `GemmConfig.scales_ahead` cuts to 4.
+
+Usage: python scripts/inspect_gemm_sm90.py N K M [--config 'GemmConfig(16, 64, 7, 4, 4, tma=True)']
+(default config: the tuned table's for (N, K, M), pre-quantized activations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from shoal.kernels import fp8_gemm
+from shoal.kernels.fp8_gemm import BLOCK_K, PRELOAD_A_SCALES_LIMIT, GemmConfig
+
+POINTERS = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+            "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
+ALIGNED = ("N", "K", "stride_am", "stride_wn", "stride_om")  # Triton specializes these as 16-divisible
+
+
+def compile_split_k(n: int, k: int, m: int, config: GemmConfig):
+    k_blocks = triton.cdiv(k, BLOCK_K)
+    steps = triton.cdiv(k_blocks, config.split_k)
+    steps_p2 = max(2, triton.next_power_of_2(steps))
+    names = fp8_gemm._fp8_gemm_kernel.arg_names
+    constants = {
+        "ACT_MODE": fp8_gemm.ACT_FP8, "SWIGLU": False, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+        "BLOCK_K_": BLOCK_K, "SPLIT_K": config.split_k, "LEAVE_PARTIALS": config.split_k > 1,
+        "BF16_PARTIALS": config.bf16_partials and config.split_k > 1, "STEPS_PER_SPLIT": steps,
+        "STEPS_P2": steps_p2,
+        "PRELOAD_A_SCALES": config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT and not config.scales_ahead,
+        "SCALES_AHEAD": config.scales_ahead, "SWAP_AB": config.swap_ab, "DOT_IN_FP32": False,
+        "FP8_MAX_": fp8_gemm.FP8_MAX, "MIN_SCALE_": fp8_gemm.MIN_SCALE, "USE_TMA": config.tma,
+        "USE_PDL": True,
+    }  # fmt: skip
+    descriptors = {
+        "a_desc": f"tensordesc<fp8e4nv[{config.block_m}, {BLOCK_K}]>" if config.tma else "*fp8e4nv",
+        "w_desc": f"tensordesc<fp8e4nv[{config.block_n}, {BLOCK_K}]>" if config.tma else "*fp8e4nv",
+    }
+    signature = {
+        name: "constexpr" if name in constants else POINTERS.get(name) or descriptors.get(name) or "i32"
+        for name in names
+    }
+    aligned = [i for i, name in enumerate(names) if name in POINTERS or name in ALIGNED]
+    source = ASTSource(
+        fn=fp8_gemm._fp8_gemm_kernel,
+        signature=signature,
+        constexprs={(names.index(name),): value for name, value in constants.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
+
+
+def steady_loop(sass: list[str]) -> list[str]:
+    """The instructions of the smallest backward-branch loop that issues MMAs."""
+    labels = {m.group(1): i for i, line in enumerate(sass) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
+    best: list[str] | None = None
+    for i, line in enumerate(sass):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), len(sass)) < i:
+            body = [x for x in sass[labels[m.group(1)] : i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+            if any("MMA" in x for x in body) and (best is None or len(body) < len(best)):
+                best = body
+    return best or []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("n", type=int)
+    parser.add_argument("k", type=int)
+    parser.add_argument("m", type=int)
+    parser.add_argument("--config", help="a GemmConfig(...) expression; default: the tuned table's")
+    args = parser.parse_args()
+    if args.config:
+        config = eval(args.config, {"GemmConfig": GemmConfig})  # a developer's own expression
+    else:
+        config = fp8_gemm.pick_config(args.n, args.k, args.m, fp8_activations=True)
+    compiled = compile_split_k(args.n, args.k, args.m, config)
+    cubin = Path("/tmp/inspect_gemm_sm90.cubin")
+    cubin.write_bytes(compiled.asm["cubin"])
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    command = [str(nvdisasm), "-c", str(cubin)]
+    sass = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    loop = steady_loop(sass.splitlines())
+    opcodes = Counter(
+        re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0] for line in loop
+    )
+    ttgir = compiled.asm["ttgir"]
+    pipelined = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy")
+    print(config)
+    print(
+        f"steady loop: {len(loop)} instructions, {opcodes['BAR']} CTA barriers, {opcodes['SHFL']} shuffles, "
+        f"{opcodes['LDS']} LDS / {opcodes['STS']} STS, {opcodes['LDG']} LDG, "
+        f"{opcodes['QGMMA'] + opcodes['HGMMA'] + opcodes['HMMA']} MMA instructions; "
+        f"async copies in the TTGIR: {pipelined} ({'pipelined' if pipelined else 'NOT pipelined'}); "
+        f"{compiled.metadata.shared} B shared memory"
+    )
+
+
+if __name__ == "__main__":
+    main()
