@@ -22,28 +22,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from shoal.kernels import fp8_gemm
-from shoal.kernels.fp8_gemm import BLOCK_K, PRELOAD_A_SCALES_LIMIT, GemmConfig
+from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
 POINTERS = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
             "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
 ALIGNED = ("N", "K", "stride_am", "stride_wn", "stride_om")  # Triton specializes these as 16-divisible
 
 
-def compile_split_k(n: int, k: int, m: int, config: GemmConfig):
-    k_blocks = triton.cdiv(k, BLOCK_K)
-    steps = triton.cdiv(k_blocks, config.split_k)
-    steps_p2 = max(2, triton.next_power_of_2(steps))
+def compile_split_k(k: int, config: GemmConfig):
+    """The sm_90 build a `fp8_gemm` launch (pre-quantized activations, partials left to the
+    consumer when split) would run, with PDL on."""
+    constants = fp8_gemm.kernel_constants(fp8_gemm.ACT_FP8, False, k, config, config.split_k > 1)
+    constants.update(DOT_IN_FP32=False, USE_PDL=True)
     names = fp8_gemm._fp8_gemm_kernel.arg_names
-    constants = {
-        "ACT_MODE": fp8_gemm.ACT_FP8, "SWIGLU": False, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-        "BLOCK_K_": BLOCK_K, "SPLIT_K": config.split_k, "LEAVE_PARTIALS": config.split_k > 1,
-        "BF16_PARTIALS": config.bf16_partials and config.split_k > 1, "STEPS_PER_SPLIT": steps,
-        "STEPS_P2": steps_p2,
-        "PRELOAD_A_SCALES": config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT and not config.scales_ahead,
-        "SCALES_AHEAD": config.scales_ahead, "SWAP_AB": config.swap_ab, "DOT_IN_FP32": False,
-        "FP8_MAX_": fp8_gemm.FP8_MAX, "MIN_SCALE_": fp8_gemm.MIN_SCALE, "USE_TMA": config.tma,
-        "USE_PDL": True,
-    }  # fmt: skip
     descriptors = {
         "a_desc": f"tensordesc<fp8e4nv[{config.block_m}, {BLOCK_K}]>" if config.tma else "*fp8e4nv",
         "w_desc": f"tensordesc<fp8e4nv[{config.block_n}, {BLOCK_K}]>" if config.tma else "*fp8e4nv",
@@ -87,7 +78,7 @@ def main() -> None:
         config = eval(args.config, {"GemmConfig": GemmConfig})  # a developer's own expression
     else:
         config = fp8_gemm.pick_config(args.n, args.k, args.m, fp8_activations=True)
-    compiled = compile_split_k(args.n, args.k, args.m, config)
+    compiled = compile_split_k(args.k, config)
     cubin = Path("/tmp/inspect_gemm_sm90.cubin")
     cubin.write_bytes(compiled.asm["cubin"])
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"

@@ -306,7 +306,7 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
         for variant, fn in chosen.items():
             if only and not any(variant.startswith(prefix) for prefix in only):
                 continue
-            quantized = variant.startswith("mlp_ours_fused") or variant == "mlp_ours_w8a8_chain"
+            quantized = variant in fp8_variants
             arg = x_quantized if quantized else x
             ms = time_graph_ms(
                 lambda fn=fn, arg=arg: [fn(arg, i) for i in range(2)],

@@ -42,6 +42,7 @@ from shoal.kernels.quant import (
     _quantize_groups,
     check_activation_scales,
     round_to_bf16,
+    silu_times,
 )
 
 ACT_BF16 = 0
@@ -309,7 +310,7 @@ def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, S
     if SWIGLU:
         gate = tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(rows + K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        return gate / (1.0 + tl.exp(-gate)) * up
+        return silu_times(gate, up)
     return tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
@@ -499,6 +500,32 @@ def check_weight_layout(w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
         raise ValueError(f"weight_scale must be row-major contiguous, got strides {w_scale.stride()}")
 
 
+def kernel_constants(mode: int, swiglu: bool, k: int, config: GemmConfig, leave_partials: bool) -> dict:
+    """The split-K kernel's compile-time arguments for a launch (all but USE_PDL), in one place
+    for `_launch` and for `scripts/inspect_gemm_sm90.py`, which compiles what a launch would."""
+    steps = triton.cdiv(triton.cdiv(k, BLOCK_K), config.split_k)
+    steps_p2 = max(2, triton.next_power_of_2(steps))
+    return {
+        "ACT_MODE": mode,
+        "SWIGLU": swiglu,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K_": BLOCK_K,
+        "SPLIT_K": config.split_k,
+        "LEAVE_PARTIALS": leave_partials,
+        "BF16_PARTIALS": config.bf16_partials and config.split_k > 1,
+        "STEPS_PER_SPLIT": steps,
+        "STEPS_P2": steps_p2,
+        "PRELOAD_A_SCALES": config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT and not config.scales_ahead,
+        "SCALES_AHEAD": config.scales_ahead,
+        "SWAP_AB": config.swap_ab,
+        "DOT_IN_FP32": _INTERPRETED,
+        "FP8_MAX_": FP8_MAX,
+        "MIN_SCALE_": MIN_SCALE,
+        "USE_TMA": config.tma and mode == ACT_FP8,
+    }
+
+
 def _launch(
     mode: int,
     a: torch.Tensor,
@@ -546,9 +573,6 @@ def _launch(
         a_scale_arg, stride_asm, stride_asg = a_scale, a_scale.stride(0), a_scale.stride(1)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
     k_blocks = triton.cdiv(k, BLOCK_K)
-    steps = triton.cdiv(k_blocks, config.split_k)
-    steps_p2 = max(2, triton.next_power_of_2(steps))
-    launch = pdl_launch()
     leave_partials = unreduced and config.split_k > 1
     use_tma = config.tma and mode == ACT_FP8
     if use_tma:
@@ -579,26 +603,10 @@ def _launch(
         w_scale.stride(0),
         w_scale.stride(1),
         out.stride(0),
-        ACT_MODE=mode,
-        SWIGLU=swiglu,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K_=BLOCK_K,
-        SPLIT_K=config.split_k,
-        LEAVE_PARTIALS=leave_partials,
-        BF16_PARTIALS=config.bf16_partials and config.split_k > 1,
-        STEPS_PER_SPLIT=steps,
-        STEPS_P2=steps_p2,
-        PRELOAD_A_SCALES=config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT and not config.scales_ahead,
-        SCALES_AHEAD=config.scales_ahead,
-        SWAP_AB=config.swap_ab,
-        DOT_IN_FP32=_INTERPRETED,
-        FP8_MAX_=FP8_MAX,
-        MIN_SCALE_=MIN_SCALE,
-        USE_TMA=use_tma,
+        **kernel_constants(mode, swiglu, k, config, leave_partials),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch,
+        **pdl_launch(),
     )
     if leave_partials:
         parts = workspace.partials_for(config)[: config.split_k * m * n]

@@ -40,6 +40,7 @@ from shoal.kernels.quant import (
     _quantize_groups,
     check_activation_scales,
     round_to_bf16,
+    silu_times,
 )
 
 PHASE_GATE_UP, PHASE_SWIGLU, PHASE_DOWN = 1, 2, 4
@@ -157,7 +158,7 @@ def _swiglu_group(
     rows = gate_up_ptr + offs_m[:, None] * (2 * INTER)
     gate = tl.load(rows + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     up = tl.load(rows + INTER + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    q, scale = _quantize_groups(gate / (1.0 + tl.exp(-gate)) * up, FP8_MAX_, MIN_SCALE_)
+    q, scale = _quantize_groups(silu_times(gate, up), FP8_MAX_, MIN_SCALE_)
     tl.store(h_ptr + offs_m[:, None] * stride_hm + cols[None, :], q, mask=mask)
     tl.store(h_scale_ptr + offs_m * stride_hsm + group * stride_hsg, scale, mask=m_mask)
 
@@ -267,7 +268,7 @@ class FusedMlpWorkspace:
     g (all 0 between launches)."""
 
     def __init__(self, hidden: int, inter: int, max_rows: int, splits: int, device):
-        self.max_rows = max_rows
+        self.max_rows, self.inter = max_rows, inter
         self.gate_up = torch.empty(max_rows, 2 * inter, dtype=torch.bfloat16, device=device)
         self.h = torch.empty(max_rows, inter, dtype=torch.float8_e4m3fn, device=device)
         self.h_scale_storage = torch.empty(
@@ -277,9 +278,9 @@ class FusedMlpWorkspace:
         self.partials = torch.empty(splits * max_rows * hidden, dtype=torch.float32, device=device)
         self.counter = torch.zeros(1 + triton.cdiv(inter, GROUP), dtype=torch.int32, device=device)
 
-    def h_scales(self, m: int, inter: int) -> torch.Tensor:
+    def h_scales(self, m: int) -> torch.Tensor:
         """The [m, groups] group-major scale view the GEMM kernels read (strides (1, m))."""
-        groups = triton.cdiv(inter, GROUP)
+        groups = triton.cdiv(self.inter, GROUP)
         return self.h_scale_storage[: groups * m].view(groups, m).t()
 
 
@@ -310,7 +311,7 @@ def fused_mlp(
         raise ValueError(f"weights must be gate+up [{2 * inter}, {hidden}] and down [{hidden}, {inter}]")
     if inter % GROUP:
         raise ValueError(f"the intermediate size must be a multiple of {GROUP}, got {inter}")
-    if workspace.counter.numel() != 1 + inter // GROUP:
+    if workspace.inter != inter:
         raise ValueError("fused_mlp workspace was made for another intermediate size")
     if not 0 < m <= min(BLOCK_M, workspace.max_rows):
         raise ValueError(f"fused_mlp takes 1..{min(BLOCK_M, workspace.max_rows)} rows, got {m}")
@@ -337,7 +338,7 @@ def fused_mlp(
                 f"{sms} SMs x {resident_per_sm(config)}"
             )
     h, gate_up = workspace.h[:m], workspace.gate_up[:m]
-    h_scale = workspace.h_scales(m, inter)
+    h_scale = workspace.h_scales(m)
     h_desc = h  # read with plain loads (phase 3's comment)
     if config.tma:
         x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K])

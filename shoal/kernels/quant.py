@@ -73,6 +73,12 @@ def round_to_bf16(x):
 
 
 @triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in fp32, written once so every kernel applying SwiGLU gets the same bits."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _quantize_groups(x, fp8_max: tl.constexpr, min_scale: tl.constexpr):
     """x: fp32 [G, 128] (masked-out lanes zero) -> (e4m3 [G, 128], fp32 scales [G])."""
     amax = tl.max(tl.abs(x), axis=1)
@@ -109,7 +115,7 @@ def _quantize_kernel(
     if SWIGLU:
         gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_row + K + cols, mask=mask, other=0.0).to(tl.float32)
-        x = gate / (1.0 + tl.exp(-gate)) * up
+        x = silu_times(gate, up)
     else:
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     q, scale = _quantize_groups(x, FP8_MAX_, MIN_SCALE_)
