@@ -326,7 +326,8 @@ def fused_mlp(
     if phases is not None:
         launches = [(phases, 0)]
     elif interpreted:
-        launches = [(PHASE_GATE_UP, 2), (PHASE_DOWN, 2)] if dataflow else [(p, 0) for p in (1, 2, 4)]
+        phases_apart = (PHASE_GATE_UP, PHASE_DOWN) if dataflow else (PHASE_GATE_UP, PHASE_SWIGLU, PHASE_DOWN)
+        launches = [(phase, SYNC_MODES[config.sync] if dataflow else 0) for phase in phases_apart]
     else:
         launches = [(PHASE_GATE_UP | PHASE_DOWN if dataflow else ALL_PHASES, SYNC_MODES[config.sync])]
     programs = config.programs
