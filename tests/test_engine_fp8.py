@@ -563,39 +563,3 @@ def test_gate_cli_engine_path(capsys) -> None:
     assert gate.run(parser.parse_args(["correctness", "--path", "engine", "--device", "cpu"])) == 0
     out = capsys.readouterr().out
     assert "engine path" in out and "PASS" in out
-
-
-def test_fused_mlp_switch_gives_the_three_launch_step_bits(tmp_path, monkeypatch) -> None:
-    """`SHOAL_FUSED_MLP=1`: with swapped-operand split-K tables (as the H200's at M <= 16), every
-    MLP of the step runs as the one-launch kernel (each phase its own interpreted launch here),
-    and the step's outputs equal the three-launch step's bit for bit."""
-    from shoal.kernels import fp8_gemm, fused_mlp
-
-    def swapped(n, k, m, device=None, fp8_activations=False):
-        split = 1 if n in (512, 768) else 2  # the gate+up products (2 x intermediate) run whole
-        return fp8_gemm.GemmConfig(16, 32, split, 2, 1, swap_ab=True)
-
-    monkeypatch.setattr(fp8_gemm, "pick_config", swapped)
-    launches = []
-    original = fused_mlp.fused_mlp
-
-    def counting(*args, **kwargs):
-        launches.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(fused_mlp, "fused_mlp", counting)
-    model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
-    outputs = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("SHOAL_FUSED_MLP", switch)
-        step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
-        step.fp8.reserve(graph_row_counts([2]))
-        launches.clear()
-        outputs.append(_slow_and_first_fast_pass(step, model, runner, fields))
-        expected = len(model.layers) + len(model.fast_layers) if switch == "1" else 0
-        assert len(launches) == expected
-    for got, want in zip(*outputs, strict=True):
-        assert torch.equal(got, want)
-    monkeypatch.setenv("SHOAL_FUSED_MLP", "yes")
-    with pytest.raises(ValueError, match="SHOAL_FUSED_MLP"):
-        DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)

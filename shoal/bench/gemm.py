@@ -254,11 +254,11 @@ def run_gemm_bench(
 
 def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list[str] | None = None) -> None:
     """The whole SwiGLU MLP: bf16 eager, torch.compile, ours W8A16 (SwiGLU fused into down), and
-    at M <= 16 ours W8A8 as the engine runs it (gate+up, `swiglu_quantize`, down leaving its
-    split-K partials: three launches) against the persistent one-launch `kernels/fused_mlp.py`.
-    FP8 rows also report bandwidth on the FP8 weight bytes of both projections."""
+    at decode sizes (M <= 16) ours W8A8 as the engine runs it (gate+up, `swiglu_quantize`, down
+    leaving its split-K partials: three launches). FP8 rows also report bandwidth on the FP8
+    weight bytes of both projections. (A one-launch persistent MLP, with grid barriers or with
+    per-group ready flags, lost to these three launches: docs/performance.md runs 54-55.)"""
     from shoal.kernels import fp8_gemm, quant
-    from shoal.kernels.fused_mlp import BLOCK_M, FusedMlpConfig, FusedMlpWorkspace, fused_mlp
 
     (n_up, k_up), (n_down, k_down) = SHAPES["gate_up"], SHAPES["down"]
     up, down = _weight_sets(n_up, k_up, 2), _weight_sets(n_down, k_down, 2)
@@ -278,30 +278,15 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
         h_q, h_s = quant.swiglu_quantize(gate_up)
         return fp8_gemm.fp8_gemm(h_q, h_s, down[i]["w_q"], down[i]["w_scale"], unreduced=True)
 
-    def fused(config: FusedMlpConfig) -> Callable:
-        workspace = FusedMlpWorkspace(k_up, k_down, BLOCK_M, config.split_down, "cuda")
-
-        def call(x, i):
-            weights = (up[i]["w_q"], up[i]["w_scale"], down[i]["w_q"], down[i]["w_scale"])
-            return fused_mlp(*x, *weights, workspace, config)
-
-        return call
-
     variants: dict[str, Callable] = {"mlp_bf16_eager": eager, "mlp_ours_w8a16": ours}
     if not only or any("mlp_bf16_compile".startswith(prefix) for prefix in only):
         variants["mlp_bf16_compile"] = torch.compile(eager, mode="max-autotune-no-cudagraphs", dynamic=False)
-    fp8_variants = {
-        "mlp_ours_w8a8_chain": chain,
-        "mlp_ours_fused": fused(FusedMlpConfig()),  # grid barriers, three programs per SM
-        "mlp_ours_fused_dataflow": fused(FusedMlpConfig(sync="dataflow")),
-        "mlp_ours_fused_dataflow_2perSM": fused(FusedMlpConfig(sync="dataflow", programs=2 * H200_SMS)),
-        "mlp_ours_fused_1perSM": fused(FusedMlpConfig(programs=H200_SMS)),
-    }
+    fp8_variants = {"mlp_ours_w8a8_chain": chain}
     for m in m_values:
         x = torch.randn(m, k_up, device="cuda", dtype=torch.bfloat16)
         x_quantized = quant.quantize_activations(x)
         chosen = dict(variants)
-        if m <= BLOCK_M:
+        if m <= 16:
             chosen.update(fp8_variants)
         for variant, fn in chosen.items():
             if only and not any(variant.startswith(prefix) for prefix in only):

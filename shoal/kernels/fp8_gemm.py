@@ -121,8 +121,11 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 16): _G(16, 64, 14, 4, 4, swap_ab=True),  # 21.8 us
 }
 TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
+    # scales_ahead (K-step scales loaded one step ahead; same bits) in every M = 1 and M = 64
+    # entry and the M = 16 o entry: batch-1 step 0.978x, batch 64 0.979x (run 55). At M = 16 it
+    # lost on the K = 2560 entries (1.011x) and was even on down (1.003x).
     (6144, 2560, 1): _G(
-        16, 64, 6, 4, 4, swap_ab=True
+        16, 64, 6, 4, 4, swap_ab=True, scales_ahead=True
     ),  # qkv 7.8 us (split 3: 7.4 alone, slower in the step, run 19)
     (6144, 2560, 2): _G(16, 64, 6, 4, 4, swap_ab=False),
     (6144, 2560, 4): _G(16, 64, 6, 4, 4, swap_ab=False),  # 8.2 us
@@ -132,17 +135,23 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (6144, 2560, 16): _G(16, 64, 6, 4, 4, swap_ab=True, bf16_partials=True),
     # o at M = 1: split 4 looked 1% faster in run 32's step, but not once the batch-1 attention
     # split its rows as the engine does (run 33: 3.872 ms with 7, 3.88 with 4): 7 stays.
-    (2560, 4096, 1): _G(16, 64, 7, 4, 4, swap_ab=True),  # o 7.0 us (default 7.9)
+    (2560, 4096, 1): _G(16, 64, 7, 4, 4, swap_ab=True, scales_ahead=True),  # o 7.0 us (default 7.9)
     (2560, 4096, 2): _G(16, 64, 7, 4, 4, swap_ab=True),
     (2560, 4096, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 7.2 us
     (2560, 4096, 8): _G(16, 32, 4, 4, 4, swap_ab=False),
-    (2560, 4096, 16): _G(16, 32, 4, 4, 4, swap_ab=False, bf16_partials=True),  # 7.9 us
-    (19456, 2560, 1): _G(16, 64, 1, 4, 4, swap_ab=True, tma=True),  # gate_up 14.7 us (run 18; 15.2 no TMA)
+    (2560, 4096, 16): _G(
+        16, 32, 4, 4, 4, swap_ab=False, bf16_partials=True, scales_ahead=True
+    ),  # 7.9 us (batch-16 step 0.994x with scales_ahead, run 55)
+    (19456, 2560, 1): _G(
+        16, 64, 1, 4, 4, swap_ab=True, tma=True, scales_ahead=True
+    ),  # gate_up 14.1 us (run 55; 14.8 without scales_ahead, 15.2 without TMA)
     (19456, 2560, 2): _G(16, 64, 1, 4, 4, swap_ab=True),
     (19456, 2560, 4): _G(16, 64, 1, 4, 4, swap_ab=True),  # 16.1 us
     (19456, 2560, 8): _G(16, 64, 1, 4, 4, swap_ab=True),
     (19456, 2560, 16): _G(16, 64, 1, 4, 4, swap_ab=True),  # 16.2 us
-    (2560, 9728, 1): _G(16, 64, 7, 4, 4, swap_ab=True, tma=True),  # down 10.2 us (run 18; 10.3 no TMA)
+    (2560, 9728, 1): _G(
+        16, 64, 7, 4, 4, swap_ab=True, tma=True, scales_ahead=True
+    ),  # down 9.8 us (run 55; 10.2 without scales_ahead, 10.3 without TMA)
     (2560, 9728, 2): _G(16, 64, 7, 4, 4, swap_ab=True),
     (2560, 9728, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 11.1 us
     (2560, 9728, 8): _G(16, 64, 7, 4, 4, swap_ab=True),
@@ -152,13 +161,16 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
     # gate passes with them (run 50).
     # qkv 10.2 us (run 11: 11.3; bf16 cuBLAS 11.2)
-    (6144, 2560, 64): _G(64, 32, 2, 4, 4, tma=True, bf16_partials=True),
+    (6144, 2560, 64): _G(64, 32, 2, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
     (6144, 2560, 128): _G(64, 64, 2, 4, 4, tma=True),  # qkv 11.9 us (bf16 11.3)
-    (2560, 4096, 64): _G(64, 32, 4, 4, 4, tma=True, bf16_partials=True),  # o 9.8 us (run 11: 10.8; bf16 9.8)
+    # o 9.8 us (run 11: 10.8; bf16 9.8)
+    (2560, 4096, 64): _G(64, 32, 4, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
     (2560, 4096, 128): _G(64, 64, 4, 4, 4, tma=True),  # o 12.1 us (bf16 10.6)
-    (19456, 2560, 64): _G(64, 64, 1, 4, 4, tma=True),  # gate_up 16.5 us (run 11: 18.2; bf16 31.0)
+    # gate_up 16.5 us (run 11: 18.2; bf16 31.0)
+    (19456, 2560, 64): _G(64, 64, 1, 4, 4, tma=True, scales_ahead=True),
     (19456, 2560, 128): _G(64, 64, 1, 4, 4, tma=True),  # gate_up 24.1 us (run 11: 29.2; bf16 30.1)
-    (2560, 9728, 64): _G(64, 64, 7, 4, 4, bf16_partials=True),  # down 16.0 us (TMA no faster; bf16 18.6)
+    # down 16.0 us (TMA no faster; bf16 18.6)
+    (2560, 9728, 64): _G(64, 64, 7, 4, 4, bf16_partials=True, scales_ahead=True),
     (2560, 9728, 128): _G(64, 64, 4, 4, 4, tma=True),  # down 17.7 us (run 11: 20.1; bf16 21.3)
 }
 

@@ -31,12 +31,6 @@ CUDA-graph safety: `reserve(ms)` allocates, before capture, the outputs, activat
 split-K workspace for every M the graphs use; a call with a reserved M allocates nothing. A call with
 another M allocates (eager prefill) and is refused while a graph is being captured.
 
-`SHOAL_FUSED_MLP=1` (read when the projections are built; default 0): at reserved decode sizes
-(M <= 16) whose gate+up and down both run "w8a8" with swapped-operand split-K tables and a down
-projection whose partials the next norm sums, the whole MLP runs as one persistent launch
-(`kernels/fused_mlp.py`) with the same tiles, so the same bits. Off by default because it is
-slower: 48.3 µs per MLP at M = 1 against the three launches' 25.0 (docs/performance.md run 54).
-
 Gate and up projections run as one GEMM over [w1; w3] when the intermediate size is a multiple of
 128: then no 128-row weight block straddles the two, so concatenating weights and scales is exact.
 Otherwise the two GEMMs write the two halves of one [M, 2I] buffer. Either way SwiGLU is applied
@@ -255,11 +249,6 @@ class Fp8Projections:
         self.reserved: set[int] = set()
         self._buffers: dict[tuple, Tensor] = {}
         self.workspace = None
-        fused = os.environ.get("SHOAL_FUSED_MLP", "0")
-        if fused not in ("0", "1"):
-            raise ValueError(f"SHOAL_FUSED_MLP must be 0 or 1, got {fused!r}")
-        self.fused_mlp = fused == "1" and backend == "triton"
-        self._fused_workspaces: dict[tuple[int, int], object] = {}
 
     def variant(self, n: int, k: int, m: int) -> str:
         return variant_for(n, k, m, self.quantize_activations, self.table)
@@ -299,47 +288,7 @@ class Fp8Projections:
             from shoal.kernels.fp8_gemm import SplitKWorkspace
 
             self.workspace = SplitKWorkspace(partials, tiles, device)
-        if self.fused_mlp:
-            self._reserve_fused_mlp(ms, device)
         self.reserved = set(ms)
-
-    def _reserve_fused_mlp(self, ms, device) -> None:
-        from shoal.kernels.fused_mlp import BLOCK_M, FusedMlpWorkspace
-
-        rows = [m for m in ms if m <= BLOCK_M]
-        for block in self.blocks.values():
-            key = (block.w2.n, block.w2.k)
-            configs = [c for c in (self._fused_config(block, m) for m in rows) if c is not None]
-            if configs and key not in self._fused_workspaces:
-                splits = max(c.split_down for c in configs)
-                self._fused_workspaces[key] = FusedMlpWorkspace(*key, max(rows), splits, device)
-
-    def _fused_config(self, block: _Block, m: int):
-        """The one-launch MLP's config reproducing the tuned chain at M, or None where the chain's
-        tiles are not ones the fused kernel runs (see the module docstring)."""
-        from shoal.kernels.fp8_gemm import pick_config
-        from shoal.kernels.fused_mlp import BLOCK_M, FusedMlpConfig
-
-        up, down = block.gate_up, block.w2
-        if up is None or up.bias is not None or down.bias is not None or m > BLOCK_M:
-            return None
-        if self.variant(up.n, up.k, m) != "w8a8" or self.variant(down.n, down.k, m) != "w8a8":
-            return None
-        up_config = pick_config(up.n, up.k, m, up.q.device, fp8_activations=True)
-        down_config = pick_config(down.n, down.k, m, down.q.device, fp8_activations=True)
-        if not (up_config.swap_ab and down_config.swap_ab) or up_config.split_k != 1:
-            return None
-        if up_config.stream_k or down_config.stream_k or up_config.tma != down_config.tma:
-            return None
-        device = up.q.device
-        on_gpu = device.type == "cuda"
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 3
-        programs = 3 * sms  # three per SM streamed best (docs/performance.md run 54)
-        return FusedMlpConfig(
-            programs=programs, block_n_up=up_config.block_n, block_n_down=down_config.block_n,
-            split_down=down_config.split_k, num_warps=down_config.num_warps,
-            num_stages=down_config.num_stages, tma=up_config.tma, bf16_partials=down_config.bf16_partials,
-        )  # fmt: skip
 
     def _workspace_need(self, m: int) -> tuple[int, int]:
         from shoal.kernels.fp8_gemm import SplitKWorkspace, pick_config
@@ -417,13 +366,6 @@ class Fp8Projections:
         b = self.blocks[id(block)]
         out_dtype = torch.bfloat16 if isinstance(x, tuple) else x.dtype
         m, device = x[0].shape[0] if isinstance(x, tuple) else x.shape[0], b.w2.q.device
-        workspace = self._fused_workspaces.get((b.w2.n, b.w2.k))
-        if workspace is not None and unreduced and isinstance(x, tuple) and m in self.reserved:
-            config = self._fused_config(b, m)
-            if config is not None and config.split_down > 1:
-                from shoal.kernels.fused_mlp import fused_mlp
-
-                return fused_mlp(*x, b.gate_up.q, b.gate_up.scale, b.w2.q, b.w2.scale, workspace, config)
         if b.gate_up is not None:
             gate_up = self._linear(b.gate_up, x, keep_bf16=True)
         else:
