@@ -5,7 +5,7 @@ round trips, MMAs, and whether Triton software-pipelined the loads. No device ti
 Found this way (docs/performance.md, after runs 51 and 54): a stream-K loop that Triton did not
 pipeline at all, and the 7 barriers per step that `GemmConfig.scales_ahead` cuts to 4.
 
-Usage: python scripts/inspect_gemm_sm90.py N K M [--config 'GemmConfig(16, 64, 7, 4, 4, tma=True)']
+Usage: python scripts/inspect_gemm_sm90.py N K M [--config 'GemmConfig(16, 64, 7, 4, 4, tma=True)'] [--sass]
 (default config: the tuned table's for (N, K, M), pre-quantized activations).
 """
 
@@ -67,12 +67,27 @@ def steady_loop(sass: list[str]) -> list[str]:
     return best or []
 
 
+def copies_of_fresh_loads(loop: list[str]) -> int:
+    """Register copies, inside the loop, of a value the same iteration loaded from global memory.
+    Such a copy (ptxas's answer to a loop-carried load whose old value is still live) waits out
+    the whole load latency at that point: the stall Nsight Compute found in run 57."""
+    loaded_at: dict[str, int] = {}
+    copies = 0
+    for i, line in enumerate(loop):
+        if m := re.search(r"LDG\.E(?:\.\w+)* (R\d+),", line):
+            loaded_at[m.group(1)] = i
+        if (m := re.search(r"MOV(?:\.U32)? R\d+, (?:RZ, RZ, )?(R\d+) ;", line)) and m.group(1) in loaded_at:
+            copies += 1
+    return copies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("n", type=int)
     parser.add_argument("k", type=int)
     parser.add_argument("m", type=int)
     parser.add_argument("--config", help="a GemmConfig(...) expression; default: the tuned table's")
+    parser.add_argument("--sass", action="store_true", help="also print the steady loop's instructions")
     args = parser.parse_args()
     if args.config:
         config = eval(args.config, {"GemmConfig": GemmConfig})  # a developer's own expression
@@ -91,10 +106,13 @@ def main() -> None:
     ttgir = compiled.asm["ttgir"]
     pipelined = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy")
     print(config)
+    if args.sass:
+        print("\n".join(loop))
     print(
         f"steady loop: {len(loop)} instructions, {opcodes['BAR']} CTA barriers, {opcodes['SHFL']} shuffles, "
         f"{opcodes['LDS']} LDS / {opcodes['STS']} STS, {opcodes['LDG']} LDG, "
-        f"{opcodes['QGMMA'] + opcodes['HGMMA'] + opcodes['HMMA']} MMA instructions; "
+        f"{opcodes['QGMMA'] + opcodes['HGMMA'] + opcodes['HMMA']} MMA instructions, "
+        f"{copies_of_fresh_loads(loop)} copies of values loaded in the same iteration; "
         f"async copies in the TTGIR: {pipelined} ({'pipelined' if pipelined else 'NOT pipelined'}); "
         f"{compiled.metadata.shared} B shared memory"
     )

@@ -421,13 +421,6 @@ def _fp8_gemm_kernel(
         if SCALES_AHEAD:
             w_scale = w_scale_next
             a_scale_now = a_scale_next
-            following = kb + 1
-            w_scale_next = tl.load(w_scale_row + following * stride_wsk, mask=following < k_blocks, other=0.0)
-            a_scale_next = tl.load(
-                a_scale_ptr + offs_m * stride_asm + following * stride_asg,
-                mask=m_mask & (following < k_blocks),
-                other=0.0,
-            )
         else:
             w_scale = tl.sum(tl.where(steps == step, w_scales, 0.0), 0)
         if ACT_MODE == 1:  # pre-quantized e4m3 activations + per-token group scales
@@ -447,6 +440,20 @@ def _fp8_gemm_kernel(
                 acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * w_scale)
             else:
                 acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale)
+            if SCALES_AHEAD:
+                # Issued after this step's scales were last used, so the loads can land in the
+                # registers that carry them and need to arrive only at the next step's multiply:
+                # loaded before it, the loop copied them at its back edge and waited out the
+                # load there (the M = 64 down GEMM's top stall under Nsight Compute, run 57).
+                following = kb + 1
+                w_scale_next = tl.load(
+                    w_scale_row + following * stride_wsk, mask=following < k_blocks, other=0.0
+                )
+                a_scale_next = tl.load(
+                    a_scale_ptr + offs_m * stride_asm + following * stride_asg,
+                    mask=m_mask & (following < k_blocks),
+                    other=0.0,
+                )
         elif ACT_MODE == 2:  # quantize this 128-column group of every token in registers
             a = _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU)
             a_q, a_scale = _quantize_groups(a, FP8_MAX_, MIN_SCALE_)
