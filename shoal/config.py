@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 WEIGHT_FORMATS = ("bf16", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def default_overlap_steps() -> bool:
@@ -48,6 +49,10 @@ class EngineConfig:
 
     # Paged KV cache
     page_size: int = 16  # tokens per page
+    # "auto": keys and values in the model dtype; "fp8": e4m3 with one fp32 scale per (token, kv
+    # head) (`engine.kv_cache.PagedKV`): half the bytes per token, so about twice the tokens per
+    # GiB and half the KV reads of a decode step. Lossy: see docs/quantization.md.
+    kv_cache_dtype: str = "auto"
     num_pages: int | None = None  # None: size the pool from free GPU memory
     memory_fraction: float = 0.85  # of the memory free after loading the model (num_pages=None)
     cpu_num_pages: int = 4096  # pool size on a CPU device when num_pages is None
@@ -116,6 +121,8 @@ class EngineConfig:
             raise ValueError("num_pages must be >= 1")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not self.prefill_graph_buckets or min(self.prefill_graph_buckets) < 1:
             raise ValueError("prefill_graph_buckets must be positive token counts")
         if self.prefill_graph_segments < 1:

@@ -21,6 +21,7 @@ from shoal.kernels.attention import (  # noqa: E402
     shared_prefix_decode_attention,
 )
 from shoal.kernels.quant import new_activation_scales, quantize_activations  # noqa: E402
+from shoal.kernels.reference import dequantize_kv, quantize_kv  # noqa: E402
 from shoal.kernels.reference_attention import paged_attention_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -222,6 +223,209 @@ def test_fp8_output_rejects_bad_shapes() -> None:
         paged_decode_attention(q, k, v, tables, lens, config=SMALL, out_fp8=(wrong_dtype, _))
 
 
+# FP8 (e4m3) KV cache: the kernels against the reference on the dequantized (bf16) pools. Largest
+# error measured: 5.5e-3 in the interpreter (its bf16 casts truncate, and the probabilities times
+# the value scales lose up to 2^-8 where unscaled the largest, 1.0, is exact; the bf16-KV tests
+# reach 3.2e-3 there), 4.4e-3 on the H200 (bf16 KV: 2.4e-3). A kernel ignoring the per-vector
+# scales is off by more than 0.1 (`assert_scales_matter`).
+FP8_KV_TOLERANCE = 8e-3
+
+
+def fp8_pools(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator, spread: bool = False):
+    """(k8, v8, k_scales, v_scales, k_deq, v_deq): bf16 pools quantized per (slot, kv head) by
+    `reference.quantize_kv`, and their bf16 dequantization (the reference's inputs). `spread`:
+    first scale each key by 50^u, u in [-1, 0.25], and each value by 50^u, u in [-1, 1], so the
+    per-vector scales span more than 3 orders of magnitude."""
+    if spread:
+        factor = lambda lo, hi: 50.0 ** (lo + (hi - lo) * torch.rand(k.shape[:3], generator=gen))  # noqa: E731
+        k = (k.float() * factor(-1.0, 0.25).to(k.device)[..., None]).to(torch.bfloat16)
+        v = (v.float() * factor(-1.0, 1.0).to(v.device)[..., None]).to(torch.bfloat16)
+    (k8, k_scales), (v8, v_scales) = quantize_kv(k), quantize_kv(v)
+    k_deq, v_deq = dequantize_kv(k8, k_scales, torch.bfloat16), dequantize_kv(v8, v_scales, torch.bfloat16)
+    return k8, v8, k_scales, v_scales, k_deq, v_deq
+
+
+def assert_scales_matter(q, k8, v8, k_scales, v_scales, tables, lens, ref, starts=None) -> None:
+    """The test can fail: a kernel that treated every vector's scale as the mean scale (or swapped
+    the k and v scales) would be far off the reference."""
+    mean_k, mean_v = k_scales.mean().expand_as(k_scales), v_scales.mean().expand_as(v_scales)
+    for ks, vs in ((mean_k, mean_v), (v_scales, k_scales)):
+        wrong = paged_attention_reference(
+            q, dequantize_kv(k8, ks), dequantize_kv(v8, vs), tables, lens, starts
+        )
+        assert relative_error(wrong, ref) > 0.1  # more than 15x the tolerance
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["randn", "spread"])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-fused"])
+def test_decode_fp8_kv_matches_dequantized_reference(
+    hq: int, hkv: int, num_splits: int, fused: bool, spread: bool
+) -> None:
+    gen = torch.Generator().manual_seed(hq * 10 + num_splits + spread)
+    seq_lens = [1, 15, 16, 17, 40]
+    k, v, tables = make_paged_cache(seq_lens, hkv, 32, 16, gen)
+    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread)
+    q = torch.randn(len(seq_lens), hq, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape)
+    config = replace(SMALL, fused_merge=fused)
+    paged_decode_attention(
+        q, k8, v8, tables, lens, num_splits=num_splits, config=config, out=out, k_scales=ks, v_scales=vs
+    )
+    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
+    assert relative_error(out, ref) < FP8_KV_TOLERANCE
+    if spread:
+        assert_scales_matter(q, k8, v8, ks, vs, tables, lens, ref)
+    if fused:
+        assert not attention._merge_counters[out.device].any()
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2)])
+def test_chunked_prefill_fp8_kv_matches_dequantized_reference(hq: int, hkv: int) -> None:
+    """As `test_chunked_prefill_matches_reference`, causal chunks after cached context, FP8 pages."""
+    gen = torch.Generator().manual_seed(50 + hq + hkv)
+    seq_lens, q_lens = [5, 23, 18], [5, 7, 1]
+    k, v, tables = make_paged_cache(seq_lens, hkv, 16, 8, gen)
+    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread=True)
+    q = torch.randn(sum(q_lens), hq, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 5, 12, 13], dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape)
+    paged_prefill_attention(
+        q, k8, v8, tables, lens, starts, max(q_lens), config=SMALL, out=out, k_scales=ks, v_scales=vs
+    )
+    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens, starts)
+    assert relative_error(out, ref) < FP8_KV_TOLERANCE
+    assert_scales_matter(q, k8, v8, ks, vs, tables, lens, ref, starts)
+
+
+def test_shared_prefix_fp8_kv_matches_dequantized_reference() -> None:
+    """A group of three rows sharing 2 pages and a group of two sharing 1, FP8 pages."""
+    gen = torch.Generator().manual_seed(61)
+    hq, hkv, d, page = 4, 2, 16, 8
+    group_a, group_b = [20, 17, 30], [9, 12]
+    k_a, v_a, t_a = make_paged_cache(group_a, hkv, d, page, gen, shared_pages=2)
+    k_b, v_b, t_b = make_paged_cache(group_b, hkv, d, page, gen, shared_pages=1)
+    width = max(t_a.shape[1], t_b.shape[1])
+    pad = lambda t, base: torch.nn.functional.pad(t + base, (0, width - t.shape[1]))  # noqa: E731
+    tables = torch.cat([pad(t_a, 0), pad(t_b, k_a.shape[0])]).to(torch.int32)
+    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(torch.cat([k_a, k_b]), torch.cat([v_a, v_b]), gen, spread=True)
+    lens = torch.tensor(group_a + group_b, dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor([16, 16, 16, 8, 8], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(5, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = poisoned(q.shape)
+    shared_prefix_decode_attention(
+        q, k8, v8, tables, lens, prefix, starts, max_group_size=3, num_splits=2, config=SMALL, out=out,
+        k_scales=ks, v_scales=vs,
+    )  # fmt: skip
+    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
+    assert relative_error(out, ref) < FP8_KV_TOLERANCE
+    assert_scales_matter(q, k8, v8, ks, vs, tables, lens, ref)
+
+
+@pytest.mark.parametrize("num_splits,fused", FP8_OUT_CASES, ids=["1", "3-fused", "3-merge-launch"])
+def test_decode_fp8_kv_fp8_output(num_splits: int, fused: bool) -> None:
+    """FP8 KV in, quantized output out: `quantize_activations` of the bf16 output of the same call."""
+    gen = torch.Generator().manual_seed(70 + num_splits)
+    seq_lens, hq, hkv, d = [1, 17, 40], 4, 2, 128
+    k, v, tables = make_paged_cache(seq_lens, hkv, d, 16, gen)
+    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread=True)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    config = replace(SMALL, fused_merge=fused)
+    scales = {"k_scales": ks, "v_scales": vs}
+    out = poisoned(q.shape)
+    paged_decode_attention(q, k8, v8, tables, lens, num_splits=num_splits, config=config, out=out, **scales)
+    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
+    assert relative_error(out, ref) < FP8_KV_TOLERANCE
+    out_fp8 = poisoned_fp8_output(len(seq_lens), hq * d)
+    result = paged_decode_attention(
+        q, k8, v8, tables, lens, num_splits=num_splits, config=config, out_fp8=out_fp8, **scales
+    )
+    assert result is out_fp8
+    assert_fp8_output_matches(out_fp8, out)
+
+
+def test_prefill_fp8_kv_fp8_output() -> None:
+    gen = torch.Generator().manual_seed(75)
+    seq_lens, hq, hkv, d = [5, 23, 18], 4, 2, 128
+    k, v, tables = make_paged_cache(seq_lens, hkv, d, 8, gen)
+    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread=True)
+    q = torch.randn(6, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=DEVICE)
+    scales = {"k_scales": ks, "v_scales": vs}
+    out = poisoned(q.shape)
+    paged_prefill_attention(q, k8, v8, tables, lens, starts, 2, config=SMALL, out=out, **scales)
+    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens, starts)
+    assert relative_error(out, ref) < FP8_KV_TOLERANCE
+    out_fp8 = poisoned_fp8_output(6, hq * d)
+    paged_prefill_attention(q, k8, v8, tables, lens, starts, 2, config=SMALL, out_fp8=out_fp8, **scales)
+    assert_fp8_output_matches(out_fp8, out)
+
+
+def test_fp8_kv_rejects_bad_inputs() -> None:
+    gen = torch.Generator().manual_seed(80)
+    k, v, tables = make_paged_cache([3, 5], 2, 16, 8, gen)
+    k8, v8, ks, vs, _, _ = fp8_pools(k, v, gen)
+    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    prefix, groups = torch.zeros_like(lens), torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    calls = {
+        "decode": lambda kp, vp, **s: paged_decode_attention(q, kp, vp, tables, lens, config=SMALL, **s),
+        "prefill": lambda kp, vp, **s: paged_prefill_attention(
+            q, kp, vp, tables, lens, starts, 1, config=SMALL, **s
+        ),
+        "shared": lambda kp, vp, **s: shared_prefix_decode_attention(
+            q, kp, vp, tables, lens, prefix, groups, 1, config=SMALL, **s
+        ),
+    }
+    bad = [
+        ((k8, v8), {}, "need k_scales and v_scales"),
+        ((k8, v8), {"k_scales": ks}, "need k_scales and v_scales"),
+        ((k, v), {"k_scales": ks, "v_scales": vs}, "for float8_e4m3fn KV pages only"),
+        ((k8, v), {"k_scales": ks, "v_scales": vs}, "same dtype"),
+        ((k8, v8), {"k_scales": ks.double(), "v_scales": vs}, "k_scales must be contiguous float32"),
+        ((k8, v8), {"k_scales": ks, "v_scales": vs[:, :4]}, "v_scales must be contiguous float32"),
+        ((k8, v8), {"k_scales": ks.transpose(1, 2).contiguous().transpose(1, 2), "v_scales": vs}, "k_scales"),
+        ((k8, v8), {"k_scales": ks[..., None], "v_scales": vs}, "k_scales must be contiguous float32"),
+        ((k8[:, :4], v8[:, :4]), {"k_scales": ks[:, :4], "v_scales": vs[:, :4]}, "must be contiguous"),
+        ((k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)), {}, "only 8-bit KV cache dtype"),
+    ]
+    for name, call in calls.items():
+        for (kp, vp), scales, message in bad:
+            with pytest.raises(ValueError, match=message):
+                call(kp, vp, **scales)
+        assert not torch.isnan(call(k8, v8, k_scales=ks, v_scales=vs)).any(), name
+
+
+def test_bench_fp8_kv_helpers() -> None:
+    """The attention benchmark's FP8-KV pieces that run without a GPU: the quantized pools it
+    times (the kernel's keyword arguments) and its table's FP8-KV columns."""
+    from shoal.bench import attention as bench
+
+    gen = torch.Generator().manual_seed(90)
+    k, v, tables = make_paged_cache([20, 9], 2, 16, 8, gen)
+    kv = bench.fp8_kv(k, v)
+    assert kv["k_pages"].dtype == torch.float8_e4m3fn and kv["v_scales"].shape == k.shape[:3]
+    q = torch.randn(2, 4, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, block_tables=tables, seq_lens=lens, config=SMALL, **kv)
+    k_deq, v_deq = (dequantize_kv(kv[f"{x}_pages"], kv[f"{x}_scales"], torch.bfloat16) for x in "kv")
+    assert relative_error(out, paged_attention_reference(q, k_deq, v_deq, tables, lens)) < FP8_KV_TOLERANCE
+    rows = [
+        {"case": "decode b=1 ctx=1024", "bytes": bench.kv_bytes(1024), "ours_us": 10.0, "sdpa_us": 20.0},
+        {"case": "shared", "bytes": 10**6, "ours_us": 3.0, "sdpa_us": 4.0, "unshared_us": 5.0},
+    ]
+    rows[0]["fp8_kv_us"] = 7.5
+    lines = bench.table_lines(rows, read_gbs=4000.0)
+    assert len(lines) == 4 and lines[0].endswith("FP8-KV µs  x bf16")
+    assert lines[1].split()[-2:] == ["7.5", "0.75x"] and lines[2].endswith("%")  # no FP8 column
+
+
 # The last two: short rows (a few hundred keys), as in the engine at the start of a request.
 S2_DECODE_SHAPES = [(1, 8192), (16, 4096), (64, 1024), (1, 300), (16, 500)]
 S2_PREFIX_LENS = [1025 + 5 * i for i in range(64)]  # every row longer than the 1024 shared
@@ -294,3 +498,27 @@ def test_decode_fp8_output_full_s2_shapes(batch: int, context: int) -> None:
         out_fp8 = poisoned_fp8_output(batch, 32 * 128)
         paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config, out_fp8=out_fp8)
         assert_fp8_output_matches(out_fp8, out)
+
+
+@pytest.mark.gpu
+def test_decode_fp8_kv_full_s2_shapes() -> None:
+    """S2-Pro's slow layer at batch 64 (8 kv heads, 32 q heads, head_dim 128), rows of about 332
+    keys: FP8 KV against the reference on the dequantized pools, tuned / wide split / fused."""
+    gen = torch.Generator().manual_seed(332)
+    seq_lens = [332 - (7 * i) % 40 for i in range(64)]
+    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
+    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread=True)
+    q = torch.randn(64, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
+    wide = AttentionConfig(block_n=128, min_split_tokens=64, target_programs=528)
+    for config, num_splits in [
+        (None, None),
+        (None, 1),
+        (wide, None),
+        (replace(wide, fused_merge=True), None),
+    ]:
+        out = paged_decode_attention(
+            q, k8, v8, tables, lens, num_splits=num_splits, config=config, k_scales=ks, v_scales=vs
+        )
+        assert relative_error(out, ref) < FP8_KV_TOLERANCE

@@ -290,3 +290,211 @@ def test_rms_norm_sums_split_k_partials_as_the_gemm_would(quantized: bool, slice
     assert torch.equal(fused_residual, plain_residual)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         SplitKPartials(parts.to(torch.float16))
+
+
+# --- FP8 (e4m3) KV cache: the same kernel writing e4m3 pools and per-(token, kv head) scales ---
+
+UNWRITTEN = 0x7F  # an e4m3 NaN byte: pools start full of it, so a stray write shows
+
+
+def fp8_pools(num_pages: int, page: int, hkv: int, d: int) -> tuple[torch.Tensor, ...]:
+    """(k_pages, v_pages, k_scales, v_scales) of an FP8 KV cache, filled with NaN bytes / NaN."""
+    k_pages = torch.full((num_pages, page, hkv, d), UNWRITTEN, dtype=torch.uint8, device=DEVICE)
+    k_pages = k_pages.view(torch.float8_e4m3fn)
+    k_scales = torch.full((num_pages, page, hkv), float("nan"), device=DEVICE)
+    return k_pages, k_pages.clone(), k_scales, k_scales.clone()
+
+
+def bf16_pools(num_pages: int, page: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k_pages = torch.full((num_pages, page, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    return k_pages, k_pages.clone()
+
+
+def write_both_ways(qkv, positions, table, slots, hq, hkv, q_w, k_w, num_pages, page, d):
+    """Run the kernel into bf16 pools, then into FP8 pools + scales, on the same inputs.
+    Returns (q_bf16_run, k_bf16, v_bf16, q_fp8_run, k8, v8, k_scales, v_scales)."""
+    k16, v16 = bf16_pools(num_pages, page, hkv, d)
+    q16 = qk_norm_rope_kv_write(qkv, positions, table, k16, v16, slots, hq, hkv, q_w, k_w, eps=1e-6)
+    k8, v8, ks, vs = fp8_pools(num_pages, page, hkv, d)
+    q8 = qk_norm_rope_kv_write(
+        qkv, positions, table, k8, v8, slots, hq, hkv, q_w, k_w, eps=1e-6, k_scales=ks, v_scales=vs
+    )
+    return q16, k16, v16, q8, k8, v8, ks, vs
+
+
+def assert_fp8_cache_matches(cache, scales, want_bf16, slots, hkv: int, d: int) -> None:
+    """The written slots of an FP8 pool equal `reference.quantize_kv` of `want_bf16` [T, Hkv, D]
+    (the bf16 vectors of the same tokens) bit for bit; every other slot is untouched."""
+    from shoal.kernels.reference import quantize_kv
+
+    written = slots >= 0
+    want_q, want_s = quantize_kv(want_bf16[written])
+    got_q = cache.view(-1, hkv, d)[slots[written]]
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales.view(-1, hkv)[slots[written]], want_s)
+    untouched = torch.ones(cache.shape[0] * cache.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[slots[written]] = False
+    assert (cache.view(torch.uint8).view(-1, hkv, d)[untouched] == UNWRITTEN).all()
+    assert torch.isnan(scales.view(-1, hkv)[untouched]).all()
+
+
+def gathered(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[T, Hkv, D] vectors of a bf16 pool at `slots` (rows of negative slots: zeros)."""
+    flat = pages.view(-1, *pages.shape[2:])
+    return torch.where((slots >= 0)[:, None, None], flat[slots.clamp_min(0)], 0)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,with_norm", [(2, 2, 32, True), (4, 2, 32, False), (8, 2, 128, True), (4, 1, 64, False)]
+)
+def test_fp8_kv_write_is_quantize_kv_of_the_bf16_write(hq: int, hkv: int, d: int, with_norm: bool) -> None:
+    """FP8 pools get exactly `reference.quantize_kv` of what the bf16 pools get (k after norm and
+    RoPE, v as loaded), one scale per (token, kv head); q is the bf16 run's; padding rows (slot
+    -1) leave pages and scales alone. Magnitudes vary per head, and one token has zero k and v
+    heads (scale clamped to 1e-12)."""
+    gen = torch.Generator().manual_seed(100 + hq * 7 + d + with_norm)
+    tokens, page, num_pages = 9, 4, 6
+    heads = hq + 2 * hkv
+    spread = torch.exp2(torch.randint(-6, 7, (tokens, heads, 1), generator=gen).float()).to(DEVICE)
+    qkv = (random_bf16(tokens, heads, d, generator=gen, scale=3.0) * spread).to(torch.bfloat16)
+    qkv[2, hq:] = 0  # token 2: all-zero k and v heads
+    qkv = qkv.view(tokens, heads * d)
+    positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEVICE)
+    table = rope_table(512, d, 1e6).to(DEVICE)
+    q_w = random_bf16(d, generator=gen) if with_norm else None
+    k_w = random_bf16(d, generator=gen) if with_norm else None
+    slots = torch.randperm(num_pages * page, generator=gen)[:tokens].to(DEVICE)
+    slots[3] = slots[7] = -1  # padding rows
+    q16, k16, v16, q8, k8, v8, ks, vs = write_both_ways(
+        qkv, positions, table, slots, hq, hkv, q_w, k_w, num_pages, page, d
+    )
+    assert torch.equal(q8, q16)
+    assert_fp8_cache_matches(k8, ks, gathered(k16, slots), slots, hkv, d)
+    assert_fp8_cache_matches(v8, vs, gathered(v16, slots), slots, hkv, d)
+    assert (vs.view(-1, hkv)[slots[2]] == 1e-12).all() and (v8.view(-1, hkv, d)[slots[2]].float() == 0).all()
+
+
+def test_fp8_kv_write_sums_split_k_partials() -> None:
+    """Fed split-K partials (`tie_partials`: only the split-order sum gives these bf16 values),
+    the FP8 pools get `quantize_kv` of what the bf16 pools get from the same partials, which is
+    also what the reduced bf16 qkv gives."""
+    from shoal.kernels.fp8_gemm import SplitKPartials
+
+    gen = torch.Generator().manual_seed(17)
+    tokens, hq, hkv, d, page, num_pages = 6, 4, 2, 32, 4, 4
+    parts, _ = tie_partials(tokens, (hq + 2 * hkv) * d, gen)
+    partials = SplitKPartials(parts)
+    positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEVICE)
+    table = rope_table(512, d, 1e6).to(DEVICE)
+    q_w, k_w = random_bf16(d, generator=gen), random_bf16(d, generator=gen)
+    slots = torch.randperm(num_pages * page, generator=gen)[:tokens].to(DEVICE)
+    slots[1] = -1
+    q16, k16, v16, q8, k8, v8, ks, vs = write_both_ways(
+        partials, positions, table, slots, hq, hkv, q_w, k_w, num_pages, page, d
+    )
+    assert q8.dtype == torch.bfloat16 and torch.equal(q8, q16)
+    assert_fp8_cache_matches(k8, ks, gathered(k16, slots), slots, hkv, d)
+    assert_fp8_cache_matches(v8, vs, gathered(v16, slots), slots, hkv, d)
+    *_, k8_reduced, v8_reduced, ks_reduced, vs_reduced = write_both_ways(
+        partials.reduce(), positions, table, slots, hq, hkv, q_w, k_w, num_pages, page, d
+    )
+    assert torch.equal(k8.view(torch.uint8), k8_reduced.view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), v8_reduced.view(torch.uint8))
+    assert torch.equal(ks.nan_to_num(7.0), ks_reduced.nan_to_num(7.0))
+    assert torch.equal(vs.nan_to_num(7.0), vs_reduced.nan_to_num(7.0))
+
+
+def test_fp8_kv_write_of_fp32_qkv_quantizes_the_rounded_bf16_values() -> None:
+    """With fp32 qkv the quantized vectors are those of the bf16 cache values, rounded to nearest
+    even (k: the bf16 kernel's k; v: torch's bf16 rounding of the loaded v)."""
+    gen = torch.Generator().manual_seed(23)
+    tokens, hq, hkv, d, page, num_pages = 5, 2, 2, 32, 4, 4
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen) * 3.0).to(DEVICE)
+    positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEVICE)
+    table = rope_table(512, d, 1e6).to(DEVICE)
+    slots = torch.randperm(num_pages * page, generator=gen)[:tokens].to(DEVICE)
+    q16, k16, _, q8, k8, v8, ks, vs = write_both_ways(
+        qkv, positions, table, slots, hq, hkv, None, None, num_pages, page, d
+    )
+    assert q8.dtype == torch.float32 and torch.equal(q8, q16)
+    assert_fp8_cache_matches(k8, ks, gathered(k16, slots), slots, hkv, d)
+    v_bf16 = qkv[:, (hq + hkv) * d :].to(torch.bfloat16).view(tokens, hkv, d)
+    assert_fp8_cache_matches(v8, vs, v_bf16, slots, hkv, d)
+
+
+def test_fp8_kv_write_checks_pools_and_scales() -> None:
+    hq, hkv, d, page, num_pages = 2, 2, 32, 4, 3
+    qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device=DEVICE)
+    positions = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    table = rope_table(8, d, 1e6).to(DEVICE)
+    k8, v8, ks, vs = fp8_pools(num_pages, page, hkv, d)
+    k16, v16 = bf16_pools(num_pages, page, hkv, d)
+
+    def write(k_pages, v_pages, k_scales=None, v_scales=None):
+        return qk_norm_rope_kv_write(
+            qkv, positions, table, k_pages, v_pages, slots, hq, hkv, k_scales=k_scales, v_scales=v_scales
+        )
+
+    with pytest.raises(ValueError, match="need k_scales and v_scales"):
+        write(k8, v8)
+    with pytest.raises(ValueError, match="need k_scales and v_scales"):
+        write(k8, v8, ks)
+    with pytest.raises(ValueError, match="only for float8_e4m3fn"):
+        write(k16, v16, ks, vs)
+    with pytest.raises(ValueError, match="only for float8_e4m3fn"):
+        write(k16, v16, None, vs)
+    with pytest.raises(ValueError, match="both be float8_e4m3fn"):
+        write(k8, v16, ks, vs)
+    with pytest.raises(ValueError, match="must be contiguous float32"):
+        write(k8, v8, ks.to(torch.bfloat16), vs)
+    with pytest.raises(ValueError, match="must be contiguous float32"):
+        write(k8, v8, ks, vs[:, :, :1])
+    with pytest.raises(ValueError, match="must be contiguous float32"):
+        write(k8, v8, ks, vs[:-1])
+    strided = torch.empty(hkv, page, num_pages, device=DEVICE).permute(2, 1, 0)
+    with pytest.raises(ValueError, match="must be contiguous float32"):
+        write(k8, v8, strided, vs)
+    every_other = fp8_pools(2 * num_pages, page, hkv, d)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        write(every_other[0][::2], every_other[1][::2], ks, vs)
+    wide = fp8_pools(num_pages, page, hkv, 2 * d)
+    with pytest.raises(ValueError, match=r"fp8 pages must be \[num_pages"):
+        write(wide[0], wide[1], ks, vs)
+    write(k8, v8, ks, vs)  # the right pools and scales are taken
+    assert not torch.isnan(ks.view(-1, hkv)[0]).any()
+
+
+@pytest.mark.gpu
+def test_fp8_kv_write_full_s2_shapes_in_a_cuda_graph() -> None:
+    """S2 shapes on the GPU, the FP8 write captured in a CUDA graph and replayed: the same bits as
+    `quantize_kv` of the bf16 write (cvt/division on the GPU against torch's)."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, hq, hkv, d, page, num_pages = 300, 32, 8, 128, 16, 40
+    qkv = random_bf16(tokens, (hq + 2 * hkv) * d, generator=gen, scale=3.0)
+    positions = torch.arange(tokens, device=DEVICE) + 1000
+    table = rope_table(4096, d, 1e6).to(DEVICE)
+    q_w, k_w = random_bf16(d, generator=gen), random_bf16(d, generator=gen)
+    slots = torch.arange(tokens, device=DEVICE) + 5 * page
+    slots[::7] = -1
+    q16, k16, v16, *_ = write_both_ways(qkv, positions, table, slots, hq, hkv, q_w, k_w, num_pages, page, d)
+    k8, v8, ks, vs = fp8_pools(num_pages, page, hkv, d)
+    q_out = torch.empty_like(q16)
+
+    def step():
+        qk_norm_rope_kv_write(
+            qkv, positions, table, k8, v8, slots, hq, hkv, q_w, k_w, eps=1e-6, q_out=q_out,
+            k_scales=ks, v_scales=vs,
+        )  # fmt: skip
+
+    step()  # compile outside the capture
+    k8.view(torch.uint8).fill_(UNWRITTEN), v8.view(torch.uint8).fill_(UNWRITTEN)
+    ks.fill_(float("nan")), vs.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(q_out, q16)
+    assert_fp8_cache_matches(k8, ks, gathered(k16, slots), slots, hkv, d)
+    assert_fp8_cache_matches(v8, vs, gathered(v16, slots), slots, hkv, d)

@@ -4,7 +4,9 @@ Shapes are S2-Pro's slow layer (32 q heads, 8 kv heads, head_dim 128, bf16). For
 context 1k/4k/8k it times `paged_decode_attention` with the engine's tuned config (pages
 scattered at random, page size 16) against `F.scaled_dot_product_attention(enable_gqa=True)` on
 contiguous KV, and 64 requests sharing a 1k voice prefix (+ 64 own tokens each) with and
-without the shared-prefix kernel.
+without the shared-prefix kernel. Each decode case is also timed with an FP8 KV cache (the same
+pools quantized by `reference.quantize_kv`: e4m3 pages + one fp32 scale per token and kv head),
+reported beside the bf16 time as "FP8-KV µs" and its ratio to it ("x bf16", below 1 is faster).
 Every time is the median of CUDA-graph replays over several input copies (so a small KV does
 not sit in L2); "GB/s" is the fewest bytes the step must read divided by the time, next to the
 copy (read + write) and read-only ceilings measured in the same run on 2 GiB buffers.
@@ -36,6 +38,7 @@ from shoal.kernels.attention import (
     paged_decode_attention,
     shared_prefix_decode_attention,
 )
+from shoal.kernels.reference import dequantize_kv, quantize_kv
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 BATCHES = (1, 16, 64)
@@ -92,6 +95,13 @@ def kv_bytes(tokens: int) -> int:
     return tokens * HKV * HEAD_DIM * 2 * 2
 
 
+def fp8_kv(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A bf16 page pool pair as the FP8 KV cache holds it: the keyword arguments of the kernels
+    (`k_pages`/`v_pages` e4m3, `k_scales`/`v_scales` fp32 [num_pages, page_size, Hkv])."""
+    (k8, k_scales), (v8, v_scales) = quantize_kv(k), quantize_kv(v)
+    return {"k_pages": k8, "v_pages": v8, "k_scales": k_scales, "v_scales": v_scales}
+
+
 class DecodeCase:
     """`copies` independent inputs for one (batch, lens) shape, paged and contiguous."""
 
@@ -129,11 +139,28 @@ class DecodeCase:
             self.inputs.append((q, k, v, tables, dense))
         self.prefix = torch.full((batch,), shared_prefix, dtype=torch.int32, device="cuda")
         self.groups = torch.tensor([0, batch], dtype=torch.int32, device="cuda")
+        self._fp8_inputs: list[tuple] | None = None
+
+    def fp8_inputs(self) -> list[tuple]:
+        """(q, FP8 KV kwargs, tables) per copy: the same pools quantized, built on first use."""
+        if self._fp8_inputs is None:
+            self._fp8_inputs = [(q, fp8_kv(k, v), tables) for q, k, v, tables, _ in self.inputs]
+        return self._fp8_inputs
 
     def paged(self, config: AttentionConfig) -> float:
         def step() -> None:
             for q, k, v, tables, _ in self.inputs:
                 paged_decode_attention(q, k, v, tables, self.seq_lens, config=config)
+
+        return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
+
+    def paged_fp8(self, config: AttentionConfig) -> float:
+        """`paged` with the FP8 KV cache (same copies, so the same L2 flushing or more)."""
+        inputs = self.fp8_inputs()
+
+        def step() -> None:
+            for q, kv, tables in inputs:
+                paged_decode_attention(q, block_tables=tables, seq_lens=self.seq_lens, config=config, **kv)
 
         return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
 
@@ -169,6 +196,12 @@ def check_against_sdpa() -> None:
         ref = F.scaled_dot_product_attention(q[b : b + 1, :, None], keys, values, enable_gqa=True)[:, :, 0]
         error = ((out[b : b + 1].float() - ref.float()).norm() / ref.float().norm()).item()
         assert error < 1e-2, f"paged decode attention disagrees with SDPA: {error:.2e}"
+    kv = case.fp8_inputs()[0][1]  # FP8 KV: as the bf16 kernel on the dequantized pools
+    out = paged_decode_attention(q, block_tables=tables, seq_lens=case.seq_lens, **kv)
+    k_deq, v_deq = (dequantize_kv(kv[f"{x}_pages"], kv[f"{x}_scales"], torch.bfloat16) for x in "kv")
+    ref = paged_decode_attention(q, k_deq, v_deq, tables, case.seq_lens)
+    error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert error < 1e-2, f"FP8-KV decode attention disagrees with bf16 on the dequantized pools: {error:.2e}"
 
 
 def _distinct(configs: list[AttentionConfig], batch: int, context: int) -> list[AttentionConfig]:
@@ -225,7 +258,9 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         # timed the default by mistake and read its 4-5 µs more per call as a regression.
         ours, sdpa = case.paged(decode_config(batch)), case.sdpa()
         row = {"case": f"decode b={batch} ctx={context}", "bytes": kv_bytes(batch * context)}
-        row.update(ours_us=ours * 1e3, sdpa_us=sdpa * 1e3)
+        row.update(
+            ours_us=ours * 1e3, sdpa_us=sdpa * 1e3, fp8_kv_us=case.paged_fp8(decode_config(batch)) * 1e3
+        )
         if sweep:
             timed = timed_configs(case.paged, _distinct(SWEEP, batch, context))
             tuned, config = min(timed, key=lambda item: item[0])
@@ -255,6 +290,7 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         config = decode_config(batch)
         row = {"case": f"decode b={batch} ctx={context} (32k table)", "bytes": kv_bytes(batch * context)}
         row.update(ours_us=case.paged(config) * 1e3, sdpa_us=case.sdpa() * 1e3)
+        row["fp8_kv_us"] = case.paged_fp8(config) * 1e3
         rows.append(row)
         del case
     prefix, own, batch = 1024, 64, 64
@@ -267,31 +303,41 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         row.update(tuned_us=tuned * 1e3, config=config)
     rows.append(row)
     print(f"ceilings: copy {copy_gbs:.0f} GB/s (read+write), read {read_gbs:.0f} GB/s")
-    header = f"{'case':34} {'min bytes':>10} {'ours µs':>9} {'SDPA µs':>9} {'speedup':>8}"
-    print(f"{header} {'GB/s':>7} {'of read':>8}")
-    for row in rows:
-        gbs = row["bytes"] / row["ours_us"] / 1e3
-        print(
-            f"{row['case']:34} {row['bytes'] / 1e6:9.1f}M {row['ours_us']:9.1f} {row['sdpa_us']:9.1f} "
-            f"{row['sdpa_us'] / row['ours_us']:7.2f}x {gbs:7.0f} {gbs / read_gbs:7.0%}"
-        )
-        if "unshared_us" in row:
-            print(f"{'  same, prefix read per request':34} {'':10} {row['unshared_us']:9.1f}")
-        if "tuned_us" in row:
-            c = row["config"]
-            gbs = row["bytes"] / row["tuned_us"] / 1e3
-            print(
-                f"{'  best swept':34} {'':10} {row['tuned_us']:9.1f} {'':9} "
-                f"{row['sdpa_us'] / row['tuned_us']:7.2f}x {gbs:7.0f} {gbs / read_gbs:7.0%}  "
-                f"n={c.block_n} w={c.num_warps} st={c.num_stages} tp={c.target_programs} "
-                f"min={c.min_split_tokens} fused={c.fused_merge} splits={row.get('splits', c.prefix_splits)}"
-            )
+    print("\n".join(table_lines(rows, read_gbs)))
     if sweeps:
         print("TUNED_DECODE_CONFIGS = {  # best summed over contexts, relative to each context's best")
         for batch, config in _per_batch_winners(sweeps).items():
             print(f"    {batch}: {config!r},")
         print("}")
     return rows
+
+
+def table_lines(rows: list[dict], read_gbs: float) -> list[str]:
+    """The table of `run_attention_bench`'s rows (times in µs): bf16 paged ("ours") against SDPA,
+    its bandwidth, and where timed the FP8-KV time and its ratio to the bf16 paged time."""
+    header = f"{'case':34} {'min bytes':>10} {'ours µs':>9} {'SDPA µs':>9} {'speedup':>8}"
+    lines = [f"{header} {'GB/s':>7} {'of read':>8} {'FP8-KV µs':>10} {'x bf16':>7}"]
+    for row in rows:
+        gbs = row["bytes"] / row["ours_us"] / 1e3
+        line = (
+            f"{row['case']:34} {row['bytes'] / 1e6:9.1f}M {row['ours_us']:9.1f} {row['sdpa_us']:9.1f} "
+            f"{row['sdpa_us'] / row['ours_us']:7.2f}x {gbs:7.0f} {gbs / read_gbs:7.0%}"
+        )
+        if "fp8_kv_us" in row:
+            line += f" {row['fp8_kv_us']:10.1f} {row['fp8_kv_us'] / row['ours_us']:6.2f}x"
+        lines.append(line)
+        if "unshared_us" in row:
+            lines.append(f"{'  same, prefix read per request':34} {'':10} {row['unshared_us']:9.1f}")
+        if "tuned_us" in row:
+            c = row["config"]
+            gbs = row["bytes"] / row["tuned_us"] / 1e3
+            lines.append(
+                f"{'  best swept':34} {'':10} {row['tuned_us']:9.1f} {'':9} "
+                f"{row['sdpa_us'] / row['tuned_us']:7.2f}x {gbs:7.0f} {gbs / read_gbs:7.0%}  "
+                f"n={c.block_n} w={c.num_warps} st={c.num_stages} tp={c.target_programs} "
+                f"min={c.min_split_tokens} fused={c.fused_merge} splits={row.get('splits', c.prefix_splits)}"
+            )
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

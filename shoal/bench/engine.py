@@ -25,6 +25,7 @@ import argparse
 import datetime
 import functools
 import gc
+import itertools
 import json
 import os
 import shlex
@@ -283,6 +284,7 @@ def run_engine_bench(
     max_seq_len: int | None = None,
     prefill_graphs: bool = True,
     prefill_graph_segments: int = EngineConfig.prefill_graph_segments,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict]:
     """One result dict per concurrency. With `step_timing` (on a GPU) each also carries the decode
     step at batch = concurrency timed as CUDA-graph replays at `step_context` keys (default
@@ -311,6 +313,7 @@ def run_engine_bench(
         weight_format=weight_format,
         prefill_graphs=None if prefill_graphs else False,
         prefill_graph_segments=prefill_graph_segments,
+        kv_cache_dtype=kv_cache_dtype,
     )
     core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
@@ -336,6 +339,7 @@ def run_engine_bench(
             )
         result["shared_prefix"] = shared_prefix
         result["weight_format"] = weight_format
+        result["kv_cache_dtype"] = kv_cache_dtype
         result["prompt_tokens"] = prompt_tokens
         result["max_seq_len"] = config.max_seq_len
         result["prefill_graphs"] = core.runner.prefill_graphs is not None
@@ -455,6 +459,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one or more, run one after the other (`bf16 fp8`: ratios side by side)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=("auto", "fp8"),
+        default=["auto"],
+        help="KV cache storage, one or more (EngineConfig.kv_cache_dtype; `auto fp8`: side by side)",
+    )
+    parser.add_argument(
         "--fp8-sweep",
         type=int,
         nargs="*",
@@ -471,26 +482,29 @@ def run(args: argparse.Namespace) -> int:
         free_gpu()
         print_sweep(sweep)
     all_results = []
-    for weight_format in args.weight_format:
-        for shared in args.shared_prefix:
-            all_results += run_engine_bench(
-                args.checkpoint,
-                args.concurrency,
-                frames=args.frames,
-                prompt_tokens=args.prompt_tokens,
-                shared_prefix=shared,
-                device=args.device,
-                dtype=args.dtype,
-                use_cuda_graphs=not args.no_graphs,
-                naive=not args.no_naive and shared == args.shared_prefix[0],
-                breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
-                weight_format=weight_format,
-                step_context=args.step_context,
-                max_seq_len=args.max_seq_len,
-                prefill_graphs=args.prefill_graphs == "on",
-                prefill_graph_segments=args.prefill_graph_segments,
-            )
-            free_gpu()
+    first_level = (args.shared_prefix[0], args.kv_cache_dtype[0])  # the naive loop runs once
+    for weight_format, kv_cache_dtype, shared in itertools.product(
+        args.weight_format, args.kv_cache_dtype, args.shared_prefix
+    ):
+        all_results += run_engine_bench(
+            args.checkpoint,
+            args.concurrency,
+            frames=args.frames,
+            prompt_tokens=args.prompt_tokens,
+            shared_prefix=shared,
+            device=args.device,
+            dtype=args.dtype,
+            use_cuda_graphs=not args.no_graphs,
+            naive=not args.no_naive and (shared, kv_cache_dtype) == first_level,
+            breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
+            weight_format=weight_format,
+            step_context=args.step_context,
+            max_seq_len=args.max_seq_len,
+            prefill_graphs=args.prefill_graphs == "on",
+            prefill_graph_segments=args.prefill_graph_segments,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        free_gpu()
     print_results(all_results)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -560,7 +574,7 @@ def print_results(all_results: list[dict]) -> None:
     from shoal.bench.gate import check_targets, select_results
 
     header = (
-        f"{'format':>6} {'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} "
+        f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} "
         f"{'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"
     )
     print(header)
@@ -568,7 +582,8 @@ def print_results(all_results: list[dict]) -> None:
         step = "-" if "decode_step_ms" not in r else f"{r['decode_step_ms']:.3f}"
         decode = "-" if "decode_frames_per_s" not in r else f"{r['decode_frames_per_s']:.1f}"
         print(
-            f"{r['weight_format']:>6} {r['concurrency']:>5} {r['shared_prefix']:>6} "
+            f"{r['weight_format']:>6} {r.get('kv_cache_dtype', 'auto'):>4} {r['concurrency']:>5} "
+            f"{r['shared_prefix']:>6} "
             f"{r['aggregate_frames_per_s']:>9.1f} {r['per_request_frames_per_s']:>8.1f} "
             f"{r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m {r['gpu_memory_gib']:>6.1f} "
             f"{step:>8} {decode:>8}"
@@ -594,10 +609,12 @@ def print_results(all_results: list[dict]) -> None:
 
 
 def ratio_lines(all_results: list[dict]) -> list[str]:
-    """fp8 / bf16 per (concurrency, shared prefix) measured in this run (ttff: bf16 / fp8)."""
-    bf16 = {(r["concurrency"], r["shared_prefix"]): r for r in all_results if r["weight_format"] == "bf16"}
+    """fp8 / bf16 weights per (concurrency, shared prefix) measured in this run, KV in the model
+    dtype (ttff: bf16 / fp8); then fp8 / model-dtype KV cache per weight format."""
     lines = []
-    for r in all_results:
+    model_kv = [r for r in all_results if r.get("kv_cache_dtype", "auto") == "auto"]
+    bf16 = {(r["concurrency"], r["shared_prefix"]): r for r in model_kv if r["weight_format"] == "bf16"}
+    for r in model_kv:
         base = bf16.get((r["concurrency"], r["shared_prefix"]))
         if r["weight_format"] != "fp8" or base is None:
             continue
@@ -612,5 +629,17 @@ def ratio_lines(all_results: list[dict]) -> list[str]:
             line += f"; decode step {base['decode_step_ms'] / r['decode_step_ms']:.2f}x"
         for b, bb in zip(r.get("breakdown", []), base.get("breakdown", []), strict=False):
             line += f"; step bs={b['batch']} {bb['step_ms'] / b['step_ms']:.2f}x"
+        lines.append(line)
+    by_key = {(r["weight_format"], r["concurrency"], r["shared_prefix"]): r for r in model_kv}
+    for r in all_results:
+        base = by_key.get((r["weight_format"], r["concurrency"], r["shared_prefix"]))
+        if r.get("kv_cache_dtype") != "fp8" or base is None:
+            continue
+        line = (
+            f"kv fp8/auto {r['weight_format']} conc {r['concurrency']} prefix {r['shared_prefix']}: "
+            f"aggregate {r['aggregate_frames_per_s'] / base['aggregate_frames_per_s']:.3f}x"
+        )
+        if "decode_step_ms" in r and "decode_step_ms" in base:
+            line += f", decode step {base['decode_step_ms'] / r['decode_step_ms']:.3f}x faster"
         lines.append(line)
     return lines

@@ -143,7 +143,12 @@ GREEDY = dict(temperature=1.0, top_p=1.0, top_k=1, seed=0)
 
 @torch.no_grad()
 def engine_greedy(
-    model: nn.Module, prompt: Tensor, frames: int, weight_format: str, quantize_activations: bool = True
+    model: nn.Module,
+    prompt: Tensor,
+    frames: int,
+    weight_format: str,
+    quantize_activations: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> Tensor:
     """Greedy frames int32 [N+1, F] of one request through the batching engine (`EngineCore`): the
     fused decode step with FP8 kernels and a CUDA graph on a GPU, the reference step on the CPU."""
@@ -162,6 +167,7 @@ def engine_greedy(
         page_size=page_size,
         num_pages=-(-(prompt.shape[1] + frames) // page_size) + 2,
         graph_buckets=(1,),
+        kv_cache_dtype=kv_cache_dtype,
     )
     core = EngineCore(model, config)
     params = SamplingParams(repetition_penalty=1.0, **GREEDY)
@@ -221,7 +227,9 @@ def run_correctness(args: argparse.Namespace) -> int:
     if args.path == "engine":
 
         def fp8_frames(prompt: Tensor, frames: int) -> Tensor:
-            return engine_greedy(fp8_model, prompt, frames, "fp8", args.quantize_activations)
+            return engine_greedy(
+                fp8_model, prompt, frames, "fp8", args.quantize_activations, args.kv_cache_dtype
+            )
 
     from shoal.kernels.fp8_gemm import bf16_partials_everywhere
 
@@ -235,7 +243,8 @@ def run_correctness(args: argparse.Namespace) -> int:
             fp8_frames,
         )
     partials = ", split-K partials in bf16" if args.bf16_partials else ""
-    print(f"FP8 frames through the {args.path} path{partials}")
+    kv = ", FP8 KV cache" if args.kv_cache_dtype == "fp8" and args.path == "engine" else ""
+    print(f"FP8 frames through the {args.path} path{partials}{kv}")
     print(result.report())
     return 0 if result.passed else 1
 
@@ -400,11 +409,14 @@ TARGETS: dict[str, list[tuple[str, int, str, str, float]]] = {
 
 
 def select_results(results: Sequence[dict], weight_format: str) -> list[dict]:
-    """The rows of one weight format (rows without the key are bf16) and no shared voice prefix."""
+    """The rows of one weight format (rows without the key are bf16), the KV cache in the model
+    dtype (the baselines' setting) and no shared voice prefix."""
     return [
         r
         for r in results
-        if r.get("weight_format", "bf16") == weight_format and int(r.get("shared_prefix", 0)) == 0
+        if r.get("weight_format", "bf16") == weight_format
+        and r.get("kv_cache_dtype", "auto") == "auto"
+        and int(r.get("shared_prefix", 0)) == 0
     ]
 
 
@@ -744,6 +756,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="every split-K FP8 GEMM stores bf16 partials (GemmConfig.bf16_partials): the gate's "
         "verdict before a tuned table adopts them (the Triton GEMMs run on a GPU only)",
+    )
+    correctness.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the engine path's KV cache (EngineConfig.kv_cache_dtype): fp8 gates FP8 weights with an "
+        "e4m3 KV cache against the bf16 model",
     )
     performance = sub.add_parser(
         "performance",

@@ -29,7 +29,7 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.engine.api import EngineStats, FinishReason, InvalidRequest, Priority
-from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page
+from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page, kv_storage_dtype
 from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.runner import ModelRunner, PendingDecode
 from shoal.engine.scheduler import Scheduler, StepPlan
@@ -47,7 +47,8 @@ def size_page_pool(model, config: EngineConfig, max_seq_len: int) -> int:
         return config.num_pages
     c = model.config
     weight = model.embeddings.weight
-    per_page = kv_bytes_per_page(c.n_layer, config.page_size, c.n_local_heads, c.head_dim, weight.dtype)
+    kv_dtype = kv_storage_dtype(config, weight.dtype)
+    per_page = kv_bytes_per_page(c.n_layer, config.page_size, c.n_local_heads, c.head_dim, kv_dtype)
     if weight.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(weight.device)
         return max(1, int(free * config.memory_fraction) // per_page)

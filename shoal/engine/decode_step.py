@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shoal.engine.kv_cache import LayerKV
 from shoal.models.sampling import (
     MAIN_SLOT,
     RAS_SLOT,
@@ -245,9 +246,9 @@ class DecodeStep:
         residual = model.embed(tokens)
         return self._layers(
             model.layers, residual, model.norm.weight, buffers.positions, model.rope,
-            lambda i: (self.kv.k[i], self.kv.v[i]), buffers.slots,
-            lambda q, k, v, out_fp8: paged_decode_attention(
-                q, k, v, buffers.block_tables, buffers.kv_lens, out_fp8=out_fp8
+            self.kv.layer, buffers.slots,
+            lambda q, pools, out_fp8: paged_decode_attention(
+                q, pools.k, pools.v, buffers.block_tables, buffers.kv_lens, out_fp8=out_fp8, **pools.scales
             ),
         )  # fmt: skip
 
@@ -262,9 +263,9 @@ class DecodeStep:
         tables, seq_lens, starts, max_query = meta
         return self._layers(
             model.layers, model.embed(tokens), model.norm.weight, positions, model.rope,
-            lambda i: (self.kv.k[i], self.kv.v[i]), slots,
-            lambda q, k, v, out_fp8: paged_prefill_attention(
-                q, k, v, tables, seq_lens, starts, max_query, out_fp8=out_fp8
+            self.kv.layer, slots,
+            lambda q, pools, out_fp8: paged_prefill_attention(
+                q, pools.k, pools.v, tables, seq_lens, starts, max_query, out_fp8=out_fp8, **pools.scales
             ),
         )  # fmt: skip
 
@@ -275,10 +276,10 @@ class DecodeStep:
         `norm_slice_groups` and a decode-sized batch the norms split rows over programs and write
         the residual stream into the other of two buffers (ping-pong), else in place. With FP8
         weights, a norm or attention whose output feeds a W8A8 projection writes it quantized
-        (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `attend(q, k_pages,
-        v_pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair it filled. `rope_attend(i, qkv,
-        out_fp8)`, when given, replaces QK-norm/RoPE/KV write and `attend` by one call (the fast
-        transformer's `kernels/fast_attention.py`)."""
+        (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `pages(i)` gives
+        layer i's `LayerKV`; `attend(q, pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair
+        it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
+        `attend` by one call (the fast transformer's `kernels/fast_attention.py`)."""
         from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
 
@@ -322,13 +323,14 @@ class DecodeStep:
             if rope_attend is not None:
                 attended = rope_attend(i, qkv, target)
             else:
-                k_pages, v_pages = pages(i)
+                pools = pages(i)
                 q = qk_norm_rope_kv_write(
-                    qkv, positions, rope, k_pages, v_pages, slots, attn.n_head, attn.n_local_heads,
+                    qkv, positions, rope, pools.k, pools.v, slots, attn.n_head, attn.n_local_heads,
                     attn.q_norm.weight if attn.qk_norm else None,
                     attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
+                    **pools.scales,
                 )  # fmt: skip
-                attended = attend(q, k_pages, v_pages, target)  # `target` filled, or [T, Hq, D]
+                attended = attend(q, pools, target)  # `target` filled, or [T, Hq, D]
             if target is None:
                 attended = attended.reshape(tokens, -1)
             if fp8 is None:
@@ -366,15 +368,15 @@ class DecodeStep:
                 self.pass0_starts[: batch + 1],
             )
 
-            def attend(q, kp, vp, out_fp8):
-                return paged_prefill_attention(q, kp, vp, tables, lens, starts, 2, out_fp8=out_fp8)
+            def attend(q, pools, out_fp8):
+                return paged_prefill_attention(q, pools.k, pools.v, tables, lens, starts, 2, out_fp8=out_fp8)
         else:
             batch = x.shape[0]
             positions, slots = self.pass_positions[k][:batch], self.pass_slots[k][:batch]
             tables, lens = self.fast_tables[:batch], self.pass_lens[k][:batch]
 
-            def attend(q, kp, vp, out_fp8):
-                return paged_decode_attention(q, kp, vp, tables, lens, out_fp8=out_fp8)
+            def attend(q, pools, out_fp8):
+                return paged_decode_attention(q, pools.k, pools.v, tables, lens, out_fp8=out_fp8)
 
         rope_attend = None
         if batch <= self.fused_fast_max_batch:
@@ -394,7 +396,7 @@ class DecodeStep:
         residual = x.contiguous()
         residual, normed = self._layers(
             model.fast_layers, residual, model.fast_norm.weight, positions, model.fast_rope,
-            lambda i: (self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend, rope_attend,
+            lambda i: LayerKV(self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend, rope_attend,
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]

@@ -187,14 +187,49 @@ class KVCacheManager:
         self._prefixes[key] = PrefixEntry(key, pages, num_tokens, next(self._clock))
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def kv_storage_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
+    """What the pages hold under `EngineConfig.kv_cache_dtype`: the model dtype ("auto") or e4m3."""
+    return FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else model_dtype
+
+
 def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Keys and values of one page over all layers; an e4m3 cache adds one fp32 scale per
+    (token, kv head) to each."""
+    vector = head_dim * torch.empty((), dtype=dtype).element_size()
+    if dtype == FP8_KV_DTYPE:
+        vector += 4
+    return 2 * num_layers * page_size * num_kv_heads * vector
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's page pools, as the kernels take them: `k`/`v` `[pages, page_size, Hkv, D]`,
+    and for an e4m3 cache the fp32 scales `[pages, page_size, Hkv]` (else None)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict[str, torch.Tensor | None]:
+        """The keyword arguments the attention and KV-write kernels take the scales as."""
+        return {"k_scales": self.k_scales, "v_scales": self.v_scales}
 
 
 class PagedKV:
     """The KV tensors, k/v `[num_pages + 1, page_size, Hkv, D]` per layer, and the model's
     AttentionBackend over them. The extra last page is scratch: padded batch rows of a CUDA
     graph write there, so they never touch a page a request owns.
+
+    `kv_dtype=torch.float8_e4m3fn` (`EngineConfig.kv_cache_dtype="fp8"`) stores e4m3 keys and
+    values with one fp32 scale per (token, kv head), `k_scales`/`v_scales` `[num_pages + 1,
+    page_size, Hkv]` per layer (`kernels.reference.quantize_kv`): half the bytes a decode step's
+    attention reads, and about twice the tokens per GiB. Attention then runs on the dequantized
+    values (the kernels fold the scales into the scores and probabilities).
 
     Two modes, set before each forward:
     - varlen (`set_varlen`): any mix of sequences with any number of new tokens (prefill
@@ -212,10 +247,17 @@ class PagedKV:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        stored = dtype if kv_dtype is None else kv_dtype
+        if stored not in (dtype, FP8_KV_DTYPE):
+            raise ValueError(f"the KV cache holds the model dtype or e4m3, got {stored}")
+        self.k = torch.zeros(shape, dtype=stored, device=device)
+        self.v = torch.zeros(shape, dtype=stored, device=device)
+        self.fp8 = stored == FP8_KV_DTYPE
+        self.k_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.fp8 else None
+        self.v_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.fp8 else None
         self.page_size = page_size
         self.scratch_page = num_pages
         self._mode = "none"
@@ -225,6 +267,11 @@ class PagedKV:
         self._kv_lens: torch.Tensor | None = None
         self._prefill_meta: tuple | None = None
         self.force_kernel_prefill = False  # build the kernels' metadata off CUDA too (interpreter tests)
+
+    def layer(self, i: int) -> LayerKV:
+        if self.fp8:
+            return LayerKV(self.k[i], self.v[i], self.k_scales[i], self.v_scales[i])
+        return LayerKV(self.k[i], self.v[i])
 
     def slot_of(self, pages: list[int], position: int) -> int:
         return pages[position // self.page_size] * self.page_size + position % self.page_size
@@ -259,8 +306,31 @@ class PagedKV:
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         flat = self.k.shape[1] * self.page_size
+        if self.fp8:
+            from shoal.kernels.reference import quantize_kv
+
+            (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+            self.k_scales[layer].view(flat, -1).index_copy_(0, self._slots, k_scale)
+            self.v_scales[layer].view(flat, -1).index_copy_(0, self._slots, v_scale)
+            # index_copy_ has no e4m3 kernel (CPU): the bytes are copied as bytes.
+            for pool, values in ((self.k, k), (self.v, v)):
+                pool[layer].view(torch.uint8).view(flat, *k.shape[1:]).index_copy_(
+                    0, self._slots, values.view(torch.uint8)
+                )
+            return
         self.k[layer].view(flat, *k.shape[1:]).index_copy_(0, self._slots, k)
         self.v[layer].view(flat, *v.shape[1:]).index_copy_(0, self._slots, v)
+
+    def _gathered(
+        self, layer: int, index: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the pages `index` (any shape), in `dtype` (dequantized)."""
+        if not self.fp8:
+            return self.k[layer][index], self.v[layer][index]
+        from shoal.kernels.reference import dequantize_kv
+
+        keys = dequantize_kv(self.k[layer][index], self.k_scales[layer][index], dtype)
+        return keys, dequantize_kv(self.v[layer][index], self.v_scales[layer][index], dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._store(layer, k, v)
@@ -270,13 +340,14 @@ class PagedKV:
             raise RuntimeError("PagedKV.attend before set_varlen/set_decode")
         if self._prefill_meta is not None and _triton_prefill is not None:
             tables, seq_lens, starts, max_query = self._prefill_meta
-            return _triton_prefill(q, self.k[layer], self.v[layer], tables, seq_lens, starts, max_query)
+            pools = self.layer(layer)
+            return _triton_prefill(q, pools.k, pools.v, tables, seq_lens, starts, max_query, **pools.scales)
         out = torch.empty_like(q)
         for offset, count, kv_len, pages in self._segments:
             n_pages = -(-kv_len // self.page_size)
             index = torch.tensor(pages[:n_pages], device=q.device)
-            keys = self.k[layer][index].flatten(0, 1)[:kv_len]
-            values = self.v[layer][index].flatten(0, 1)[:kv_len]
+            keys, values = self._gathered(layer, index, q.dtype)
+            keys, values = keys.flatten(0, 1)[:kv_len], values.flatten(0, 1)[:kv_len]
             query_pos = torch.arange(kv_len - count, kv_len, device=q.device)
             mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
             attended = F.scaled_dot_product_attention(
@@ -291,11 +362,13 @@ class PagedKV:
 
     def _attend_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if _triton_decode is not None and q.is_cuda:
-            return _triton_decode(q, self.k[layer], self.v[layer], self._block_tables, self._kv_lens)
+            pools = self.layer(layer)
+            return _triton_decode(q, pools.k, pools.v, self._block_tables, self._kv_lens, **pools.scales)
         batch, pages = self._block_tables.shape
         index = self._block_tables.long()
-        keys = self.k[layer][index].view(batch, pages * self.page_size, *self.k.shape[-2:])
-        values = self.v[layer][index].view(batch, pages * self.page_size, *self.v.shape[-2:])
+        keys, values = self._gathered(layer, index, q.dtype)
+        keys = keys.view(batch, pages * self.page_size, *self.k.shape[-2:])
+        values = values.view(batch, pages * self.page_size, *self.v.shape[-2:])
         visible = torch.arange(pages * self.page_size, device=q.device)[None, :] < self._kv_lens[:, None]
         attended = F.scaled_dot_product_attention(
             q[:, :, None, :],

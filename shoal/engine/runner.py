@@ -37,7 +37,7 @@ from torch import Tensor
 
 from shoal.config import EngineConfig
 from shoal.engine.batch import DecodeBuffers, HostBatch
-from shoal.engine.kv_cache import PagedKV
+from shoal.engine.kv_cache import PagedKV, kv_storage_dtype
 from shoal.engine.prefill_batch import Chunk, PrefillBatch
 from shoal.engine.request import Request
 from shoal.models.reference import decode_frame
@@ -181,8 +181,9 @@ class ModelRunner:
         self.max_pages = -(-max_seq_len // config.page_size)
         self.max_batch = config.max_running_requests
         self.kv = PagedKV(
-            mc.n_layer, num_pages, config.page_size, mc.n_local_heads, mc.head_dim, self.dtype, self.device
-        )
+            mc.n_layer, num_pages, config.page_size, mc.n_local_heads, mc.head_dim, self.dtype, self.device,
+            kv_dtype=kv_storage_dtype(config, self.dtype),
+        )  # fmt: skip
         on_gpu = self.device.type == "cuda"
         _prepare_weights(model, config)
         self.step = None

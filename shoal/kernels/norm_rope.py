@@ -10,6 +10,10 @@ path rounds where the reference rounds:
   table `[max_pos, head_dim // 2, 2]` (`models.layers.rope_table`), then cast back.
 The KV write uses the paged layout of `kernels/attention.py`: `slot = page * page_size + offset`
 per token, a negative slot skipping the token (padding rows of a CUDA-graph batch).
+With float8_e4m3fn pools it writes an FP8 KV cache: each (token, kv head) vector is the bf16 vector
+the bf16 pool would hold (k after norm + RoPE, v as loaded), quantized with one fp32 scale
+(amax / 448) stored in `k_scales`/`v_scales` [num_pages, page_size, Hkv], bit for bit
+`reference.quantize_kv` of that bf16 vector.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from torch import Tensor
 
 from shoal.kernels.fp8_gemm import SplitKPartials
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
-from shoal.kernels.quant import FP8_MAX, GROUP, MIN_SCALE, _quantize_groups, check_activation_scales
+from shoal.kernels.quant import (
+    FP8_MAX,
+    GROUP,
+    MIN_SCALE,
+    _quantize_groups,
+    check_activation_scales,
+    quantize_by,
+)
 
 
 def interpreting() -> bool:
@@ -75,17 +86,26 @@ def _rms_scale(
 
 
 @triton.jit
+def _kv_scale(amax, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr):
+    """A KV vector's fp32 scale from its amax, as `_quantize_groups` computes a group's."""
+    return tl.maximum(amax / FP8_MAX_, MIN_SCALE_)
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, positions_ptr, table_ptr, q_norm_ptr, k_norm_ptr, slots_ptr,
-    q_out_ptr, k_pages_ptr, v_pages_ptr, eps,
+    q_out_ptr, k_pages_ptr, v_pages_ptr, k_scales_ptr, v_scales_ptr, eps,
     stride_qkv, stride_qkv_s, stride_table, stride_qo_t, stride_qo_h, stride_page, stride_pos,
     stride_head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, PARTS: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
     EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, Hq + Hkv): program (t, h) rotates q head h, or for h >= Hq normalizes/rotates
     k head h-Hq and writes it and v head h-Hq into the page pools. With PARTS > 0 qkv is a
-    split-K GEMM's partials, summed while loading."""
+    split-K GEMM's partials, summed while loading. With KV_FP8 the pools are e4m3: each head
+    vector is rounded to bf16 (the bits the bf16 pools would get), then quantized with one scale
+    (amax / 448), stored at `place // HEAD_DIM` of the contiguous [pages, page, Hkv] scales."""
     wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -115,14 +135,29 @@ def _qk_norm_rope_kv_kernel(
             f1 = x1.to(tl.float32)
             place = (slot // PAGE) * stride_page + (slot % PAGE) * stride_pos + kv_head * stride_head
             k_dest = k_pages_ptr + place
-            k_type = k_pages_ptr.dtype.element_ty
-            tl.store(k_dest + 2 * offs, cast_rne(f0 * cos - f1 * sin, k_type, EMULATE))
-            tl.store(k_dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, k_type, EMULATE))
+            if KV_FP8:
+                k0 = cast_rne(f0 * cos - f1 * sin, tl.bfloat16, EMULATE).to(tl.float32)
+                k1 = cast_rne(f1 * cos + f0 * sin, tl.bfloat16, EMULATE).to(tl.float32)
+                k_amax = tl.maximum(tl.max(tl.abs(k0), 0), tl.max(tl.abs(k1), 0))
+                k_scale = _kv_scale(k_amax, FP8_MAX_, MIN_SCALE_)
+                tl.store(k_dest + 2 * offs, quantize_by(k0, k_scale, FP8_MAX_))
+                tl.store(k_dest + 2 * offs + 1, quantize_by(k1, k_scale, FP8_MAX_))
+                tl.store(k_scales_ptr + place // HEAD_DIM, k_scale)
+            else:
+                k_type = k_pages_ptr.dtype.element_ty
+                tl.store(k_dest + 2 * offs, cast_rne(f0 * cos - f1 * sin, k_type, EMULATE))
+                tl.store(k_dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, k_type, EMULATE))
             full = tl.arange(0, HEAD_DIM)
             v = load_summing_partials(
                 row + NUM_KV_HEADS * HEAD_DIM, full, full < HEAD_DIM, stride_qkv_s, PARTS, EMULATE
             )
-            tl.store(v_pages_ptr + place + full, v.to(v_pages_ptr.dtype.element_ty))
+            if KV_FP8:  # the bf16 pool's value: a no-op on bf16 input (and on summed partials)
+                vf = cast_rne(v, tl.bfloat16, EMULATE).to(tl.float32)
+                v_scale = _kv_scale(tl.max(tl.abs(vf), 0), FP8_MAX_, MIN_SCALE_)
+                tl.store(v_pages_ptr + place + full, quantize_by(vf, v_scale, FP8_MAX_))
+                tl.store(v_scales_ptr + place // HEAD_DIM, v_scale)
+            else:
+                tl.store(v_pages_ptr + place + full, v.to(v_pages_ptr.dtype.element_ty))
 
 
 def _consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch.dtype]:
@@ -132,6 +167,41 @@ def _consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch
     if isinstance(x, SplitKPartials):
         return x.parts[0], x.parts.shape[0], x.parts.stride(0), torch.bfloat16
     return x, 0, 0, x.dtype
+
+
+def _check_kv_scales(
+    k_pages: Tensor,
+    v_pages: Tensor,
+    k_scales: Tensor | None,
+    v_scales: Tensor | None,
+    n_kv_heads: int,
+    head_dim: int,
+) -> bool:
+    """True for an FP8 KV cache (e4m3 pools, scales checked); raise on any inconsistent mix."""
+    fp8 = torch.float8_e4m3fn
+    if k_pages.dtype != fp8 and v_pages.dtype != fp8:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError("k_scales/v_scales are only for float8_e4m3fn k_pages/v_pages")
+        return False
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"k_pages and v_pages must both be float8_e4m3fn, got {k_pages.dtype}, {v_pages.dtype}"
+        )
+    if k_scales is None or v_scales is None:
+        raise ValueError("float8_e4m3fn k_pages/v_pages need k_scales and v_scales")
+    if k_pages.dim() != 4 or tuple(k_pages.shape[2:]) != (n_kv_heads, head_dim):
+        raise ValueError(
+            f"fp8 pages must be [num_pages, page_size, {n_kv_heads}, {head_dim}], got {k_pages.shape}"
+        )
+    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+        raise ValueError("fp8 k_pages and v_pages must be contiguous")
+    want = tuple(k_pages.shape[:3])
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales.dtype != torch.float32 or tuple(scales.shape) != want or not scales.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous float32 {list(want)}, got {scales.dtype} {list(scales.shape)}"
+            )
+    return True
 
 
 def qk_norm_rope_kv_write(
@@ -147,10 +217,16 @@ def qk_norm_rope_kv_write(
     k_norm_weight: Tensor | None = None,
     eps: float = 1e-6,
     q_out: Tensor | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """qkv [T, (Hq+2Hkv)*D] (rows contiguous) -> rotated q [T, Hq, D]; k (normed, rotated) and
     v go into the page pools at `slot_mapping` [T]. Norm weights: S1/S2 only (None skips).
-    qkv may be the qkv GEMM's `SplitKPartials` (summed while loading; q then comes out bf16)."""
+    qkv may be the qkv GEMM's `SplitKPartials` (summed while loading; q then comes out bf16).
+
+    FP8 KV cache: with float8_e4m3fn pools [num_pages, page_size, Hkv, D] (contiguous), pass
+    `k_scales`/`v_scales` float32 [num_pages, page_size, Hkv] (contiguous); each written vector is
+    `reference.quantize_kv` of the bf16 vector a bf16 pool would get, its scale stored alongside."""
     qkv, count, split_stride, qkv_dtype = _consumer_input(qkv)
     tokens, width = qkv.shape
     head_dim = width // (n_q_heads + 2 * n_kv_heads)
@@ -158,6 +234,7 @@ def qk_norm_rope_kv_write(
         raise ValueError("qkv rows and the rope table's [D/2, 2] rows must be contiguous")
     if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1:
         raise ValueError("k_pages and v_pages must share one layout with head_dim innermost")
+    kv_fp8 = _check_kv_scales(k_pages, v_pages, k_scales, v_scales, n_kv_heads, head_dim)
     q_out = (
         torch.empty(tokens, n_q_heads, head_dim, dtype=qkv_dtype, device=qkv.device)
         if q_out is None
@@ -170,11 +247,13 @@ def qk_norm_rope_kv_write(
         qkv, positions, rope_table,
         q_norm_weight if q_norm_weight is not None else dummy,
         k_norm_weight if k_norm_weight is not None else dummy,
-        slot_mapping, q_out, k_pages, v_pages, eps,
+        slot_mapping, q_out, k_pages, v_pages,
+        k_scales if kv_fp8 else k_pages, v_scales if kv_fp8 else k_pages, eps,
         qkv.stride(0), split_stride, rope_table.stride(0), q_out.stride(0), q_out.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         NUM_Q_HEADS=n_q_heads, NUM_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, PAGE=k_pages.shape[1],
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, PARTS=count,
+        KV_FP8=kv_fp8, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
         EMULATE=interpreting(), num_warps=1, **pdl_launch(),
     )  # fmt: skip
     return q_out

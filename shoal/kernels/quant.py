@@ -79,13 +79,20 @@ def silu_times(gate, up):
 
 
 @triton.jit
+def quantize_by(x, scale, fp8_max: tl.constexpr):
+    """e4m3 of fp32 x / scale (scale broadcast against x): IEEE division rounded to nearest,
+    saturated to +-fp8_max, rounded to the e4m3 grid (ties to even), then cast (exact)."""
+    q = tl.div_rn(x, scale)
+    q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
+    return _round_to_e4m3_grid(q).to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_groups(x, fp8_max: tl.constexpr, min_scale: tl.constexpr):
     """x: fp32 [G, 128] (masked-out lanes zero) -> (e4m3 [G, 128], fp32 scales [G])."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.maximum(amax / fp8_max, min_scale)
-    q = tl.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
-    return _round_to_e4m3_grid(q).to(tl.float8e4nv), scale
+    return quantize_by(x, scale[:, None], fp8_max), scale
 
 
 @triton.jit

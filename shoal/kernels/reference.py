@@ -6,7 +6,9 @@ place to look. Layouts:
 
 - weights: e4m3 [N, K] (nn.Linear layout) with fp32 scales [ceil(N/128), ceil(K/128)], one per
   128x128 block, row-major contiguous: `scale[n // 128, k // 128]`;
-- activations: e4m3 [M, K] with fp32 scales [M, ceil(K/128)], one per token per 128 columns.
+- activations: e4m3 [M, K] with fp32 scales [M, ceil(K/128)], one per token per 128 columns;
+- FP8 KV cache: e4m3 keys/values [..., Hkv, D] with fp32 scales [..., Hkv], one per (token, kv
+  head): amax / 448 of the bf16 vector the cache would hold otherwise.
 """
 
 from __future__ import annotations
@@ -53,6 +55,20 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     m, k = q.shape
     expanded = scale.repeat_interleave(BLOCK, dim=1)[:, :k]
     return q.float() * expanded
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (e4m3 [..., D], fp32 [...]): one scale per vector (a token's kv head),
+    amax / 448, values divided (IEEE, round to nearest) and rounded to e4m3 (ties to even)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_kv`: q * scale in fp32, then cast to `dtype`."""
+    return (q.float() * scale[..., None].float()).to(dtype)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

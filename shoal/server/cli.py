@@ -7,7 +7,7 @@ import argparse
 import logging
 import os
 
-from shoal.config import EngineConfig, default_overlap_steps
+from shoal.config import KV_CACHE_DTYPES, EngineConfig, default_overlap_steps
 from shoal.server.keys_cli import add_storage_arguments
 
 log = logging.getLogger("shoal.server")
@@ -96,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: fp8 for a `shoal quantize` checkpoint, else bf16 (SHOAL_WEIGHT_FORMAT)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=env("KV_CACHE_DTYPE") or "auto",
+        help="KV cache storage: auto (the model dtype) or fp8 (e4m3, one scale per token and kv head: "
+        "about twice the tokens per GiB, lossy; docs/quantization.md) (SHOAL_KV_CACHE_DTYPE)",
+    )
+    parser.add_argument(
         "--max-running-requests",
         type=int,
         default=int(env("MAX_RUNNING_REQUESTS", "256") or 256),
@@ -152,6 +159,7 @@ def build_engine(args: argparse.Namespace):
         overlap_steps=args.overlap_steps,
         prefill_graph_segments=args.prefill_graph_segments,
         vocoder_max_chunk_frames=args.vocoder_max_chunk_frames,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     config.queue_limits = {**config.queue_limits, **dict(args.queue_limit)}
     return load_engine(
