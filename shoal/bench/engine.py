@@ -240,16 +240,16 @@ def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
     full = time_graph_ms(lambda: step(view), repeats=PART_REPEATS)
     slow = time_graph_ms(lambda: step.slow(view), repeats=PART_REPEATS)
     q = torch.randn(batch, 32, 128, device=runner.device, dtype=runner.dtype)
-    k_pages, v_pages = kv.k[0], kv.v[0]
+    pools = kv.layer(0)
     triton_ms = time_graph_ms(
-        lambda: paged_decode_attention(q, k_pages, v_pages, view.block_tables, view.kv_lens),
+        lambda: paged_decode_attention(q, pools.k, pools.v, view.block_tables, view.kv_lens, **pools.scales),
         repeats=PART_REPEATS,
     )
     index = view.block_tables[:, :pages_per_row].long()
 
-    def sdpa():
-        keys = k_pages[index].flatten(1, 2)[:, :context].transpose(1, 2)
-        values = v_pages[index].flatten(1, 2)[:, :context].transpose(1, 2)
+    def sdpa():  # over the model-dtype values (an FP8 cache's bytes, widened: a reference time)
+        keys = pools.k[index].to(q.dtype).flatten(1, 2)[:, :context].transpose(1, 2)
+        values = pools.v[index].to(q.dtype).flatten(1, 2)[:, :context].transpose(1, 2)
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
 
     sdpa_ms = time_graph_ms(sdpa, repeats=PART_REPEATS)
