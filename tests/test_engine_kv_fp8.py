@@ -191,6 +191,7 @@ def test_fused_prefill_over_an_fp8_cache_tracks_the_torch_path(golden_dir) -> No
         keys = dequantize_kv(kv.k[:, :7], kv.k_scales[:, :7])
         outputs.append((hidden, keys))
     (hidden_t, keys_t), (hidden_k, keys_k) = outputs
+
     def relative(a, b) -> float:
         return ((a - b).norm() / b.norm()).item()
 

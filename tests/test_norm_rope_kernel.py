@@ -440,11 +440,11 @@ def test_fp8_kv_write_checks_pools_and_scales() -> None:
         write(k8, v8)
     with pytest.raises(ValueError, match="need k_scales and v_scales"):
         write(k8, v8, ks)
-    with pytest.raises(ValueError, match="only for float8_e4m3fn"):
+    with pytest.raises(ValueError, match="for float8_e4m3fn KV pages only"):
         write(k16, v16, ks, vs)
-    with pytest.raises(ValueError, match="only for float8_e4m3fn"):
+    with pytest.raises(ValueError, match="for float8_e4m3fn KV pages only"):
         write(k16, v16, None, vs)
-    with pytest.raises(ValueError, match="both be float8_e4m3fn"):
+    with pytest.raises(ValueError, match="must have the same dtype"):
         write(k8, v16, ks, vs)
     with pytest.raises(ValueError, match="must be contiguous float32"):
         write(k8, v8, ks.to(torch.bfloat16), vs)

@@ -56,6 +56,7 @@ from shoal.kernels.quant import (
     MIN_SCALE,
     _quantize_groups,
     check_activation_scales,
+    check_kv_scales,
     round_to_bf16,
 )
 
@@ -460,36 +461,8 @@ def _check_inputs(
     hq, hkv, d = q.shape[1], k_pages.shape[2], q.shape[2]
     if hq % hkv or d & (d - 1):
         raise ValueError(f"need Hq % Hkv == 0 and a power-of-two head_dim (got {hq}, {hkv}, {d})")
-    _check_kv_scales(k_pages, v_pages, k_scales, v_scales)
+    check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     return hq, hkv, d
-
-
-def _check_kv_scales(
-    k_pages: Tensor, v_pages: Tensor, k_scales: Tensor | None, v_scales: Tensor | None
-) -> None:
-    """An e4m3 KV cache comes with fp32 scales [num_pages, page_size, Hkv], all contiguous (the
-    kernels find a vector's scale at its element offset // head_dim); any other cache with none."""
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must have the same dtype")
-    if k_pages.dtype != torch.float8_e4m3fn:
-        if k_pages.element_size() == 1:
-            raise ValueError(f"the only 8-bit KV cache dtype is torch.float8_e4m3fn, got {k_pages.dtype}")
-        if k_scales is not None or v_scales is not None:
-            raise ValueError(f"k_scales/v_scales are for float8_e4m3fn KV pages only, not {k_pages.dtype}")
-        return
-    expected = tuple(k_pages.shape[:3])
-    if k_scales is None or v_scales is None:
-        raise ValueError(f"float8_e4m3fn KV pages need k_scales and v_scales (float32 {list(expected)})")
-    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
-        raise ValueError("float8_e4m3fn KV pages must be contiguous [num_pages, page_size, Hkv, head_dim]")
-    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous float32 {list(expected)} (one per page slot and kv head), "
-                f"got {scales.dtype} {list(scales.shape)} strides {scales.stride()}"
-            )
-        if scales.device != k_pages.device:
-            raise ValueError(f"{name} is on {scales.device}, the KV pages on {k_pages.device}")
 
 
 def _check_out_fp8(out_fp8: tuple[Tensor, Tensor], q: Tensor) -> None:

@@ -33,6 +33,7 @@ from shoal.kernels.quant import (
     MIN_SCALE,
     _quantize_groups,
     check_activation_scales,
+    check_kv_scales,
     quantize_by,
 )
 
@@ -169,41 +170,6 @@ def _consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch
     return x, 0, 0, x.dtype
 
 
-def _check_kv_scales(
-    k_pages: Tensor,
-    v_pages: Tensor,
-    k_scales: Tensor | None,
-    v_scales: Tensor | None,
-    n_kv_heads: int,
-    head_dim: int,
-) -> bool:
-    """True for an FP8 KV cache (e4m3 pools, scales checked); raise on any inconsistent mix."""
-    fp8 = torch.float8_e4m3fn
-    if k_pages.dtype != fp8 and v_pages.dtype != fp8:
-        if k_scales is not None or v_scales is not None:
-            raise ValueError("k_scales/v_scales are only for float8_e4m3fn k_pages/v_pages")
-        return False
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(
-            f"k_pages and v_pages must both be float8_e4m3fn, got {k_pages.dtype}, {v_pages.dtype}"
-        )
-    if k_scales is None or v_scales is None:
-        raise ValueError("float8_e4m3fn k_pages/v_pages need k_scales and v_scales")
-    if k_pages.dim() != 4 or tuple(k_pages.shape[2:]) != (n_kv_heads, head_dim):
-        raise ValueError(
-            f"fp8 pages must be [num_pages, page_size, {n_kv_heads}, {head_dim}], got {k_pages.shape}"
-        )
-    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
-        raise ValueError("fp8 k_pages and v_pages must be contiguous")
-    want = tuple(k_pages.shape[:3])
-    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if scales.dtype != torch.float32 or tuple(scales.shape) != want or not scales.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous float32 {list(want)}, got {scales.dtype} {list(scales.shape)}"
-            )
-    return True
-
-
 def qk_norm_rope_kv_write(
     qkv: Tensor | SplitKPartials,
     positions: Tensor,
@@ -234,7 +200,10 @@ def qk_norm_rope_kv_write(
         raise ValueError("qkv rows and the rope table's [D/2, 2] rows must be contiguous")
     if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1:
         raise ValueError("k_pages and v_pages must share one layout with head_dim innermost")
-    kv_fp8 = _check_kv_scales(k_pages, v_pages, k_scales, v_scales, n_kv_heads, head_dim)
+    kv_fp8 = check_kv_scales(k_pages, v_pages, k_scales, v_scales)
+    if kv_fp8 and tuple(k_pages.shape[2:]) != (n_kv_heads, head_dim):
+        wanted = f"[num_pages, page_size, {n_kv_heads}, {head_dim}]"
+        raise ValueError(f"fp8 pages must be {wanted}, got {list(k_pages.shape)}")
     q_out = (
         torch.empty(tokens, n_q_heads, head_dim, dtype=qkv_dtype, device=qkv.device)
         if q_out is None
