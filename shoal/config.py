@@ -50,8 +50,9 @@ class EngineConfig:
     # Paged KV cache
     page_size: int = 16  # tokens per page
     # "auto": keys and values in the model dtype; "fp8": e4m3 with one fp32 scale per (token, kv
-    # head) (`engine.kv_cache.PagedKV`): half the bytes per token, so about twice the tokens per
-    # GiB and half the KV reads of a decode step. Lossy: see docs/quantization.md.
+    # head) (`engine.kv_cache.PagedKV`): 1.94x the tokens per GiB, but a 2-7% slower FP8 decode
+    # step on the H200 (widening e4m3 tiles costs more than the bytes saved; docs/performance.md
+    # run 59), so a capacity option. Lossy: see docs/quantization.md.
     kv_cache_dtype: str = "auto"
     num_pages: int | None = None  # None: size the pool from free GPU memory
     memory_fraction: float = 0.85  # of the memory free after loading the model (num_pages=None)
