@@ -225,19 +225,26 @@ def tie_partials(rows: int, width: int, gen: torch.Generator) -> tuple[torch.Ten
     return (pattern[:, None, None] * scales[None]).to(DEVICE), scales.to(DEVICE)
 
 
-def test_qk_norm_rope_kv_write_sums_split_k_partials_as_the_gemm_would() -> None:
-    """Fed the qkv GEMM's partials, the QK-norm/RoPE/KV-write kernel writes q, k and v exactly as
-    on the reduced bf16 qkv (`tie_partials`: any other summation order changes every element)."""
+def _partials_case(seed: int, tokens: int, hq: int, hkv: int, d: int, capacity: int):
+    """The qkv GEMM's split-K partials for `tokens` tokens (`tie_partials`: only the split-order
+    sum gives their bf16 values), with positions, a RoPE table, QK-norm weights and distinct
+    slots among `capacity`: (partials, positions, table, q_w, k_w, slots)."""
     from shoal.kernels.fp8_gemm import SplitKPartials
 
-    gen = torch.Generator().manual_seed(5)
-    tokens, hq, hkv, d, page, num_pages = 5, 4, 2, 32, 4, 4
+    gen = torch.Generator().manual_seed(seed)
     parts, _ = tie_partials(tokens, (hq + 2 * hkv) * d, gen)
-    partials = SplitKPartials(parts)
     positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEVICE)
     table = rope_table(512, d, 1e6).to(DEVICE)
     q_w, k_w = random_bf16(d, generator=gen), random_bf16(d, generator=gen)
-    slots = torch.randperm(num_pages * page, generator=gen)[:tokens].to(DEVICE)
+    slots = torch.randperm(capacity, generator=gen)[:tokens].to(DEVICE)
+    return SplitKPartials(parts), positions, table, q_w, k_w, slots
+
+
+def test_qk_norm_rope_kv_write_sums_split_k_partials_as_the_gemm_would() -> None:
+    """Fed the qkv GEMM's partials, the QK-norm/RoPE/KV-write kernel writes q, k and v exactly as
+    on the reduced bf16 qkv (`tie_partials`: any other summation order changes every element)."""
+    hq, hkv, d, page, num_pages = 4, 2, 32, 4, 4
+    partials, positions, table, q_w, k_w, slots = _partials_case(5, 5, hq, hkv, d, page * num_pages)
     results = []
     for qkv in (partials, partials.reduce()):
         k_pages = torch.full((num_pages, page, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -378,16 +385,8 @@ def test_fp8_kv_write_sums_split_k_partials() -> None:
     """Fed split-K partials (`tie_partials`: only the split-order sum gives these bf16 values),
     the FP8 pools get `quantize_kv` of what the bf16 pools get from the same partials, which is
     also what the reduced bf16 qkv gives."""
-    from shoal.kernels.fp8_gemm import SplitKPartials
-
-    gen = torch.Generator().manual_seed(17)
-    tokens, hq, hkv, d, page, num_pages = 6, 4, 2, 32, 4, 4
-    parts, _ = tie_partials(tokens, (hq + 2 * hkv) * d, gen)
-    partials = SplitKPartials(parts)
-    positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEVICE)
-    table = rope_table(512, d, 1e6).to(DEVICE)
-    q_w, k_w = random_bf16(d, generator=gen), random_bf16(d, generator=gen)
-    slots = torch.randperm(num_pages * page, generator=gen)[:tokens].to(DEVICE)
+    hq, hkv, d, page, num_pages = 4, 2, 32, 4, 4
+    partials, positions, table, q_w, k_w, slots = _partials_case(17, 6, hq, hkv, d, page * num_pages)
     slots[1] = -1
     q16, k16, v16, q8, k8, v8, ks, vs = write_both_ways(
         partials, positions, table, slots, hq, hkv, q_w, k_w, num_pages, page, d
