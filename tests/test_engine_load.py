@@ -55,3 +55,22 @@ def test_serve_engine_options_reach_the_engine(demo_dir, monkeypatch):
     assert fresh.parse_args(["--checkpoint", "x"]).weight_format == "fp8"
     with pytest.raises(SystemExit):
         fresh.parse_args(["--checkpoint", "x", "--weight-format", "int4"])
+
+
+def test_serve_kv_cache_dtype_reaches_the_cache(demo_dir, monkeypatch):
+    """`--kv-cache-dtype fp8` (or SHOAL_KV_CACHE_DTYPE) gives the engine e4m3 pages with scales."""
+    import torch
+
+    monkeypatch.delenv("SHOAL_KV_CACHE_DTYPE", raising=False)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert parser.parse_args(["--checkpoint", "x"]).kv_cache_dtype == "auto"
+    args = parser.parse_args(["--checkpoint", str(demo_dir), "--device", "cpu", "--kv-cache-dtype", "fp8"])
+    engine = cli.build_engine(args)
+    assert engine.config.kv_cache_dtype == "fp8"
+    kv = engine.core.runner.kv
+    assert kv.k.dtype == torch.float8_e4m3fn and kv.k_scales is not None
+    monkeypatch.setenv("SHOAL_KV_CACHE_DTYPE", "fp8")
+    fresh = argparse.ArgumentParser()
+    cli.add_arguments(fresh)
+    assert fresh.parse_args(["--checkpoint", "x"]).kv_cache_dtype == "fp8"
