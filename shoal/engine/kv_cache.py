@@ -227,9 +227,10 @@ class PagedKV:
 
     `kv_dtype=torch.float8_e4m3fn` (`EngineConfig.kv_cache_dtype="fp8"`) stores e4m3 keys and
     values with one fp32 scale per (token, kv head), `k_scales`/`v_scales` `[num_pages + 1,
-    page_size, Hkv]` per layer (`kernels.reference.quantize_kv`): half the bytes a decode step's
-    attention reads, and about twice the tokens per GiB. Attention then runs on the dequantized
-    values (the kernels fold the scales into the scores and probabilities).
+    page_size, Hkv]` per layer (`kernels.reference.quantize_kv`): 1.94x the tokens per GiB.
+    Attention then runs on the dequantized values (the kernels fold the scales into the scores
+    and probabilities); on the H200 that is not faster than the bf16 cache at batch 1 or 64
+    (docs/performance.md runs 59 and 61), so it is a capacity option.
 
     Two modes, set before each forward:
     - varlen (`set_varlen`): any mix of sequences with any number of new tokens (prefill
