@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from shoal.bench.gemm import add_gemm_case_arguments, gemm_case_config
 from shoal.kernels import fp8_gemm
 from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
@@ -83,16 +84,10 @@ def copies_of_fresh_loads(loop: list[str]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("n", type=int)
-    parser.add_argument("k", type=int)
-    parser.add_argument("m", type=int)
-    parser.add_argument("--config", help="a GemmConfig(...) expression; default: the tuned table's")
+    add_gemm_case_arguments(parser)
     parser.add_argument("--sass", action="store_true", help="also print the steady loop's instructions")
     args = parser.parse_args()
-    if args.config:
-        config = eval(args.config, {"GemmConfig": GemmConfig})  # a developer's own expression
-    else:
-        config = fp8_gemm.pick_config(args.n, args.k, args.m, fp8_activations=True)
+    config = gemm_case_config(args)
     compiled = compile_split_k(args.k, config)
     cubin = Path("/tmp/inspect_gemm_sm90.cubin")
     cubin.write_bytes(compiled.asm["cubin"])

@@ -15,16 +15,13 @@ import argparse
 
 import torch
 
+from shoal.bench.gemm import add_gemm_case_arguments, gemm_case_config
 from shoal.kernels import fp8_gemm, quant, reference
-from shoal.kernels.fp8_gemm import GemmConfig
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("n", type=int)
-    parser.add_argument("k", type=int)
-    parser.add_argument("m", type=int)
-    parser.add_argument("--config", help="a GemmConfig(...) expression; default: the tuned table's")
+    add_gemm_case_arguments(parser)
     parser.add_argument("--launches", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -32,10 +29,7 @@ def main() -> None:
     weight = torch.randn(args.n, args.k, device=device, dtype=torch.bfloat16)
     w_q, w_scale = reference.quantize_weight(weight)
     x_q, x_scale = quant.quantize_activations(torch.randn_like(weight[: args.m]))
-    if args.config:
-        config = eval(args.config, {"GemmConfig": GemmConfig})  # a developer's own expression
-    else:
-        config = fp8_gemm.pick_config(args.n, args.k, args.m, device, fp8_activations=True)
+    config = gemm_case_config(args, device)
     print(config, flush=True)
     for _ in range(args.launches):
         fp8_gemm.fp8_gemm(x_q, x_scale, w_q, w_scale, config=config, unreduced=config.split_k > 1)

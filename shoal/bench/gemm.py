@@ -313,6 +313,24 @@ SWEEP_MODES = ("w8a8", "w8a16")  # pre-quantized activations; bf16 activations (
 H200_SMS = 132
 
 
+def add_gemm_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """N K M of one FP8 GEMM and an optional launch config (the developer scripts' arguments)."""
+    parser.add_argument("n", type=int)
+    parser.add_argument("k", type=int)
+    parser.add_argument("m", type=int)
+    parser.add_argument("--config", help="a GemmConfig(...) expression; default: the tuned table's")
+
+
+def gemm_case_config(args: argparse.Namespace, device: torch.device | None = None):
+    """The `--config` expression's GemmConfig, else the tuned table's for (N, K, M) with
+    pre-quantized activations."""
+    from shoal.kernels import fp8_gemm
+
+    if args.config:
+        return eval(args.config, {"GemmConfig": fp8_gemm.GemmConfig})  # a developer's own expression
+    return fp8_gemm.pick_config(args.n, args.k, args.m, device, fp8_activations=True)
+
+
 def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = False) -> list:
     """The plausible winners, not a grid: per tile width (32/64/128 weight rows, each dividing the
     128-row scale block), split-K counts that put about 2 and 4 programs on every SM (one per SM
