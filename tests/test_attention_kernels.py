@@ -166,38 +166,55 @@ def assert_fp8_output_matches(out_fp8: tuple[torch.Tensor, torch.Tensor], bf16_o
 FP8_OUT_CASES = [(1, False), (3, True), (3, False)]
 
 
+def kv_case(kv: str, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
+    """The pools a test hands the kernels for a bf16 or an FP8 KV cache ("fp8": `fp8_pools` with
+    spread scales), the reference's pools and the error bound:
+    (k_pages, v_pages, scale kwargs, k_ref, v_ref, tolerance)."""
+    if kv == "bf16":
+        return k, v, {}, k, v, 1e-2
+    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread=True)
+    return k8, v8, {"k_scales": ks, "v_scales": vs}, k_deq, v_deq, FP8_KV_TOLERANCE
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("num_splits,fused", FP8_OUT_CASES, ids=["1", "3-fused", "3-merge-launch"])
-def test_decode_fp8_output_is_quantized_bf16_output(num_splits: int, fused: bool) -> None:
-    """Every place a decode row is finished (plain store, fused merge, merge launch) quantizes."""
-    gen = torch.Generator().manual_seed(20 + num_splits)
+def test_decode_fp8_output_is_quantized_bf16_output(num_splits: int, fused: bool, kv: str) -> None:
+    """Every place a decode row is finished (plain store, fused merge, merge launch) quantizes,
+    over a bf16 or an FP8 KV cache: `quantize_activations` of the bf16 output of the same call."""
+    gen = torch.Generator().manual_seed((20 if kv == "bf16" else 70) + num_splits)
     seq_lens, hq, hkv, d = [1, 17, 40], 4, 2, 128
     k, v, tables = make_paged_cache(seq_lens, hkv, d, 16, gen)
+    k, v, scales, k_ref, v_ref, tolerance = kv_case(kv, k, v, gen)
     q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     config = replace(SMALL, fused_merge=fused)
     out = poisoned(q.shape)
-    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config, out=out)
-    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
+    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config, out=out, **scales)
+    assert relative_error(out, paged_attention_reference(q, k_ref, v_ref, tables, lens)) < tolerance
     out_fp8 = poisoned_fp8_output(len(seq_lens), hq * d)
     result = paged_decode_attention(
-        q, k, v, tables, lens, num_splits=num_splits, config=config, out_fp8=out_fp8
+        q, k, v, tables, lens, num_splits=num_splits, config=config, out_fp8=out_fp8, **scales
     )
     assert result is out_fp8
     assert_fp8_output_matches(out_fp8, out)
 
 
-def test_prefill_fp8_output_is_quantized_bf16_output() -> None:
-    gen = torch.Generator().manual_seed(5)
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_prefill_fp8_output_is_quantized_bf16_output(kv: str) -> None:
+    gen = torch.Generator().manual_seed(5 if kv == "bf16" else 75)
     seq_lens, hq, hkv, d = [5, 23, 18], 4, 2, 128
     k, v, tables = make_paged_cache(seq_lens, hkv, d, 8, gen)
+    k, v, scales, k_ref, v_ref, tolerance = kv_case(kv, k, v, gen)
     q = torch.randn(6, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=DEVICE)
     out = poisoned(q.shape)
-    paged_prefill_attention(q, k, v, tables, lens, starts, 2, config=SMALL, out=out)
-    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens, starts)) < 1e-2
+    paged_prefill_attention(q, k, v, tables, lens, starts, 2, config=SMALL, out=out, **scales)
+    assert relative_error(out, paged_attention_reference(q, k_ref, v_ref, tables, lens, starts)) < tolerance
     out_fp8 = poisoned_fp8_output(6, hq * d)
-    result = paged_prefill_attention(q, k, v, tables, lens, starts, 2, config=SMALL, out_fp8=out_fp8)
+    result = paged_prefill_attention(
+        q, k, v, tables, lens, starts, 2, config=SMALL, out_fp8=out_fp8, **scales
+    )
     assert result is out_fp8
     assert_fp8_output_matches(out_fp8, out)
 
@@ -323,47 +340,6 @@ def test_shared_prefix_fp8_kv_matches_dequantized_reference() -> None:
     ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
     assert relative_error(out, ref) < FP8_KV_TOLERANCE
     assert_scales_matter(q, k8, v8, ks, vs, tables, lens, ref)
-
-
-@pytest.mark.parametrize("num_splits,fused", FP8_OUT_CASES, ids=["1", "3-fused", "3-merge-launch"])
-def test_decode_fp8_kv_fp8_output(num_splits: int, fused: bool) -> None:
-    """FP8 KV in, quantized output out: `quantize_activations` of the bf16 output of the same call."""
-    gen = torch.Generator().manual_seed(70 + num_splits)
-    seq_lens, hq, hkv, d = [1, 17, 40], 4, 2, 128
-    k, v, tables = make_paged_cache(seq_lens, hkv, d, 16, gen)
-    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread=True)
-    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    config = replace(SMALL, fused_merge=fused)
-    scales = {"k_scales": ks, "v_scales": vs}
-    out = poisoned(q.shape)
-    paged_decode_attention(q, k8, v8, tables, lens, num_splits=num_splits, config=config, out=out, **scales)
-    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
-    assert relative_error(out, ref) < FP8_KV_TOLERANCE
-    out_fp8 = poisoned_fp8_output(len(seq_lens), hq * d)
-    result = paged_decode_attention(
-        q, k8, v8, tables, lens, num_splits=num_splits, config=config, out_fp8=out_fp8, **scales
-    )
-    assert result is out_fp8
-    assert_fp8_output_matches(out_fp8, out)
-
-
-def test_prefill_fp8_kv_fp8_output() -> None:
-    gen = torch.Generator().manual_seed(75)
-    seq_lens, hq, hkv, d = [5, 23, 18], 4, 2, 128
-    k, v, tables = make_paged_cache(seq_lens, hkv, d, 8, gen)
-    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(k, v, gen, spread=True)
-    q = torch.randn(6, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    starts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=DEVICE)
-    scales = {"k_scales": ks, "v_scales": vs}
-    out = poisoned(q.shape)
-    paged_prefill_attention(q, k8, v8, tables, lens, starts, 2, config=SMALL, out=out, **scales)
-    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens, starts)
-    assert relative_error(out, ref) < FP8_KV_TOLERANCE
-    out_fp8 = poisoned_fp8_output(6, hq * d)
-    paged_prefill_attention(q, k8, v8, tables, lens, starts, 2, config=SMALL, out_fp8=out_fp8, **scales)
-    assert_fp8_output_matches(out_fp8, out)
 
 
 def test_fp8_kv_rejects_bad_inputs() -> None:
