@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import pytest  # noqa: E402
+from prefill_testing import prefill_tokens, prefill_two_prompts  # noqa: E402
 
 from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.batch import DecodeBuffers  # noqa: E402
@@ -201,24 +202,12 @@ def test_fused_prefill_equals_model_forward(golden_dir) -> None:
 
     model = tiny(golden_dir, torch.float32)
     mc = model.config
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 300, (23, mc.num_codebooks + 1), generator=g)
-    tokens[:, 1:] = torch.randint(0, 64, (23, mc.num_codebooks), generator=g)
+    tokens = prefill_tokens(mc)
     outputs = []
     for fused in (False, True):
-        kv = PagedKV(mc.n_layer, 8, 4, mc.n_local_heads, mc.head_dim, torch.float32, "cpu")
-        kv.force_kernel_prefill = fused
-        step = DecodeStep(model, kv, 4, use_kernels=True)
         # sequence A: 9 tokens in pages [0, 1, 2]; sequence B: 14 tokens in pages [3, 4, 5, 6]
-        segments = [(0, 9, 9, [0, 1, 2]), (9, 14, 14, [3, 4, 5, 6])]
-        kv.set_varlen(segments)
-        positions = torch.cat([torch.arange(9), torch.arange(14)])
-        with torch.no_grad():
-            if fused:
-                hidden, normed = step.prefill(tokens, positions, kv._slots, kv._prefill_meta)
-            else:
-                hidden = model.forward_slow(tokens, positions, kv)
-                normed = model.norm(hidden)
+        kv = PagedKV(mc.n_layer, 8, 4, mc.n_local_heads, mc.head_dim, torch.float32, "cpu")
+        hidden, normed = prefill_two_prompts(model, kv, tokens, fused)
         outputs.append((hidden, normed, kv.k.clone()))
     torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1][1], outputs[0][1], rtol=1e-4, atol=1e-4)

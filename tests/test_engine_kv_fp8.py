@@ -90,10 +90,15 @@ def _decode_unquantized(q1, k, v, k1, v1) -> torch.Tensor:
     return cache.attend(1, q1, k1, v1)
 
 
-def _engine(golden_dir, kv_cache_dtype: str) -> EngineCore:
+def _tiny_model(golden_dir):
     model = load_model(golden_dir / "s2_tiny", dtype=torch.float32)
     model.config = model.config.replace(max_seq_len=256)
     model.build_rope_tables("cpu")
+    return model
+
+
+def _engine(golden_dir, kv_cache_dtype: str) -> EngineCore:
+    model = _tiny_model(golden_dir)
     config = EngineConfig(
         device="cpu", dtype="float32", num_pages=32, page_size=16, decode_step="fast",
         kv_cache_dtype=kv_cache_dtype,
@@ -164,32 +169,16 @@ def test_fused_prefill_over_an_fp8_cache_tracks_the_torch_path(golden_dir) -> No
     import os
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from shoal.engine.decode_step import DecodeStep
+    from prefill_testing import prefill_tokens, prefill_two_prompts
 
-    model = load_model(golden_dir / "s2_tiny", dtype=torch.float32)
-    model.config = model.config.replace(max_seq_len=256)
-    model.build_rope_tables("cpu")
+    model = _tiny_model(golden_dir)
     mc = model.config
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 300, (23, mc.num_codebooks + 1), generator=g)
-    tokens[:, 1:] = torch.randint(0, 64, (23, mc.num_codebooks), generator=g)
+    tokens = prefill_tokens(mc)
     outputs = []
     for fused in (False, True):
-        kv = PagedKV(
-            mc.n_layer, 8, 4, mc.n_local_heads, mc.head_dim, torch.float32, "cpu", kv_dtype=FP8_KV_DTYPE
-        )
-        kv.force_kernel_prefill = fused
-        step = DecodeStep(model, kv, 4, use_kernels=True)
-        segments = [(0, 9, 9, [0, 1, 2]), (9, 14, 14, [3, 4, 5, 6])]
-        kv.set_varlen(segments)
-        positions = torch.cat([torch.arange(9), torch.arange(14)])
-        with torch.no_grad():
-            if fused:
-                hidden = step.prefill(tokens, positions, kv._slots, kv._prefill_meta)[0]
-            else:
-                hidden = model.forward_slow(tokens, positions, kv)
-        keys = dequantize_kv(kv.k[:, :7], kv.k_scales[:, :7])
-        outputs.append((hidden, keys))
+        kv = PagedKV(mc.n_layer, 8, 4, mc.n_local_heads, mc.head_dim, torch.float32, "cpu", FP8_KV_DTYPE)
+        hidden, _ = prefill_two_prompts(model, kv, tokens, fused)
+        outputs.append((hidden, dequantize_kv(kv.k[:, :7], kv.k_scales[:, :7])))
     (hidden_t, keys_t), (hidden_k, keys_k) = outputs
 
     def relative(a, b) -> float:
