@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.request import Request
+from shoal.kernels.reference import dequantize_kv, quantize_kv
 
 
 class OutOfPages(RuntimeError):
@@ -256,9 +257,9 @@ class PagedKV:
             raise ValueError(f"the KV cache holds the model dtype or e4m3, got {stored}")
         self.k = torch.zeros(shape, dtype=stored, device=device)
         self.v = torch.zeros(shape, dtype=stored, device=device)
-        self.fp8 = stored == FP8_KV_DTYPE
-        self.k_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.fp8 else None
-        self.v_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.fp8 else None
+        fp8 = stored == FP8_KV_DTYPE
+        self.k_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
+        self.v_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
         self.page_size = page_size
         self.scratch_page = num_pages
         self._mode = "none"
@@ -268,6 +269,10 @@ class PagedKV:
         self._kv_lens: torch.Tensor | None = None
         self._prefill_meta: tuple | None = None
         self.force_kernel_prefill = False  # build the kernels' metadata off CUDA too (interpreter tests)
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scales is not None
 
     def layer(self, i: int) -> LayerKV:
         if self.fp8:
@@ -308,8 +313,6 @@ class PagedKV:
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         flat = self.k.shape[1] * self.page_size
         if self.fp8:
-            from shoal.kernels.reference import quantize_kv
-
             (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
             self.k_scales[layer].view(flat, -1).index_copy_(0, self._slots, k_scale)
             self.v_scales[layer].view(flat, -1).index_copy_(0, self._slots, v_scale)
@@ -328,8 +331,6 @@ class PagedKV:
         """The keys and values of the pages `index` (any shape), in `dtype` (dequantized)."""
         if not self.fp8:
             return self.k[layer][index], self.v[layer][index]
-        from shoal.kernels.reference import dequantize_kv
-
         keys = dequantize_kv(self.k[layer][index], self.k_scales[layer][index], dtype)
         return keys, dequantize_kv(self.v[layer][index], self.v_scales[layer][index], dtype)
 
