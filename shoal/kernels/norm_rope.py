@@ -136,9 +136,11 @@ def _qk_norm_rope_kv_kernel(
             f1 = x1.to(tl.float32)
             place = (slot // PAGE) * stride_page + (slot % PAGE) * stride_pos + kv_head * stride_head
             k_dest = k_pages_ptr + place
+            rotated0 = f0 * cos - f1 * sin
+            rotated1 = f1 * cos + f0 * sin
             if KV_FP8:
-                k0 = cast_rne(f0 * cos - f1 * sin, tl.bfloat16, EMULATE).to(tl.float32)
-                k1 = cast_rne(f1 * cos + f0 * sin, tl.bfloat16, EMULATE).to(tl.float32)
+                k0 = cast_rne(rotated0, tl.bfloat16, EMULATE).to(tl.float32)
+                k1 = cast_rne(rotated1, tl.bfloat16, EMULATE).to(tl.float32)
                 k_amax = tl.maximum(tl.max(tl.abs(k0), 0), tl.max(tl.abs(k1), 0))
                 k_scale = _kv_scale(k_amax, FP8_MAX_, MIN_SCALE_)
                 tl.store(k_dest + 2 * offs, quantize_by(k0, k_scale, FP8_MAX_))
@@ -146,8 +148,8 @@ def _qk_norm_rope_kv_kernel(
                 tl.store(k_scales_ptr + place // HEAD_DIM, k_scale)
             else:
                 k_type = k_pages_ptr.dtype.element_ty
-                tl.store(k_dest + 2 * offs, cast_rne(f0 * cos - f1 * sin, k_type, EMULATE))
-                tl.store(k_dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, k_type, EMULATE))
+                tl.store(k_dest + 2 * offs, cast_rne(rotated0, k_type, EMULATE))
+                tl.store(k_dest + 2 * offs + 1, cast_rne(rotated1, k_type, EMULATE))
             full = tl.arange(0, HEAD_DIM)
             v = load_summing_partials(
                 row + NUM_KV_HEADS * HEAD_DIM, full, full < HEAD_DIM, stride_qkv_s, PARTS, EMULATE
