@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from shoal.bench.timing import time_graph_ms
-from shoal.config import EngineConfig
+from shoal.config import KV_CACHE_DTYPES, EngineConfig
 from shoal.engine.api import FinishReason
 from shoal.engine.engine import EngineCore
 from shoal.engine.request import SamplingParams
@@ -461,7 +461,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        choices=("auto", "fp8"),
+        choices=KV_CACHE_DTYPES,
         default=["auto"],
         help="KV cache storage, one or more (EngineConfig.kv_cache_dtype; `auto fp8`: side by side)",
     )

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from shoal.config import KV_CACHE_DTYPES
 from shoal.quant.fp8_linear import DEFAULT_QUANTIZE_INPUT
 
 BASELINE = Path(__file__).parent / "baselines" / "perf_h200.json"
@@ -759,7 +760,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     correctness.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "fp8"),
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="the engine path's KV cache (EngineConfig.kv_cache_dtype): fp8 gates FP8 weights with an "
         "e4m3 KV cache against the bf16 model",

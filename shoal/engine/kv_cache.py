@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shoal.config import EngineConfig
 from shoal.engine.request import Request
 from shoal.kernels.reference import dequantize_kv, quantize_kv
 
@@ -191,7 +192,7 @@ class KVCacheManager:
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
-def kv_storage_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
+def kv_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     """What the pages hold under `EngineConfig.kv_cache_dtype`: the model dtype ("auto") or e4m3."""
     return FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else model_dtype
 
