@@ -380,3 +380,71 @@ def test_scales_ahead_at_s2_shapes_gives_the_tuned_configs_bits(m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, base), (name, m, config)
+
+
+WARP_SPECIALIZED = gemm.GemmConfig(16, 128, 1, 4, 2, swap_ab=True, tma=True, warp_specialize=True)
+
+
+def test_warp_specialize_needs_a_tile_its_consumer_groups_can_split() -> None:
+    w_q, w_s = fp8_weight(128, 256)
+    x_q, x_s = quant.quantize_activations(torch.randn(1, 256, device=DEVICE).to(torch.bfloat16))
+    for config in (replace(WARP_SPECIALIZED, block_n=64), replace(WARP_SPECIALIZED, swap_ab=False)):
+        with pytest.raises(ValueError, match="warp_specialize needs swap_ab with block_n = 128"):
+            gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config)
+
+
+def _warp_specialized_cases(x: torch.Tensor, w_q, w_s, config: gemm.GemmConfig):
+    """(result with `config`, result with the plain loop) for each way a launch can end: its own
+    output, partials left to the consumer, and a reducing split-K launch (which runs the plain
+    loop) and inline quantization (likewise)."""
+    x_q, x_s = quant.quantize_activations(x)
+    plain = replace(config, warp_specialize=False)
+    yield gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config), gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=plain)
+    if config.split_k > 1:
+        parts, plain_parts = (
+            gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=c, unreduced=True).parts for c in (config, plain)
+        )
+        yield parts, plain_parts
+    inline = replace(config, tma=False)
+    yield gemm.fp8_linear(x, w_q, w_s, True, config=inline), gemm.fp8_linear(x, w_q, w_s, True, config=plain)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m", [1, 5])
+def test_warp_specialized_loop_gives_the_same_bits(split_k: int, m: int) -> None:
+    """The consumer groups multiply the same tiles in the same K order as the plain loop. (The
+    interpreter runs the plain loop either way; this checks the launch paths, the GPU the loop.)"""
+    w_q, w_s = fp8_weight(256, 640)
+    x = torch.randn(m, 640, device=DEVICE).to(torch.bfloat16)
+    config = replace(WARP_SPECIALIZED, split_k=split_k, scales_ahead=split_k > 1)
+    for got, want in _warp_specialized_cases(x, w_q, w_s, config):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_warp_specialized_loop_at_s2_shapes_gpu(m: int) -> None:
+    """Every S2 shape with the consumer groups' tiles (128 weight rows, swapped) against the plain
+    loop on the same tiles: the same bits, split or not, as a CUDA graph too."""
+    x = torch.randn(m, 9728, device=DEVICE).to(torch.bfloat16)
+    block_m = 64 if m > 16 else 16
+    for name, (n, k) in S2_SHAPES.items():
+        w_q, w_s = fp8_weight(n, k)
+        for split_k in (1, 4):
+            config = gemm.GemmConfig(
+                block_m, 128, split_k, 4, 3, swap_ab=True, tma=True, scales_ahead=True, warp_specialize=True
+            )
+            for got, want in _warp_specialized_cases(x[:, :k].contiguous(), w_q, w_s, config):
+                assert torch.equal(got, want), (name, m, split_k)
+            x_q, x_s = quant.quantize_activations(x[:, :k].contiguous())
+            workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config, k), DEVICE)
+            expected = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=replace(config, warp_specialize=False))
+            gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, workspace=workspace, unreduced=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, workspace=workspace, unreduced=True)
+            graph.replay()
+            torch.cuda.synchronize()
+            result = replayed.reduce() if isinstance(replayed, gemm.SplitKPartials) else replayed
+            assert torch.equal(result, expected), (name, m, split_k, "graph")
