@@ -82,7 +82,8 @@ def main() -> None:
             for config in candidates(n, k, m):
                 try:
                     ws = time_variant(_call(config), x, sets, 20, 3)
-                    plain = time_variant(_call(dataclasses.replace(config, warp_specialize=False)), x, sets, 20, 3)
+                    plain_config = dataclasses.replace(config, warp_specialize=False)
+                    plain = time_variant(_call(plain_config), x, sets, 20, 3)
                 except Exception as error:  # noqa: BLE001 - out of shared memory, etc.
                     print(f"{name:>8} {m:>3} split {config.split_k} stages {config.num_stages}: {error}")
                     continue

@@ -443,7 +443,9 @@ def test_warp_specialized_loop_at_s2_shapes_gpu(m: int) -> None:
             gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, workspace=workspace, unreduced=True)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                replayed = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, workspace=workspace, unreduced=True)
+                replayed = gemm.fp8_gemm(
+                    x_q, x_s, w_q, w_s, config=config, workspace=workspace, unreduced=True
+                )
             graph.replay()
             torch.cuda.synchronize()
             result = replayed.reduce() if isinstance(replayed, gemm.SplitKPartials) else replayed
