@@ -86,12 +86,6 @@ class GemmConfig:
     # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
     # Same scales, same arithmetic: the same bits either way.
     scales_ahead: bool = False
-    # Warp specialization (Triton's `tl.range(warp_specialize=True)`, sm_90 and later): one warp
-    # group issues the TMA tile copies, two consumer warp groups each multiply half the tile's
-    # weight rows, handing stages over through shared-memory barriers instead of the pipelined
-    # loop's waits. The split is by weight rows, so it needs `swap_ab` with 128-row tiles (64
-    # per consumer, Hopper's MMA height); pre-quantized activations through TMA only.
-    warp_specialize: bool = False
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -373,7 +367,6 @@ def _fp8_gemm_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
     USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Grid (m tiles, n tiles, splits): the M tiles of one weight tile run back to back (L2 reuse).
@@ -417,7 +410,7 @@ def _fp8_gemm_kernel(
             other=0.0,
         )
     # A fixed trip count (the last split may run past K: those steps load nothing and add zero).
-    for step in tl.range(0, STEPS_PER_SPLIT, warp_specialize=WARP_SPECIALIZE):
+    for step in range(0, STEPS_PER_SPLIT):
         kb = kb_start + step
         offs_k = kb * BLOCK_K_ + tl.arange(0, BLOCK_K_)
         k_mask = offs_k < K
@@ -549,24 +542,7 @@ def kernel_constants(mode: int, swiglu: bool, k: int, config: GemmConfig, leave_
         "FP8_MAX_": FP8_MAX,
         "MIN_SCALE_": MIN_SCALE,
         "USE_TMA": config.tma and mode == ACT_FP8,
-        "WARP_SPECIALIZE": config.warp_specialize and not _INTERPRETED,
     }
-
-
-def _warp_specialization_checked(config: GemmConfig, mode: int, unreduced: bool) -> GemmConfig:
-    """`config`, or a copy without `warp_specialize` where the plain loop must run instead: inputs
-    other than pre-quantized TMA tiles (the FP8 table also serves inline quantization), and a
-    split-K launch that reduces its own partials, whose arrival atomic would run once per consumer
-    group. Both give the same bits as the specialized loop. A tile the consumers cannot split
-    (anything but `swap_ab` with 128 weight rows, where each group multiplies 64) is an error: the
-    two groups would both compute the whole tile."""
-    if not config.warp_specialize:
-        return config
-    if not (config.swap_ab and config.block_n == 128):
-        raise ValueError(f"warp_specialize needs swap_ab with block_n = 128 (two 64-row halves): {config}")
-    if mode != ACT_FP8 or not config.tma or (config.split_k > 1 and not unreduced):
-        return dataclasses.replace(config, warp_specialize=False)
-    return config
 
 
 def _launch(
@@ -604,7 +580,6 @@ def _launch(
         config = dataclasses.replace(config, scales_ahead=False)  # the scales of quantized inputs
     if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK_K} (one weight-scale row per tile): {config}")
-    config = _warp_specialization_checked(config, mode, unreduced)
     if workspace is None:
         workspace = _workspace_for(a.device, m, n, k, config)
     workspace.check(m, n, config, k)
