@@ -168,6 +168,8 @@ def test_fused_prefill_over_an_fp8_cache_tracks_the_torch_path(golden_dir) -> No
     dequantize): the same pages and scales up to the kernel's bf16 rounding before quantizing."""
     import os
 
+    if torch.cuda.is_available():  # Triton picked its mode at import; the GPU tests cover this
+        pytest.skip("the interpreter's CPU prefill: runs where CUDA is absent (CI)")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from prefill_testing import prefill_tokens, prefill_two_prompts
 
