@@ -11,14 +11,20 @@ Operands are swapped as in `GemmConfig.swap_ab`: the weight tile is the MMA's M 
 rows), the activations its N side. The output is the split-K partials [splits, M, N] (what the
 decode step's consumers read), fp32 or bf16, and must equal the Triton kernel's bit for bit.
 
-Usage (GPU): python scripts/probe_gluon_gemm.py [--m 1 16 64] [--shapes down qkv]
+Usage (GPU): python scripts/probe_gluon_gemm.py [--m 1 16 64] [--shapes down qkv] [--case-timeout 90]
 Compile check on any machine: python scripts/probe_gluon_gemm.py --compile-only
+
+Not yet run to completion on a GPU: its first run (docs/performance.md run 64) hung on a split
+with no K steps, since fixed on the CPU (a fixed trip count, as the Triton kernel has). A kernel
+that hangs cannot be stopped from inside the process, so each (shape, M) case runs under a
+watchdog that ends the process with a traceback after `--case-timeout` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import os
 
 import torch
@@ -31,10 +37,12 @@ BLOCK_K = 128
 
 
 @gluon.jit
-def _scales(a_scale_ptr, w_scale_ptr, offs_m, m_mask, w_scale_row, kb, stride_asm, stride_asg):
+def _scales(a_scale_ptr, w_scale_ptr, offs_m, m_mask, w_scale_row, kb, k_blocks, stride_asm, stride_asg):
     """The K step's promotion factors, one per activation row: a_scale[m, kb] * w_scale[tile, kb]."""
-    w_scale = gl.load(w_scale_row + kb)
-    a_scale = gl.load(a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask, other=0.0)
+    w_scale = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
+    a_scale = gl.load(
+        a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask & (kb < k_blocks), other=0.0
+    )
     return a_scale * w_scale
 
 
@@ -55,9 +63,7 @@ def _gluon_fp8_gemm(
     off_n = pid_n * BN
     off_m = pid_m * BM
     kb0 = pid_k * STEPS
-    n_steps = k_blocks - kb0
-    if n_steps > STEPS:
-        n_steps = STEPS
+    n_steps: gl.constexpr = STEPS  # a fixed trip count: past K, TMA fills zeros and the scales are 0
 
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 32]
@@ -92,7 +98,7 @@ def _gluon_fp8_gemm(
     if not OVERLAP:
         pending = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
     pending_scale = _scales(
-        a_scale_ptr, w_scale_ptr, offs_m, m_mask, w_scale_row, kb0, stride_asm, stride_asg
+        a_scale_ptr, w_scale_ptr, offs_m, m_mask, w_scale_row, kb0, k_blocks, stride_asm, stride_asg
     )
     last = STAGES - 1  # slot STAGES - 1 was never filled: step STAGES - 1 goes there
     pred = last < n_steps
@@ -127,7 +133,15 @@ def _gluon_fp8_gemm(
         acc += done * pending_scale[None, :]
         pending = current
         pending_scale = _scales(
-            a_scale_ptr, w_scale_ptr, offs_m, m_mask, w_scale_row, kb0 + step, stride_asm, stride_asg
+            a_scale_ptr,
+            w_scale_ptr,
+            offs_m,
+            m_mask,
+            w_scale_row,
+            kb0 + step,
+            k_blocks,
+            stride_asm,
+            stride_asg,
         )
     if OVERLAP:
         pending = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
@@ -216,6 +230,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--shapes", nargs="+", default=["qkv", "o", "gate_up", "down"])
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--case-timeout", type=float, default=90.0, help="seconds per (shape, M) case")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
@@ -230,6 +245,8 @@ def main() -> None:
         n, k = SHAPES[name]
         sets = _weight_sets(n, k, max(2, -(-ROTATION_BYTES // (n * k))))
         for m in args.m:
+            faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hung kernel ends the run
+            print(f"{name:>8} {m:>3} case started (watchdog {args.case_timeout:.0f} s)", flush=True)
             x_q, x_s = quant.quantize_activations(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
             tuned = fp8_gemm.pick_config(n, k, m, fp8_activations=True)
             block_m = 16 if m <= 16 else 64
@@ -285,6 +302,7 @@ def main() -> None:
                 print(
                     f"{name:>8} {m:>3} {label:<44} {t * 1e6:>7.1f} {rate:>6.2f} {t / base:>7.3f}x", flush=True
                 )
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
