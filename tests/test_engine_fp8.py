@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from shoal.bench import gate  # noqa: E402
+from shoal.bench import gate, gate_correctness  # noqa: E402
 from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.batch import DecodeBuffers  # noqa: E402
 from shoal.engine.core import EngineCore  # noqa: E402
@@ -159,7 +159,7 @@ def test_load_engine_model_refuses_a_transposed_scale(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def planted():
     """The gate's model, FP8: intermediate sizes 512 and 384, so gate and up are one GEMM."""
-    model = gate.planted_margin_model()
+    model = gate_correctness.planted_margin_model()
     prepare_model(model)
     return model
 
@@ -516,7 +516,7 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
 
 @pytest.fixture(scope="module")
 def gate_models():
-    reference_model = gate.planted_margin_model()
+    reference_model = gate_correctness.planted_margin_model()
     fp8_model = copy.deepcopy(reference_model)
     quantize_model_(fp8_model)
     return reference_model, fp8_model
@@ -524,25 +524,25 @@ def gate_models():
 
 def test_engine_greedy_is_the_reference_greedy_decode(gate_models) -> None:
     reference_model, _ = gate_models
-    prompt = gate.gate_prompt(reference_model.config)
-    bf16 = gate.engine_greedy(copy.deepcopy(reference_model), prompt, 5, "bf16")
-    assert torch.equal(bf16, generate(reference_model, prompt, max_frames=5, **gate.GREEDY))
+    prompt = gate_correctness.gate_prompt(reference_model.config)
+    bf16 = gate_correctness.engine_greedy(copy.deepcopy(reference_model), prompt, 5, "bf16")
+    assert torch.equal(bf16, generate(reference_model, prompt, max_frames=5, **gate_correctness.GREEDY))
 
 
 def test_correctness_gate_passes_through_the_engine(gate_models) -> None:
     reference_model, fp8_model = gate_models
-    prompt = gate.gate_prompt(reference_model.config)
+    prompt = gate_correctness.gate_prompt(reference_model.config)
     engine_frames = []
 
     def through_engine(p, frames):
-        engine_frames.append(gate.engine_greedy(fp8_model, p, frames, "fp8"))
+        engine_frames.append(gate_correctness.engine_greedy(fp8_model, p, frames, "fp8"))
         return engine_frames[-1]
 
-    result = gate.check_correctness(reference_model, fp8_model, prompt, fp8_frames=through_engine)
+    result = gate_correctness.check_correctness(reference_model, fp8_model, prompt, fp8_frames=through_engine)
     assert result.passed, result.report()
     assert engine_frames and engine_frames[0].shape[1] == 5
     # the engine's FP8 frames are the reference generator's on the same FP8 model
-    assert torch.equal(engine_frames[0], generate(fp8_model, prompt, max_frames=5, **gate.GREEDY))
+    assert torch.equal(engine_frames[0], generate(fp8_model, prompt, max_frames=5, **gate_correctness.GREEDY))
 
 
 def test_engine_refuses_a_broken_scale_layout(gate_models) -> None:
@@ -552,7 +552,7 @@ def test_engine_refuses_a_broken_scale_layout(gate_models) -> None:
     for _, layer in fp8_layers(broken):
         layer.weight_scale = layer.weight_scale.t().contiguous().view(layer.weight_scale.shape)
     with pytest.raises(LayoutError):
-        gate.engine_greedy(broken, gate.gate_prompt(reference_model.config), 5, "fp8")
+        gate_correctness.engine_greedy(broken, gate_correctness.gate_prompt(reference_model.config), 5, "fp8")
 
 
 def test_gate_cli_engine_path(capsys) -> None:

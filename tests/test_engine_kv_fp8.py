@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from shoal.bench import gate
+from shoal.bench import gate, gate_performance
 from shoal.config import EngineConfig
 from shoal.engine.core import EngineCore
 from shoal.engine.kv_cache import FP8_KV_DTYPE, PagedKV, kv_bytes_per_page
@@ -157,7 +157,7 @@ def test_bench_ratio_lines_compare_the_kv_caches() -> None:
 
     lines = ratio_lines([row("auto", 6.0, 6000.0), row("fp8", 5.0, 6600.0)])
     assert lines == ["kv fp8/auto fp8 conc 64 prefix 0: aggregate 1.100x, decode step 1.200x faster"]
-    assert gate.select_results([row("auto", 6.0, 1.0), row("fp8", 5.0, 1.0)], "fp8") == [
+    assert gate_performance.select_results([row("auto", 6.0, 1.0), row("fp8", 5.0, 1.0)], "fp8") == [
         row("auto", 6.0, 1.0)
     ]
 

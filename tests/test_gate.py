@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal.bench import gate
+from shoal.bench import gate, gate_correctness, gate_performance
 from shoal.quant.fp8_linear import Fp8Linear, quantize_model_
 
 
 @pytest.fixture(scope="module")
 def models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    reference_model = gate.planted_margin_model()
+    reference_model = gate_correctness.planted_margin_model()
     fp8_model = copy.deepcopy(reference_model)
     quantize_model_(fp8_model)
     return reference_model, fp8_model
@@ -26,7 +26,9 @@ def models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def test_correct_fp8_model_passes(models) -> None:
     reference_model, fp8_model = models
-    result = gate.check_correctness(reference_model, fp8_model, gate.gate_prompt(reference_model.config))
+    result = gate_correctness.check_correctness(
+        reference_model, fp8_model, gate_correctness.gate_prompt(reference_model.config)
+    )
     assert result.passed, result.report()
     assert result.frames_checked == 5 and result.top1_margin_nats > 2
 
@@ -38,7 +40,9 @@ def test_scales_written_column_major_fail_the_gate(models) -> None:
     for _, layer in broken.named_modules():
         if isinstance(layer, Fp8Linear):
             layer.weight_scale = layer.weight_scale.t().contiguous().view(layer.weight_scale.shape)
-    result = gate.check_correctness(reference_model, broken, gate.gate_prompt(reference_model.config))
+    result = gate_correctness.check_correctness(
+        reference_model, broken, gate_correctness.gate_prompt(reference_model.config)
+    )
     assert not result.passed and "FAIL" in result.report()
 
 
@@ -52,7 +56,7 @@ H200 = {
 
 def _entry(steps: dict[int, float] = STEPS, measured: bool = True, context: int = CONTEXT) -> dict:
     """One weight format's entry as the file schema spells it (written by hand, so a schema change
-    in gate.py not made here too fails)."""
+    in gate_performance.py not made here too fails)."""
     return {
         "measured": measured, **H200, "prompt_tokens": 300, "frames": 128, "context_tokens": context,
         "concurrency": {
@@ -107,7 +111,7 @@ def _no_bench(*_args, **_kwargs):
 def _gate_results(tmp_path: Path, baseline: Path, rows: list[dict], *extra: str, environment=H200) -> int:
     """Exit code of `shoal gate performance --baseline B --results (rows) [extra]`."""
     results = _results_file(tmp_path, rows, environment)
-    return gate.run_performance(
+    return gate_performance.run_performance(
         _args("--baseline", str(baseline), "--results", str(results), *extra), bench=_no_bench
     )
 
@@ -134,7 +138,7 @@ def test_performance_gate_compares_decode_steps(
         return _step_rows(steps, weight_format)
 
     args = _args("--baseline", str(_baseline_file(tmp_path)))
-    assert gate.run_performance(args, bench=fake_bench, environment=lambda: H200) == expected_rc
+    assert gate_performance.run_performance(args, bench=fake_bench, environment=lambda: H200) == expected_rc
     # measured like the baseline: same concurrencies, step context, frames and prompt length
     assert calls == [([1, 16, 64], "bf16", {"step_context": CONTEXT, "frames": 128, "prompt_tokens": 300})]
     out = capsys.readouterr().out
@@ -159,9 +163,9 @@ def test_performance_gate_ignores_whole_request_rates(tmp_path: Path) -> None:
 
 
 def test_performance_table_content() -> None:
-    entry = gate.FormatBaseline.from_json(_entry())
-    rows = gate.compare_to_baseline(_step_rows(_slower(0.06, 16)), entry, 0.05)
-    table = gate.format_table(rows).splitlines()
+    entry = gate_performance.FormatBaseline.from_json(_entry())
+    rows = gate_performance.compare_to_baseline(_step_rows(_slower(0.06, 16)), entry, 0.05)
+    table = gate_performance.format_table(rows).splitlines()
     assert table[0].split("|")[1:-1] == [
         " concurrency ", " baseline step ms ", " measured step ms ", " baseline f/s ", " measured f/s ",
         " ratio ", " result ", " request f/s baseline / measured (not gated) ",
@@ -171,9 +175,9 @@ def test_performance_table_content() -> None:
     one, sixteen = [c.strip() for c in cells[0]], [c.strip() for c in cells[1]]
     assert one == ["1", "5.000", "5.000", "200.0", "200.0", "1.000", "PASS", "101.0 / 50.0"]
     assert sixteen[1:4] == ["6.000", "6.383", "166.7"] and sixteen[4:7] == ["156.7", "0.940", "FAIL"]
-    missing = gate.compare_to_baseline(_step_rows({1: 5.0}), entry, 0.05)
+    missing = gate_performance.compare_to_baseline(_step_rows({1: 5.0}), entry, 0.05)
     assert [row.passed for row in missing] == [True, False, False]
-    assert "| 16 | 6.000 | - | 166.7 | - | - | FAIL |" in gate.format_table(missing)
+    assert "| 16 | 6.000 | - | 166.7 | - | - | FAIL |" in gate_performance.format_table(missing)
 
 
 @pytest.mark.parametrize("allow", [False, True])
@@ -181,21 +185,23 @@ def test_performance_table_content() -> None:
 def test_placeholder_baseline_never_passes(tmp_path: Path, capsys, allow: bool, steps) -> None:
     baseline = _baseline_file(tmp_path, bf16=_entry(measured=False))
     argv = ["--baseline", str(baseline), "--results", str(_results_file(tmp_path, _step_rows(steps)))]
-    rc = gate.run_performance(_args(*argv, *(["--allow-placeholder"] if allow else [])), bench=_no_bench)
+    rc = gate_performance.run_performance(
+        _args(*argv, *(["--allow-placeholder"] if allow else [])), bench=_no_bench
+    )
     out = capsys.readouterr().out
     assert "PLACEHOLDER" in out and "| 16 |" in out  # the table is printed either way
     if allow:
         assert rc == (0 if steps is STEPS else 1)
     else:
-        assert rc == gate.EXIT_PLACEHOLDER == 3 and "performance (bf16): PASS" not in out
+        assert rc == gate_performance.EXIT_PLACEHOLDER == 3 and "performance (bf16): PASS" not in out
 
 
 def test_repo_baseline_file_is_valid() -> None:
     """Either the placeholder (then the gate exits 3 against it, even on equal numbers) or a real
     H200 measurement with its metadata."""
-    baseline = gate.load_baseline(gate.BASELINE)
+    baseline = gate_performance.load_baseline(gate_performance.BASELINE)
     assert set(baseline) == {"bf16", "fp8"}
-    raw = json.loads(gate.BASELINE.read_text())["formats"]
+    raw = json.loads(gate_performance.BASELINE.read_text())["formats"]
     for weight_format, entry in baseline.items():
         assert sorted(entry.step_ms) == [1, 16, 64] and all(ms > 0 for ms in entry.step_ms.values())
         assert entry.context_tokens and entry.context_tokens > 0
@@ -210,7 +216,10 @@ def test_repo_baseline_file_is_valid() -> None:
                 for row in _step_rows(entry.step_ms, weight_format)
             ]
             args = _args("--weight-format", weight_format)
-            assert gate.gate_format(weight_format, entry, rows, H200, args) == gate.EXIT_PLACEHOLDER
+            assert (
+                gate_performance.gate_format(weight_format, entry, rows, H200, args)
+                == gate_performance.EXIT_PLACEHOLDER
+            )
 
 
 def test_write_baseline_round_trip(tmp_path: Path, capsys) -> None:
@@ -219,7 +228,7 @@ def test_write_baseline_round_trip(tmp_path: Path, capsys) -> None:
     rows += _step_rows({1: 1.0, 16: 1.0, 64: 1.0}, prefix=200)  # shared-prefix rows are not frozen
     results = _results_file(tmp_path, rows)
     argv = ["--baseline", str(baseline), "--results", str(results), "--weight-format", "bf16", "fp8"]
-    assert gate.run_performance(_args(*argv, "--write-baseline"), bench=_no_bench) == 0
+    assert gate_performance.run_performance(_args(*argv, "--write-baseline"), bench=_no_bench) == 0
     assert "wrote" in capsys.readouterr().out
     raw = json.loads(baseline.read_text())
     assert raw["schema"] == 2 and set(raw["formats"]) == {"bf16", "fp8"}
@@ -230,12 +239,12 @@ def test_write_baseline_round_trip(tmp_path: Path, capsys) -> None:
     assert bf16["concurrency"]["1"]["decode_frames_per_s"] == pytest.approx(1000 / 6.81234, abs=0.01)
     assert bf16["concurrency"]["64"]["request_frames_per_s"] == 50.0
     # gating the same run against what was written passes; a 6% slower fp8 row then fails
-    assert gate.run_performance(_args(*argv), bench=_no_bench) == 0
+    assert gate_performance.run_performance(_args(*argv), bench=_no_bench) == 0
     slower = _step_rows({1: 6.81234, 16: 7.5, 64: 8.1}) + _step_rows(
         _slower(0.06, 64, {1: 4.9, 16: 6.2, 64: 8.0}), "fp8"
     )
     argv[3] = str(_results_file(tmp_path, slower))
-    assert gate.run_performance(_args(*argv), bench=_no_bench) == 1
+    assert gate_performance.run_performance(_args(*argv), bench=_no_bench) == 1
 
 
 def test_write_baseline_measures_and_keeps_other_formats(tmp_path: Path) -> None:
@@ -247,9 +256,9 @@ def test_write_baseline_measures_and_keeps_other_formats(tmp_path: Path) -> None
         return _step_rows({1: 6.0, 16: 7.0, 64: 8.0}, weight_format)
 
     args = _args("--baseline", str(baseline), "--write-baseline", "--commit", "feedbee")
-    assert gate.run_performance(args, bench=fake_bench, environment=lambda: H200) == 0
+    assert gate_performance.run_performance(args, bench=fake_bench, environment=lambda: H200) == 0
     assert calls == [([1, 16, 64], "bf16", {})]
-    written = gate.load_baseline(baseline)
+    written = gate_performance.load_baseline(baseline)
     assert written["bf16"].step_ms == {1: 6.0, 16: 7.0, 64: 8.0} and written["bf16"].measured
     assert written["bf16"].metadata["commit"] == "feedbee"
     assert written["fp8"].step_ms == {1: 3.0, 16: 4.0, 64: 5.0}  # kept
@@ -259,7 +268,7 @@ def test_write_baseline_refuses_rows_without_step_timing(tmp_path: Path, capsys)
     baseline = tmp_path / "out.json"
     rows = _step_rows(STEPS)
     del rows[1]["decode_step_ms"]  # e.g. a CPU run, or --concurrency 1 64
-    assert _gate_results(tmp_path, baseline, rows, "--write-baseline") == gate.EXIT_NOT_COMPARABLE
+    assert _gate_results(tmp_path, baseline, rows, "--write-baseline") == gate_performance.EXIT_NOT_COMPARABLE
     assert not baseline.exists() and "nothing written" in capsys.readouterr().out
 
 
@@ -274,7 +283,7 @@ def test_write_baseline_refuses_rows_without_step_timing(tmp_path: Path, capsys)
 )
 def test_not_comparable_results_exit_2(tmp_path: Path, capsys, rows, environment) -> None:
     rc = _gate_results(tmp_path, _baseline_file(tmp_path), rows, environment=environment)
-    assert rc == gate.EXIT_NOT_COMPARABLE == 2
+    assert rc == gate_performance.EXIT_NOT_COMPARABLE == 2
     assert "NOT COMPARABLE" in capsys.readouterr().out
 
 
@@ -293,10 +302,12 @@ def test_old_schema_baseline_is_not_comparable(tmp_path: Path, capsys) -> None:
 
 
 def test_exit_codes_combine_over_formats() -> None:
-    assert gate.combine_exit_codes([0, 0]) == 0
-    assert gate.combine_exit_codes([3, 1]) == 1  # a real regression is not hidden by a placeholder
-    assert gate.combine_exit_codes([0, 3]) == 3
-    assert gate.combine_exit_codes([2, 3]) == 2
+    assert gate_performance.combine_exit_codes([0, 0]) == 0
+    assert (
+        gate_performance.combine_exit_codes([3, 1]) == 1
+    )  # a real regression is not hidden by a placeholder
+    assert gate_performance.combine_exit_codes([0, 3]) == 3
+    assert gate_performance.combine_exit_codes([2, 3]) == 2
 
 
 def _rows(weight_format: str, agg1: float, agg64: float, ttff: float, prefix: int = 0) -> list[dict]:
@@ -329,16 +340,16 @@ def test_performance_gate_reads_bench_output_and_checks_fp8_targets(
     results = _results_file(tmp_path, rows)
     # the baseline has no fp8 entry: only the targets are checked
     argv = ["--baseline", str(_baseline_file(tmp_path)), "--results", str(results), "--weight-format", "fp8"]
-    assert gate.run_performance(_args(*argv, "--targets"), bench=_no_bench) == expected_rc
+    assert gate_performance.run_performance(_args(*argv, "--targets"), bench=_no_bench) == expected_rc
     out = capsys.readouterr().out
     assert "fp8 aggregate frames/s at concurrency 1" in out and "performance (fp8)" in out
 
 
 def test_fp8_without_baseline_entry_needs_targets(tmp_path: Path, capsys) -> None:
     baseline = _baseline_file(tmp_path)
-    assert "fp8" not in gate.load_baseline(baseline)
+    assert "fp8" not in gate_performance.load_baseline(baseline)
     args = _args("--baseline", str(baseline), "--weight-format", "fp8")
-    assert gate.run_performance(args, bench=lambda *a, **k: [], environment=lambda: H200) == 2
+    assert gate_performance.run_performance(args, bench=lambda *a, **k: [], environment=lambda: H200) == 2
     assert "no fp8 entry" in capsys.readouterr().out
 
 

@@ -9,13 +9,13 @@ time to first frame (p50/p95) and peak GPU memory, plus a naive batch-1 loop
 include prefill, scheduling and host jitter and moved by about 10% between identical runs, so
 each row also carries the decode step alone at batch = concurrency, timed as CUDA-graph replays
 (`bench/timing.py`) on synthetic rows of `--step-context` keys (default prompt + frames / 2): it
-repeats within 0.3%, and the performance gate (`bench/gate.py`) compares it. `--json FILE` writes
+repeats within 0.3%, and the performance gate (`bench/gate_performance.py`) compares it. `--json FILE` writes
 the rows, the sweep and the run's environment (GPU, torch/triton, date, commit, command), which
 `shoal gate performance --results FILE [--write-baseline]` reads.
 
 `--weight-format bf16 fp8` runs both engines in one call, one after the other on the same random
 weights (FP8: quantized at engine start, `quant/engine_fp8.py`), prints fp8/bf16 ratios and checks
-the issue's targets (`bench/gate.py: TARGETS`). `--fp8-sweep` times every FP8 projection variant
+the issue's targets (`bench/gate_performance.py: TARGETS`). `--fp8-sweep` times every FP8 projection variant
 per S2-Pro GEMM shape and M as CUDA-graph replays and prints `VARIANT_TABLE` entries to paste.
 """
 
@@ -571,7 +571,7 @@ def _git_head() -> str | None:
 
 
 def print_results(all_results: list[dict]) -> None:
-    from shoal.bench.gate import check_targets, select_results
+    from shoal.bench.gate_performance import check_targets, select_results
 
     header = (
         f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} "
