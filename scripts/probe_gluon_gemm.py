@@ -47,6 +47,19 @@ def _scales(a_scale_ptr, w_scale_ptr, offs_m, m_mask, w_scale_row, kb, k_blocks,
 
 
 @gluon.jit
+def _load_step(w_desc, a_desc, w_smem, a_smem, ready, slot, kb, off_n, off_m, pred):
+    """TMA copies of one K step's weight and activation tiles into `slot`, counted on its barrier."""
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + a_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(
+        w_desc, [off_n, kb * BK], ready.index(slot), w_smem.index(slot), pred=pred
+    )
+    tma.async_copy_global_to_shared(
+        a_desc, [off_m, kb * BK], ready.index(slot), a_smem.index(slot), pred=pred
+    )
+
+
+@gluon.jit
 def _gluon_fp8_gemm(
     w_desc, a_desc, w_scale_ptr, a_scale_ptr, partial_ptr,
     M, N, k_blocks, stride_wsn, stride_asm, stride_asg,
@@ -56,7 +69,6 @@ def _gluon_fp8_gemm(
     BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows: the MMA's M side
     BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows: the MMA's N side
     BK: gl.constexpr = w_desc.block_type.shape[1]
-    NBYTES: gl.constexpr = w_desc.block_type.nbytes + a_desc.block_type.nbytes
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m = gl.program_id(2)
@@ -79,14 +91,7 @@ def _gluon_fp8_gemm(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(STAGES - 1):  # the first STAGES - 1 steps in flight
-        pred = i < n_steps
-        mbarrier.expect(ready.index(i), NBYTES, pred=pred)
-        tma.async_copy_global_to_shared(
-            w_desc, [off_n, (kb0 + i) * BK], ready.index(i), w_smem.index(i), pred=pred
-        )
-        tma.async_copy_global_to_shared(
-            a_desc, [off_m, (kb0 + i) * BK], ready.index(i), a_smem.index(i), pred=pred
-        )
+        _load_step(w_desc, a_desc, w_smem, a_smem, ready, i, kb0 + i, off_n, off_m, i < n_steps)
 
     zero = gl.zeros((BN, BM), gl.float32, mma_layout)
     acc = gl.zeros((BN, BM), gl.float32, mma_layout)
@@ -101,14 +106,7 @@ def _gluon_fp8_gemm(
         a_scale_ptr, w_scale_ptr, offs_m, m_mask, w_scale_row, kb0, k_blocks, stride_asm, stride_asg
     )
     last = STAGES - 1  # slot STAGES - 1 was never filled: step STAGES - 1 goes there
-    pred = last < n_steps
-    mbarrier.expect(ready.index(last), NBYTES, pred=pred)
-    tma.async_copy_global_to_shared(
-        w_desc, [off_n, (kb0 + last) * BK], ready.index(last), w_smem.index(last), pred=pred
-    )
-    tma.async_copy_global_to_shared(
-        a_desc, [off_m, (kb0 + last) * BK], ready.index(last), a_smem.index(last), pred=pred
-    )
+    _load_step(w_desc, a_desc, w_smem, a_smem, ready, last, kb0 + last, off_n, off_m, last < n_steps)
     for step in range(1, n_steps):
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -121,15 +119,10 @@ def _gluon_fp8_gemm(
             current = warpgroup_mma_wait(num_outstanding=0, deps=(current,))
             done = pending
         following = step + STAGES - 1  # into the slot step - 1 read
-        free = following % STAGES
-        pred = following < n_steps
-        mbarrier.expect(ready.index(free), NBYTES, pred=pred)
-        tma.async_copy_global_to_shared(
-            w_desc, [off_n, (kb0 + following) * BK], ready.index(free), w_smem.index(free), pred=pred
-        )
-        tma.async_copy_global_to_shared(
-            a_desc, [off_m, (kb0 + following) * BK], ready.index(free), a_smem.index(free), pred=pred
-        )
+        _load_step(
+            w_desc, a_desc, w_smem, a_smem, ready, following % STAGES, kb0 + following, off_n, off_m,
+            following < n_steps,
+        )  # fmt: skip
         acc += done * pending_scale[None, :]
         pending = current
         pending_scale = _scales(
