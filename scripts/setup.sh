@@ -9,9 +9,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
-# A dropped connection mid-download should cost a retry, not the whole setup (a CI run once
-# failed on a 13.5 MB wheel after pip's default 5 resume attempts).
-export PIP_RETRIES=${PIP_RETRIES:-10} PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-20}
 python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   python -m pip install -q "torch==2.13.0" "triton==3.6.0"
