@@ -35,6 +35,7 @@ from shoal.kernels.quant import (
     check_activation_scales,
     check_kv_scales,
     quantize_by,
+    scale_from_amax,
 )
 
 
@@ -87,12 +88,6 @@ def _rms_scale(
 
 
 @triton.jit
-def _kv_scale(amax, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr):
-    """A KV vector's fp32 scale from its amax, as `_quantize_groups` computes a group's."""
-    return tl.maximum(amax / FP8_MAX_, MIN_SCALE_)
-
-
-@triton.jit
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, positions_ptr, table_ptr, q_norm_ptr, k_norm_ptr, slots_ptr,
     q_out_ptr, k_pages_ptr, v_pages_ptr, k_scales_ptr, v_scales_ptr, eps,
@@ -142,7 +137,7 @@ def _qk_norm_rope_kv_kernel(
                 k0 = cast_rne(rotated0, tl.bfloat16, EMULATE).to(tl.float32)
                 k1 = cast_rne(rotated1, tl.bfloat16, EMULATE).to(tl.float32)
                 k_amax = tl.maximum(tl.max(tl.abs(k0), 0), tl.max(tl.abs(k1), 0))
-                k_scale = _kv_scale(k_amax, FP8_MAX_, MIN_SCALE_)
+                k_scale = scale_from_amax(k_amax, FP8_MAX_, MIN_SCALE_)
                 tl.store(k_dest + 2 * offs, quantize_by(k0, k_scale, FP8_MAX_))
                 tl.store(k_dest + 2 * offs + 1, quantize_by(k1, k_scale, FP8_MAX_))
                 tl.store(k_scales_ptr + place // HEAD_DIM, k_scale)
@@ -156,7 +151,7 @@ def _qk_norm_rope_kv_kernel(
             )
             if KV_FP8:  # the bf16 pool's value: a no-op on bf16 input (and on summed partials)
                 vf = cast_rne(v, tl.bfloat16, EMULATE).to(tl.float32)
-                v_scale = _kv_scale(tl.max(tl.abs(vf), 0), FP8_MAX_, MIN_SCALE_)
+                v_scale = scale_from_amax(tl.max(tl.abs(vf), 0), FP8_MAX_, MIN_SCALE_)
                 tl.store(v_pages_ptr + place + full, quantize_by(vf, v_scale, FP8_MAX_))
                 tl.store(v_scales_ptr + place // HEAD_DIM, v_scale)
             else:

@@ -119,10 +119,15 @@ def quantize_by(x, scale, fp8_max: tl.constexpr):
 
 
 @triton.jit
+def scale_from_amax(amax, fp8_max: tl.constexpr, min_scale: tl.constexpr):
+    """The fp32 scale of a group (activations) or a vector (an FP8 KV cache's) from its amax."""
+    return tl.maximum(amax / fp8_max, min_scale)
+
+
+@triton.jit
 def _quantize_groups(x, fp8_max: tl.constexpr, min_scale: tl.constexpr):
     """x: fp32 [G, 128] (masked-out lanes zero) -> (e4m3 [G, 128], fp32 scales [G])."""
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(amax / fp8_max, min_scale)
+    scale = scale_from_amax(tl.max(tl.abs(x), axis=1), fp8_max, min_scale)
     return quantize_by(x, scale[:, None], fp8_max), scale
 
 
