@@ -1,0 +1,223 @@
+"""The FP8 block-scaled split-K GEMM written in Gluon, so that weights stream before the PDL wait.
+
+At batch 1 every FP8 GEMM of the decode step pays about 3-4 µs that move no weights: the
+pipeline's ramp (the first tiles' DRAM latency) and the drain (docs/performance.md, runs 23 and
+52). Under programmatic dependent launch (`kernels/pdl.py`) a GEMM's programs become resident
+while the kernel before it (a norm, RoPE, attention, SwiGLU quantization) still runs, and then sit
+at `griddepcontrol.wait`. The weights do not depend on that kernel. Triton's software pipeline
+issues its first copies only after the wait (moving loads above it by hand broke the pipeline,
+run 17), but in Gluon the pipeline is written out: here each program issues the TMA copies of its
+first `num_stages` weight tiles, and loads their block scales, *before* the wait, so the weight
+stream overlaps the previous kernel; only the activation tiles and scales wait.
+
+Same tiles and arithmetic as the Triton kernel with `swap_ab=True, tma=True, scales_ahead=True`
+(weight rows are the wgmma's M side, each K step's product scaled by a_scale * w_scale and added
+in K order): the same bits. Hopper only (TMA, wgmma); `fp8_gemm._launch` runs that Triton config
+instead in the CPU interpreter and on older GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+BLOCK = 128  # K columns per step: one weight-scale column
+BLOCK_K = gl.constexpr(BLOCK)
+
+
+@gluon.jit
+def _gdc_wait_then_release(USE_PDL: gl.constexpr):
+    """`kernels.pdl.wait_for_inputs` for Gluon: the previous kernel's writes visible, then the
+    next kernel may launch."""
+    if USE_PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def _copy_weights(w_desc, w_smem, ready, slot, kb, off_n, tile_bytes: gl.constexpr):
+    """Step kb's weight tile into `slot`; its barrier expects the activation tile's bytes too."""
+    mbarrier.expect(ready.index(slot), tile_bytes)
+    tma.async_copy_global_to_shared(w_desc, [off_n, kb * BLOCK_K], ready.index(slot), w_smem.index(slot))
+
+
+@gluon.jit
+def _fp8_gemm_prefetch_kernel(
+    w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
+    STEPS: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, LEAVE_PARTIALS: gl.constexpr,
+    BF16_PARTIALS: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows: the MMA's M side
+    BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows: the MMA's N side
+    TILE_BYTES: gl.constexpr = w_desc.block_type.nbytes + a_desc.block_type.nbytes
+    # Grid (m tiles, n tiles, splits), as the Triton kernel's: one weight tile's M tiles run together.
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    off_n = pid_n * BN
+    off_m = pid_m * BM
+    kb0 = pid_k * STEPS  # a fixed trip count: past K, TMA fills zeros and the scales load as 0
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 32]
+    )
+    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, mma_layout))
+    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+    m_mask = offs_m < M
+    w_scale_row = w_scale_ptr + (off_n // BLOCK_K) * stride_wsn
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BLOCK_K], w_desc.layout)
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BLOCK_K], a_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    # Constants of the step first: weight tiles and the first step's weight scale.
+    for i in gl.static_range(STAGES):
+        if i < STEPS:
+            _copy_weights(w_desc, w_smem, ready, i, kb0 + i, off_n, TILE_BYTES)
+    w_scale = gl.load(w_scale_row + kb0, mask=kb0 < k_blocks, other=0.0)
+    _gdc_wait_then_release(USE_PDL)
+    # From here on the inputs may come from the previous kernel.
+    for i in gl.static_range(STAGES):
+        if i < STEPS:
+            tma.async_copy_global_to_shared(
+                a_desc, [off_m, (kb0 + i) * BLOCK_K], ready.index(i), a_smem.index(i)
+            )
+    a_scale = gl.load(
+        a_scale_ptr + offs_m * stride_asm + kb0 * stride_asg, mask=m_mask & (kb0 < k_blocks), other=0.0
+    )
+
+    zero = gl.zeros((BN, BM), gl.float32, mma_layout)
+    acc = gl.zeros((BN, BM), gl.float32, mma_layout)
+    for step in range(STEPS):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        part = warpgroup_mma(
+            w_smem.index(slot), a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
+        )
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        following = step + STAGES  # into the slot this step has finished reading
+        if following < STEPS:
+            kb = kb0 + following
+            _copy_weights(w_desc, w_smem, ready, slot, kb, off_n, TILE_BYTES)
+            tma.async_copy_global_to_shared(
+                a_desc, [off_m, kb * BLOCK_K], ready.index(slot), a_smem.index(slot)
+            )
+        acc += part * (a_scale * w_scale)[None, :]
+        # The next step's scales, loaded after this step's last use (as `scales_ahead`).
+        kb = kb0 + step + 1
+        w_scale = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
+        a_scale = gl.load(
+            a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask & (kb < k_blocks), other=0.0
+        )
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    mask = m_mask[None, :] & (offs_n < N)[:, None]
+    tile_offsets = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM]: the output transposed back
+    out_ptrs = out_ptr + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
+    if SPLIT_K == 1:
+        gl.store(out_ptrs, acc.to(gl.bfloat16), mask=mask)
+    else:
+        split_stride = M * N
+        if BF16_PARTIALS:
+            gl.store(partial_ptr + pid_k * split_stride + tile_offsets, acc.to(gl.bfloat16), mask=mask)
+        else:
+            gl.store(partial_ptr + pid_k * split_stride + tile_offsets, acc, mask=mask)
+        if not LEAVE_PARTIALS:  # the last program of the tile to arrive sums the partials in order
+            gl.thread_barrier()
+            tile = pid_m * gl.num_programs(1) + pid_n
+            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros((BN, BM), gl.float32, mma_layout)
+                for s in range(SPLIT_K):
+                    total += gl.load(
+                        partial_ptr + s * split_stride + tile_offsets,
+                        mask=mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    ).to(gl.float32)
+                gl.store(out_ptrs, total.to(gl.bfloat16), mask=mask)
+                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+def _descriptor(tensor: torch.Tensor, rows: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK], gl.float8e4nv)
+    return TensorDescriptor.from_tensor(tensor, [rows, BLOCK], layout)
+
+
+def launch_prefetch_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    partials: torch.Tensor,
+    counters: torch.Tensor,
+    *,
+    block_m: int,
+    block_n: int,
+    split_k: int,
+    num_stages: int,
+    num_warps: int,
+    bf16_partials: bool,
+    leave_partials: bool,
+    launch: dict,
+) -> None:
+    """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
+    if block_n not in (64, 128) or block_m % 8 or not 8 <= block_m <= 128:
+        raise ValueError(
+            f"weights_before_wait needs block_n 64 or 128 and block_m 8-128 in 8s: {block_n}, {block_m}"
+        )
+    (m, k), n = a.shape, w_q.shape[0]
+    if k % 16:
+        raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
+    k_blocks = triton.cdiv(k, BLOCK)
+    steps = triton.cdiv(k_blocks, split_k)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _fp8_gemm_prefetch_kernel[grid](
+        _descriptor(w_q, block_n), _descriptor(a, block_m), w_scale, a_scale, out, partials, counters,
+        m, n, k_blocks, w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
+        STEPS=steps, STAGES=num_stages, SPLIT_K=split_k, LEAVE_PARTIALS=leave_partials,
+        BF16_PARTIALS=bf16_partials and split_k > 1, num_warps=num_warps, **launch,
+    )  # fmt: skip
+
+
+def compile_for_hopper(
+    m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
+    leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True, num_warps: int = 4,
+):  # fmt: skip
+    """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
+    (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    kernel = _fp8_gemm_prefetch_kernel
+    steps = triton.cdiv(triton.cdiv(k, BLOCK), split_k)
+    constants = {
+        "STEPS": steps, "STAGES": num_stages, "SPLIT_K": split_k, "LEAVE_PARTIALS": leave_partials,
+        "BF16_PARTIALS": bf16_partials and split_k > 1, "USE_PDL": use_pdl, "num_warps": num_warps,
+    }  # fmt: skip
+    w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+    a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
+    signature = {name: "constexpr" if name in constants else "i32" for name in kernel.arg_names}
+    signature.update(
+        w_desc=mangle_type(_descriptor(w, block_n)), a_desc=mangle_type(_descriptor(a, block_m)),
+        w_scale_ptr="*fp32", a_scale_ptr="*fp32", out_ptr="*bf16",
+        partial_ptr="*bf16" if bf16_partials else "*fp32", counter_ptr="*i32",
+    )  # fmt: skip
+    names = kernel.arg_names
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    source = GluonASTSource(kernel, signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps})

@@ -1,0 +1,150 @@
+"""The Gluon FP8 GEMM (`kernels/fp8_gemm_gluon.py`, `GemmConfig.weights_before_wait`): where its
+weight copies sit against the PDL wait, and its bits against the Triton kernel's equivalent config
+(swapped tiles, TMA, scales one step ahead), which is also what runs in its place on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from fp8_testing import DEVICE, S2_SHAPES, fp8_weight  # noqa: E402
+
+from shoal.kernels import fp8_gemm as gemm  # noqa: E402
+from shoal.kernels import quant  # noqa: E402
+
+_PTX_PROBE = """
+import json, sys
+from shoal.kernels.fp8_gemm_gluon import compile_for_hopper
+report = []
+for m, n, k, split, stages, pdl in json.loads(sys.argv[1]):
+    ptx = compile_for_hopper(m, n, k, block_m=16, block_n=64, split_k=split, num_stages=stages,
+                             leave_partials=True, use_pdl=pdl).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    head = ptx[:wait] if wait >= 0 else ""
+    release = ptx.find("griddepcontrol.launch_dependents")
+    copies = "cp.async.bulk.tensor"
+    report.append({"wait": wait >= 0, "release_after_wait": release > wait,
+                   "copies_before": head.count(copies), "copies": ptx.count(copies)})
+print(json.dumps(report))
+"""
+
+
+def test_weight_copies_come_before_the_pdl_wait() -> None:
+    """The sm_90 build (compiled here, no GPU needed): each program issues its first
+    min(stages, steps) weight copies, and only those, before griddepcontrol.wait; the activation
+    copies come after it. Without PDL there is no wait at all."""
+    cases = [
+        (1, 2560, 9728, 7, 4, True),  # down at M = 1: 11 steps per split, 4 stages
+        (1, 2560, 9728, 14, 6, True),  # 6 steps, 6 stages: the whole split's weights ahead
+        (1, 6144, 2560, 6, 6, True),  # qkv: 4 steps per split, fewer than the stages
+        (1, 2560, 9728, 7, 4, False),
+    ]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _PTX_PROBE, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    down, whole, qkv, plain = json.loads(result.stdout.strip().splitlines()[-1])
+    assert down == {"wait": True, "release_after_wait": True, "copies_before": 4, "copies": 10}
+    assert whole["copies_before"] == 6 and qkv["copies_before"] == 4
+    assert not plain["wait"]
+
+
+def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
+    return replace(config, weights_before_wait=False, swap_ab=True, tma=True, scales_ahead=True)
+
+
+@pytest.mark.parametrize(
+    "split,bf16_partials,unreduced",
+    [(1, False, False), (3, False, True), (3, True, True), (3, False, False)],
+    ids=["nosplit", "partials", "bf16-partials", "reduced"],
+)
+def test_same_bits_as_the_equivalent_triton_config(split: int, bf16_partials: bool, unreduced: bool) -> None:
+    """Ragged N and K (rows past N and columns past K zero-filled by TMA, a last split that runs
+    past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits either way."""
+    m, n, k = 5, 160, 400
+    w_q, w_s = fp8_weight(n, k)
+    x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    config = gemm.GemmConfig(16, 64, split, 4, 2, bf16_partials=bf16_partials, weights_before_wait=True)
+    got = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, unreduced=unreduced)
+    got = got.parts.clone() if isinstance(got, gemm.SplitKPartials) else got
+    want = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=_equivalent(config), unreduced=unreduced)
+    want = want.parts if isinstance(want, gemm.SplitKPartials) else want
+    assert torch.equal(got, want)
+
+
+def test_other_activation_modes_run_the_config_without_it() -> None:
+    """The FP8 table also serves inline quantization, which the Gluon kernel does not do."""
+    n, k = 128, 256
+    w_q, w_s = fp8_weight(n, k)
+    x = torch.randn(3, k, device=DEVICE).to(torch.bfloat16)
+    config = gemm.GemmConfig(16, 64, 2, 4, 2, weights_before_wait=True)
+    got = gemm.fp8_linear(x, w_q, w_s, True, config=config)
+    plain = replace(config, weights_before_wait=False)
+    assert torch.equal(got, gemm.fp8_linear(x, w_q, w_s, True, config=plain))
+
+
+def _check_in_a_pdl_chain(
+    x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, config: gemm.GemmConfig, unreduced: bool
+) -> None:
+    (m, k), n = x.shape, w_q.shape[0]
+    x_q, x_s = quant.quantize_activations(x)
+    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config, k), DEVICE)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+
+    def step() -> torch.Tensor:
+        quant.quantize_activations(x, out=x_q, scales=x_s)
+        result = gemm.fp8_gemm(
+            x_q, x_s, w_q, w_s, out=out, workspace=workspace, config=config, unreduced=unreduced
+        )
+        return result.parts if isinstance(result, gemm.SplitKPartials) else result
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = gemm.fp8_gemm(
+            *quant.quantize_activations(x), w_q, w_s, config=_equivalent(config), unreduced=unreduced
+        )
+        want = want.parts if isinstance(want, gemm.SplitKPartials) else want
+        assert torch.equal(replayed, want), (n, k, m, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("shape", list(S2_SHAPES), ids=list(S2_SHAPES))
+def test_s2_shapes_in_a_pdl_chain_gpu(m: int, shape: str) -> None:
+    """In a CUDA graph, right behind the quantization kernel that writes its input (so its weight
+    copies really run ahead of the wait), replayed with new input each time: the Triton kernel's
+    bits, partials and reduced results, fp32 and bf16 partials, 64 and 128 weight rows."""
+    n, k = S2_SHAPES[shape]
+    w_q, w_s = fp8_weight(n, k)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    split = gemm.pick_config(n, k, m, x.device, fp8_activations=True).split_k
+    block_m = 16 if m <= 16 else 64
+    for block_n, stages, bf16_partials, unreduced in (
+        (64, 4, False, True),
+        (128, 6, True, True),
+        (64, 4, False, False),
+    ):
+        config = gemm.GemmConfig(block_m, block_n, split, 4, stages, bf16_partials=bf16_partials)
+        _check_in_a_pdl_chain(x, w_q, w_s, replace(config, weights_before_wait=True), unreduced)
