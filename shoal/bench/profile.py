@@ -199,6 +199,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sample-kernel", action="store_true", help="first time the sampling kernel's variants alone"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also profile the step with these tuned-table changes (`shoal bench ab`'s syntax); repeat",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,24 +216,27 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.sample_kernel:
         sample_kernel_table()
+    from shoal.bench.ab import applied, concrete, parse_variant
     from shoal.bench.engine import decode_step_ms, random_step_core
 
+    variants = {"": [], **{spec: concrete(parse_variant(spec)) for spec in args.variant}}
     core = random_step_core(args.batch, args.context, args.weight_format, args.max_seq_len)
     dump = {}
     for batch in args.batch:
-        step_ms = decode_step_ms(core, [batch], args.context)[batch]
-        label = f"decode step, {args.weight_format}, batch {batch}"
-        print(f"{label}: {step_ms:.3f} ms (graph replays, unprofiled)")
-        events = profile_step(core, batch, args.context)
-        # Slow layer 10 starts after the embedding, the first norm and 10 layers' kernels; the
-        # exact offset depends on the kernel count per layer, so print a window around it.
-        per_layer = max(1, len(events) // (2 * core.model.config.n_layer))
-        start = 2 + 10 * per_layer
-        print_profile(
-            f"decode step, {args.weight_format}, batch {batch}, {args.context} keys",
-            events, args.top, range(start, start + args.layer_window),
-        )  # fmt: skip
-        dump[str(batch)] = [e.__dict__ for e in events]
+        for name, changes in variants.items():
+            with applied(changes):
+                step_ms = decode_step_ms(core, [batch], args.context)[batch]
+                events = profile_step(core, batch, args.context)
+            label = f"decode step, {args.weight_format}, batch {batch}" + (f", {name}" if name else "")
+            print(f"{label}: {step_ms:.3f} ms (graph replays, unprofiled)")
+            # Slow layer 10 starts after the embedding, the first norm and 10 layers' kernels; the
+            # exact offset depends on the kernel count per layer, so print a window around it.
+            per_layer = max(1, len(events) // (2 * core.model.config.n_layer))
+            start = 2 + 10 * per_layer
+            print_profile(
+                f"{label}, {args.context} keys", events, args.top, range(start, start + args.layer_window)
+            )
+            dump[f"{batch}{':' + name if name else ''}"] = [e.__dict__ for e in events]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dump, f)
