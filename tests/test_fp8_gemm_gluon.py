@@ -1,5 +1,5 @@
-"""The Gluon FP8 GEMM (`kernels/fp8_gemm_gluon.py`, `GemmConfig.weights_before_wait`): where its
-weight copies sit against the PDL wait, and its bits against the Triton kernel's equivalent config
+"""The Gluon FP8 GEMM (`kernels/fp8_gemm_gluon.py`, `GemmConfig.gluon`): where its weight copies
+sit against the PDL wait (`tiles_before_wait`), and its bits against the Triton kernel's equivalent config
 (swapped tiles, TMA, scales one step ahead), which is also what runs in its place on the CPU."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ _PTX_PROBE = """
 import json, sys
 from shoal.kernels.fp8_gemm_gluon import compile_for_hopper
 report = []
-for m, n, k, split, stages, pdl in json.loads(sys.argv[1]):
+for m, n, k, split, stages, ahead, pdl in json.loads(sys.argv[1]):
     ptx = compile_for_hopper(m, n, k, block_m=16, block_n=64, split_k=split, num_stages=stages,
-                             leave_partials=True, use_pdl=pdl).asm["ptx"]
+                             tiles_before_wait=ahead, leave_partials=True, use_pdl=pdl).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     head = ptx[:wait] if wait >= 0 else ""
     release = ptx.find("griddepcontrol.launch_dependents")
@@ -40,13 +40,14 @@ print(json.dumps(report))
 
 def test_weight_copies_come_before_the_pdl_wait() -> None:
     """The sm_90 build (compiled here, no GPU needed): each program issues its first
-    min(stages, steps) weight copies, and only those, before griddepcontrol.wait; the activation
-    copies come after it. Without PDL there is no wait at all."""
+    min(tiles_before_wait, steps) weight copies, and only those, before griddepcontrol.wait; the
+    rest of the ring and the activation copies come after it. Without PDL there is no wait."""
     cases = [
-        (1, 2560, 9728, 7, 4, True),  # down at M = 1: 11 steps per split, 4 stages
-        (1, 2560, 9728, 14, 6, True),  # 6 steps, 6 stages: the whole split's weights ahead
-        (1, 6144, 2560, 6, 6, True),  # qkv: 4 steps per split, fewer than the stages
-        (1, 2560, 9728, 7, 4, False),
+        (1, 2560, 9728, 7, 4, 4, True),  # down at M = 1: 11 steps per split, the whole ring ahead
+        (1, 2560, 9728, 14, 6, 6, True),  # 6 steps, 6 stages: the whole split's weights ahead
+        (1, 6144, 2560, 6, 6, 6, True),  # qkv: 4 steps per split, fewer than the stages
+        (1, 2560, 9728, 7, 4, 1, True),  # one tile ahead, three after the wait
+        (1, 2560, 9728, 7, 4, 4, False),
     ]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
@@ -57,14 +58,15 @@ def test_weight_copies_come_before_the_pdl_wait() -> None:
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    down, whole, qkv, plain = json.loads(result.stdout.strip().splitlines()[-1])
+    down, whole, qkv, one, plain = json.loads(result.stdout.strip().splitlines()[-1])
     assert down == {"wait": True, "release_after_wait": True, "copies_before": 4, "copies": 10}
     assert whole["copies_before"] == 6 and qkv["copies_before"] == 4
+    assert one["copies_before"] == 1 and one["copies"] == down["copies"]
     assert not plain["wait"]
 
 
 def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
-    return replace(config, weights_before_wait=False, swap_ab=True, tma=True, scales_ahead=True)
+    return replace(config, gluon=False, swap_ab=True, tma=True, scales_ahead=True)
 
 
 @pytest.mark.parametrize(
@@ -78,7 +80,9 @@ def test_same_bits_as_the_equivalent_triton_config(split: int, bf16_partials: bo
     m, n, k = 5, 160, 400
     w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
-    config = gemm.GemmConfig(16, 64, split, 4, 2, bf16_partials=bf16_partials, weights_before_wait=True)
+    config = gemm.GemmConfig(
+        16, 64, split, 4, 2, bf16_partials=bf16_partials, gluon=True, tiles_before_wait=1
+    )
     got = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, unreduced=unreduced)
     got = got.parts.clone() if isinstance(got, gemm.SplitKPartials) else got
     want = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=_equivalent(config), unreduced=unreduced)
@@ -91,9 +95,9 @@ def test_other_activation_modes_run_the_config_without_it() -> None:
     n, k = 128, 256
     w_q, w_s = fp8_weight(n, k)
     x = torch.randn(3, k, device=DEVICE).to(torch.bfloat16)
-    config = gemm.GemmConfig(16, 64, 2, 4, 2, weights_before_wait=True)
+    config = gemm.GemmConfig(16, 64, 2, 4, 2, gluon=True, tiles_before_wait=2)
     got = gemm.fp8_linear(x, w_q, w_s, True, config=config)
-    plain = replace(config, weights_before_wait=False)
+    plain = replace(config, gluon=False)
     assert torch.equal(got, gemm.fp8_linear(x, w_q, w_s, True, config=plain))
 
 
@@ -133,18 +137,20 @@ def _check_in_a_pdl_chain(
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("shape", list(S2_SHAPES), ids=list(S2_SHAPES))
 def test_s2_shapes_in_a_pdl_chain_gpu(m: int, shape: str) -> None:
-    """In a CUDA graph, right behind the quantization kernel that writes its input (so its weight
-    copies really run ahead of the wait), replayed with new input each time: the Triton kernel's
-    bits, partials and reduced results, fp32 and bf16 partials, 64 and 128 weight rows."""
+    """In a CUDA graph, right behind the quantization kernel that writes its input (so the weight
+    copies, 0-4 of them, really run ahead of the wait), replayed with new input each time: the
+    Triton kernel's bits, partials and reduced results, fp32 and bf16 partials, 64 and 128 rows."""
     n, k = S2_SHAPES[shape]
     w_q, w_s = fp8_weight(n, k)
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
     split = gemm.pick_config(n, k, m, x.device, fp8_activations=True).split_k
     block_m = 16 if m <= 16 else 64
-    for block_n, stages, bf16_partials, unreduced in (
-        (64, 4, False, True),
-        (128, 6, True, True),
-        (64, 4, False, False),
-    ):
-        config = gemm.GemmConfig(block_m, block_n, split, 4, stages, bf16_partials=bf16_partials)
-        _check_in_a_pdl_chain(x, w_q, w_s, replace(config, weights_before_wait=True), unreduced)
+    cases = (
+        (64, 4, 4, False, True),
+        (128, 6, 2, True, True),
+        (64, 3, 1, False, False),
+        (64, 4, 0, False, True),
+    )
+    for block_n, stages, ahead, bf16_partials, unreduced in cases:
+        config = gemm.GemmConfig(block_m, block_n, split, 4, stages, bf16_partials=bf16_partials, gluon=True)
+        _check_in_a_pdl_chain(x, w_q, w_s, replace(config, tiles_before_wait=ahead), unreduced)

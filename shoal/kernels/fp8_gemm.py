@@ -86,12 +86,13 @@ class GemmConfig:
     # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
     # Same scales, same arithmetic: the same bits either way.
     scales_ahead: bool = False
-    # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`), whose
-    # programs copy their first `num_stages` weight tiles before the PDL wait, so the weight stream
-    # overlaps the kernel before the GEMM. Always swapped tiles and TMA (`swap_ab`, `tma` unused);
-    # the same bits as this config with swap_ab, tma and scales_ahead, which is what runs where
-    # Gluon cannot (the CPU interpreter, other GPUs).
-    weights_before_wait: bool = False
+    # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`). Always
+    # swapped tiles and TMA (`swap_ab`, `tma` unused); the same bits as this config with swap_ab,
+    # tma and scales_ahead, which is what runs where Gluon cannot (CPU interpreter, other GPUs).
+    gluon: bool = False
+    # With `gluon`: weight tiles (<= num_stages) each program copies before the PDL wait, so that
+    # much of the weight stream overlaps the kernel before the GEMM.
+    tiles_before_wait: int = 0
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -584,9 +585,9 @@ def _launch(
             config = default_config(n, k, m, _multiprocessors(a.device))
     if config.scales_ahead and mode != ACT_FP8:
         config = dataclasses.replace(config, scales_ahead=False)  # the scales of quantized inputs
-    if config.weights_before_wait and (mode != ACT_FP8 or not _gluon_runs(a.device)):
+    if config.gluon and (mode != ACT_FP8 or not _gluon_runs(a.device)):
         equivalent = dict(swap_ab=True, tma=True, scales_ahead=True) if mode == ACT_FP8 else {}
-        config = dataclasses.replace(config, weights_before_wait=False, **equivalent)
+        config = dataclasses.replace(config, gluon=False, **equivalent)
     if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK_K} (one weight-scale row per tile): {config}")
     if workspace is None:
@@ -600,13 +601,14 @@ def _launch(
         check_activation_scales(a_scale, m, k)
         a_scale_arg, stride_asm, stride_asg = a_scale, a_scale.stride(0), a_scale.stride(1)
     leave_partials = unreduced and config.split_k > 1
-    if config.weights_before_wait:
+    if config.gluon:
         from shoal.kernels.fp8_gemm_gluon import launch_prefetch_gemm
 
         launch_prefetch_gemm(
             a, a_scale_arg, w_q, w_scale, out, workspace.partials_for(config), workspace.counters,
             block_m=config.block_m, block_n=config.block_n, split_k=config.split_k,
-            num_stages=config.num_stages, num_warps=config.num_warps, bf16_partials=config.bf16_partials,
+            num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
+            num_warps=config.num_warps, bf16_partials=config.bf16_partials,
             leave_partials=leave_partials, launch=pdl_launch(),
         )  # fmt: skip
         return _result(out, workspace, config, m, n, leave_partials)

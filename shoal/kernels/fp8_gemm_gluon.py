@@ -1,4 +1,4 @@
-"""The FP8 block-scaled split-K GEMM written in Gluon, so that weights stream before the PDL wait.
+"""The FP8 block-scaled split-K GEMM written in Gluon, so that weights can stream before the PDL wait.
 
 At batch 1 every FP8 GEMM of the decode step pays about 3-4 µs that move no weights: the
 pipeline's ramp (the first tiles' DRAM latency) and the drain (docs/performance.md, runs 23 and
@@ -7,8 +7,13 @@ while the kernel before it (a norm, RoPE, attention, SwiGLU quantization) still 
 at `griddepcontrol.wait`. The weights do not depend on that kernel. Triton's software pipeline
 issues its first copies only after the wait (moving loads above it by hand broke the pipeline,
 run 17), but in Gluon the pipeline is written out: here each program issues the TMA copies of its
-first `num_stages` weight tiles, and loads their block scales, *before* the wait, so the weight
-stream overlaps the previous kernel; only the activation tiles and scales wait.
+first `tiles_before_wait` weight tiles (and loads the first block scale) *before* the wait, so that
+part of the weight stream overlaps the previous kernel; the rest of the ring, the activation tiles
+and their scales come after it.
+
+How many is a trade, measured in the decode step (docs/performance.md runs 66-68): copies issued
+ahead shorten the GEMM, but they fill the memory system while the kernel before it runs, and
+those kernels (the norm, attention) are chains of dependent loads whose latency then grows.
 
 Same tiles and arithmetic as the Triton kernel with `swap_ab=True, tma=True, scales_ahead=True`
 (weight rows are the wgmma's M side, each K step's product scaled by a_scale * w_scale and added
@@ -52,8 +57,8 @@ def _copy_weights(w_desc, w_smem, ready, slot, kb, off_n, tile_bytes: gl.constex
 def _fp8_gemm_prefetch_kernel(
     w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
-    STEPS: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, LEAVE_PARTIALS: gl.constexpr,
-    BF16_PARTIALS: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+    STEPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
+    LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows: the MMA's M side
     BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows: the MMA's N side
@@ -79,15 +84,17 @@ def _fp8_gemm_prefetch_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    # Constants of the step first: weight tiles and the first step's weight scale.
+    # Constants of the step first: AHEAD weight tiles and the first step's weight scale.
     for i in gl.static_range(STAGES):
-        if i < STEPS:
+        if i < STEPS and i < AHEAD:
             _copy_weights(w_desc, w_smem, ready, i, kb0 + i, off_n, TILE_BYTES)
     w_scale = gl.load(w_scale_row + kb0, mask=kb0 < k_blocks, other=0.0)
     _gdc_wait_then_release(USE_PDL)
     # From here on the inputs may come from the previous kernel.
     for i in gl.static_range(STAGES):
         if i < STEPS:
+            if i >= AHEAD:
+                _copy_weights(w_desc, w_smem, ready, i, kb0 + i, off_n, TILE_BYTES)
             tma.async_copy_global_to_shared(
                 a_desc, [off_m, (kb0 + i) * BLOCK_K], ready.index(i), a_smem.index(i)
             )
@@ -169,6 +176,7 @@ def launch_prefetch_gemm(
     block_n: int,
     split_k: int,
     num_stages: int,
+    tiles_before_wait: int,
     num_warps: int,
     bf16_partials: bool,
     leave_partials: bool,
@@ -177,7 +185,7 @@ def launch_prefetch_gemm(
     """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     if block_n not in (64, 128) or block_m % 8 or not 8 <= block_m <= 128:
         raise ValueError(
-            f"weights_before_wait needs block_n 64 or 128 and block_m 8-128 in 8s: {block_n}, {block_m}"
+            f"the Gluon GEMM needs block_n 64 or 128 and block_m 8-128 in 8s: {block_n}, {block_m}"
         )
     (m, k), n = a.shape, w_q.shape[0]
     if k % 16:
@@ -188,14 +196,16 @@ def launch_prefetch_gemm(
     _fp8_gemm_prefetch_kernel[grid](
         _descriptor(w_q, block_n), _descriptor(a, block_m), w_scale, a_scale, out, partials, counters,
         m, n, k_blocks, w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
-        STEPS=steps, STAGES=num_stages, SPLIT_K=split_k, LEAVE_PARTIALS=leave_partials,
-        BF16_PARTIALS=bf16_partials and split_k > 1, num_warps=num_warps, **launch,
+        STEPS=steps, STAGES=num_stages, AHEAD=tiles_before_wait, SPLIT_K=split_k,
+        LEAVE_PARTIALS=leave_partials, BF16_PARTIALS=bf16_partials and split_k > 1,
+        num_warps=num_warps, **launch,
     )  # fmt: skip
 
 
 def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
-    leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True, num_warps: int = 4,
+    tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
+    num_warps: int = 4,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -206,8 +216,9 @@ def compile_for_hopper(
     kernel = _fp8_gemm_prefetch_kernel
     steps = triton.cdiv(triton.cdiv(k, BLOCK), split_k)
     constants = {
-        "STEPS": steps, "STAGES": num_stages, "SPLIT_K": split_k, "LEAVE_PARTIALS": leave_partials,
-        "BF16_PARTIALS": bf16_partials and split_k > 1, "USE_PDL": use_pdl, "num_warps": num_warps,
+        "STEPS": steps, "STAGES": num_stages, "AHEAD": tiles_before_wait, "SPLIT_K": split_k,
+        "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
+        "USE_PDL": use_pdl, "num_warps": num_warps,
     }  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
