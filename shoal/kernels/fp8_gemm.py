@@ -128,41 +128,35 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 16): _G(16, 64, 14, 4, 4, swap_ab=True),  # 21.8 us
 }
 TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
-    # scales_ahead (K-step scales loaded one step ahead; same bits) in every M = 1 and M = 64
-    # entry and the M = 16 o entry: batch-1 step 0.978x, batch 64 0.979x (run 55). At M = 16 it
-    # lost on the K = 2560 entries (1.011x) and was even on down (1.003x).
-    (6144, 2560, 1): _G(
-        16, 64, 6, 4, 4, swap_ab=True, scales_ahead=True
-    ),  # qkv 7.8 us (split 3: 7.4 alone, slower in the step, run 19)
-    (6144, 2560, 2): _G(16, 64, 6, 4, 4, swap_ab=False),
-    (6144, 2560, 4): _G(16, 64, 6, 4, 4, swap_ab=False),  # 8.2 us
-    (6144, 2560, 8): _G(16, 64, 3, 4, 4, swap_ab=True),
-    # split 6 (was 3, 8.7 us alone): FP8 step at batch 16 0.986x (`shoal bench ab`, run 39).
-    # bf16 partials in the three M = 16 split-K entries: batch-16 step 0.991x (run 53).
-    (6144, 2560, 16): _G(16, 64, 6, 4, 4, swap_ab=True, bf16_partials=True),
-    # o at M = 1: split 4 looked 1% faster in run 32's step, but not once the batch-1 attention
-    # split its rows as the engine does (run 33: 3.872 ms with 7, 3.88 with 4): 7 stays.
-    (2560, 4096, 1): _G(16, 64, 7, 4, 4, swap_ab=True, scales_ahead=True),  # o 7.0 us (default 7.9)
-    (2560, 4096, 2): _G(16, 64, 7, 4, 4, swap_ab=True),
-    (2560, 4096, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 7.2 us
-    (2560, 4096, 8): _G(16, 32, 4, 4, 4, swap_ab=False),
-    (2560, 4096, 16): _G(
-        16, 32, 4, 4, 4, swap_ab=False, bf16_partials=True, scales_ahead=True
-    ),  # 7.9 us (batch-16 step 0.994x with scales_ahead, run 55)
-    (19456, 2560, 1): _G(
-        16, 64, 1, 4, 4, swap_ab=True, tma=True, scales_ahead=True
-    ),  # gate_up 14.1 us (run 55; 14.8 without scales_ahead, 15.2 without TMA)
-    (19456, 2560, 2): _G(16, 64, 1, 4, 4, swap_ab=True),
-    (19456, 2560, 4): _G(16, 64, 1, 4, 4, swap_ab=True),  # 16.1 us
-    (19456, 2560, 8): _G(16, 64, 1, 4, 4, swap_ab=True),
-    (19456, 2560, 16): _G(16, 64, 1, 4, 4, swap_ab=True),  # 16.2 us
-    (2560, 9728, 1): _G(
-        16, 64, 7, 4, 4, swap_ab=True, tma=True, scales_ahead=True
-    ),  # down 9.8 us (run 55; 10.2 without scales_ahead, 10.3 without TMA)
-    (2560, 9728, 2): _G(16, 64, 7, 4, 4, swap_ab=True),
-    (2560, 9728, 4): _G(16, 64, 7, 4, 4, swap_ab=True),  # 11.1 us
-    (2560, 9728, 8): _G(16, 64, 7, 4, 4, swap_ab=True),
-    (2560, 9728, 16): _G(16, 64, 7, 4, 4, swap_ab=True, bf16_partials=True),  # 12.1 us
+    # M <= 16: the Gluon kernel (`gluon`), swapped 64-row weight tiles through TMA, one weight tile
+    # per program copied before the PDL wait (docs/performance.md runs 66-68, `shoal bench ab`):
+    # batch-1 step 0.959x at 3 stages (4 stages 0.980x; every tile of the ring ahead 0.978x, since
+    # the copies slow the norm and attention they overlap), batch 8 0.907x, batch 16 0.970x.
+    # M = 1 keeps each shape's split (the same bits as before: swapped tiles, scales ahead).
+    (6144, 2560, 1): _G(16, 64, 6, 4, 3, gluon=True, tiles_before_wait=1),  # qkv
+    (2560, 4096, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # o
+    (19456, 2560, 1): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),  # gate_up
+    (2560, 9728, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # down
+    # M = 2-16: 4 stages (measured at batch 8 and 16; batch 4 with four tiles ahead: 0.946x).
+    (6144, 2560, 2): _G(16, 64, 6, 4, 4, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 4): _G(16, 64, 6, 4, 4, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 8): _G(16, 64, 3, 4, 4, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 16): _G(16, 64, 6, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
+    (2560, 4096, 2): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 4096, 4): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 4096, 8): _G(16, 64, 4, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 4096, 16): _G(16, 64, 4, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
+    (19456, 2560, 2): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
+    (19456, 2560, 4): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
+    (19456, 2560, 8): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
+    (19456, 2560, 16): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 9728, 2): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 9728, 4): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 9728, 8): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 9728, 16): _G(16, 64, 7, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
+    # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
+    # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
+    # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates); bucket 32 is not swept and keeps the default heuristic.
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
@@ -583,11 +577,10 @@ def _launch(
         config = pick_config(n, k, m, a.device, fp8_activations=mode != ACT_BF16)
         if config.stream_k and mode != ACT_FP8:  # the FP8 table also serves inline quantization
             config = default_config(n, k, m, _multiprocessors(a.device))
+    if config.gluon and (mode != ACT_FP8 or not _gluon_runs(a.device)):  # its Triton equivalent
+        config = dataclasses.replace(config, gluon=False, swap_ab=True, tma=True, scales_ahead=True)
     if config.scales_ahead and mode != ACT_FP8:
         config = dataclasses.replace(config, scales_ahead=False)  # the scales of quantized inputs
-    if config.gluon and (mode != ACT_FP8 or not _gluon_runs(a.device)):
-        equivalent = dict(swap_ab=True, tma=True, scales_ahead=True) if mode == ACT_FP8 else {}
-        config = dataclasses.replace(config, gluon=False, **equivalent)
     if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK_K} (one weight-scale row per tile): {config}")
     if workspace is None:
