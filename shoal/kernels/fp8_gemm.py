@@ -157,8 +157,14 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
+    # M = 32 (batches 17-32, and the fast transformer's first pass at batch 9-16): never swept;
+    # these are `default_config`'s choices, written out so `shoal bench ab` can vary them.
+    (6144, 2560, 32): _G(32, 64, 3, 4, 4),
+    (2560, 4096, 32): _G(32, 64, 7, 4, 4),
+    (19456, 2560, 32): _G(32, 128, 2, 4, 4),
+    (2560, 9728, 32): _G(32, 64, 7, 4, 4),
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
-    # run 18 with TMA candidates); bucket 32 is not swept and keeps the default heuristic.
+    # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
     # gate passes with them (run 50).
     # qkv 10.2 us (run 11: 11.3; bf16 cuBLAS 11.2)
