@@ -135,7 +135,7 @@ def _check_in_a_pdl_chain(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 16, 32, 64])
 @pytest.mark.parametrize("shape", list(S2_SHAPES), ids=list(S2_SHAPES))
 def test_s2_shapes_in_a_pdl_chain_gpu(m: int, shape: str) -> None:
     """In a CUDA graph, right behind the quantization kernel that writes its input (so the weight
@@ -145,7 +145,7 @@ def test_s2_shapes_in_a_pdl_chain_gpu(m: int, shape: str) -> None:
     w_q, w_s = fp8_weight(n, k)
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
     split = gemm.pick_config(n, k, m, x.device, fp8_activations=True).split_k
-    block_m = 16 if m <= 16 else 64
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     cases = (
         (64, 4, 4, False, True),
         (128, 6, 2, True, True),

@@ -137,32 +137,34 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 4096, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # o
     (19456, 2560, 1): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),  # gate_up
     (2560, 9728, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # down
-    # M = 2-16: 4 stages (measured at batch 8 and 16; batch 4 with four tiles ahead: 0.946x).
-    (6144, 2560, 2): _G(16, 64, 6, 4, 4, gluon=True, tiles_before_wait=1),
-    (6144, 2560, 4): _G(16, 64, 6, 4, 4, gluon=True, tiles_before_wait=1),
+    # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
+    # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x).
+    (6144, 2560, 2): _G(16, 64, 6, 4, 3, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 4): _G(16, 64, 6, 4, 3, gluon=True, tiles_before_wait=1),
     (6144, 2560, 8): _G(16, 64, 3, 4, 4, gluon=True, tiles_before_wait=1),
     (6144, 2560, 16): _G(16, 64, 6, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
-    (2560, 4096, 2): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
-    (2560, 4096, 4): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 4096, 2): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
+    (2560, 4096, 4): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
     (2560, 4096, 8): _G(16, 64, 4, 4, 4, gluon=True, tiles_before_wait=1),
     (2560, 4096, 16): _G(16, 64, 4, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
-    (19456, 2560, 2): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
-    (19456, 2560, 4): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
+    (19456, 2560, 2): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),
+    (19456, 2560, 4): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),
     (19456, 2560, 8): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
     (19456, 2560, 16): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
-    (2560, 9728, 2): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
-    (2560, 9728, 4): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
+    (2560, 9728, 2): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
+    (2560, 9728, 4): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
     (2560, 9728, 8): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
     (2560, 9728, 16): _G(16, 64, 7, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
-    # M = 32 (batches 17-32, and the fast transformer's first pass at batch 9-16): never swept;
-    # these are `default_config`'s choices, written out so `shoal bench ab` can vary them.
-    (6144, 2560, 32): _G(32, 64, 3, 4, 4),
-    (2560, 4096, 32): _G(32, 64, 7, 4, 4),
-    (19456, 2560, 32): _G(32, 128, 2, 4, 4),
-    (2560, 9728, 32): _G(32, 64, 7, 4, 4),
+    # M = 32 (batches 17-32, and the fast transformer's first pass at batch 9-16): `default_config`'s
+    # splits on the Gluon kernel, 32 x 64 tiles, 3 stages, one tile ahead: batch-32 step 0.842x,
+    # batch 16 0.990x (run 70; the heuristic's unswapped pointer-load tiles before).
+    (6144, 2560, 32): _G(32, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),
+    (2560, 4096, 32): _G(32, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
+    (19456, 2560, 32): _G(32, 64, 2, 4, 3, gluon=True, tiles_before_wait=1),
+    (2560, 9728, 32): _G(32, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
