@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200: the GPU tests, then the benchmarks, each printing a short table.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|ab|gate|probe|gluon|engine|all]...
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|ab|gate|probe|engine|all]...
 # Logs go to $OUT (when set) so the device tool brings them back; TAG=x suffixes their names (A/B runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +37,5 @@ if want ab && [ -n "${AB_ARGS:-}" ]; then step bench_ab ${AB_LIMIT:-400} python3
 want gate && step gate_correctness ${GATE_LIMIT:-300} python3 -m shoal.cli gate correctness ${GATE_ARGS:-}
 want probe && step probe_server_load ${PROBE_LIMIT:-400} python3 scripts/probe_server_load.py \
   --checkpoint "${PROBE_CHECKPOINT:-/tmp/ckpt}" ${PROBE_ARGS:---weight-format fp8}
-# gluon: the hand-pipelined FP8 GEMM against the Triton kernel (not part of `all`: it is a probe).
-for s in "${stages[@]}"; do
-  [ "$s" = gluon ] && step probe_gluon ${GLUON_LIMIT:-300} python3 scripts/probe_gluon_gemm.py ${GLUON_ARGS:---m 64 1}
-done
 want engine && step bench_engine ${ENGINE_LIMIT:-400} python3 -m shoal.cli bench engine ${ENGINE_ARGS:-}
 exit 0
