@@ -16,10 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from fp8_testing import DEVICE, S2_SHAPES, fp8_weight  # noqa: E402
+from fp8_testing import DEVICE, S2_SHAPES, fp8_weight, rel_err  # noqa: E402
 
 from shoal.kernels import fp8_gemm as gemm  # noqa: E402
 from shoal.kernels import quant  # noqa: E402
+from shoal.kernels import reference as ref  # noqa: E402
 
 _PTX_PROBE = """
 import json, sys
@@ -131,6 +132,8 @@ def _check_in_a_pdl_chain(
         )
         want = want.parts if isinstance(want, gemm.SplitKPartials) else want
         assert torch.equal(replayed, want), (n, k, m, config)
+    result = replayed.float().sum(0) if unreduced and config.split_k > 1 else replayed
+    assert rel_err(result, ref.fp8_gemm(x_q, x_s, w_q, w_s)) < 4e-3  # and the torch reference
 
 
 @pytest.mark.gpu
