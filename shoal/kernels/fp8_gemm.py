@@ -134,15 +134,16 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # the copies slow the norm and attention they overlap), batch 8 0.907x, batch 16 0.970x.
     # M = 1 kept each shape's split (the same bits as before: swapped tiles, scales ahead), but
     # qkv's: on the Gluon kernel split 3 beats 6 (batch 1 0.989x, batch 16 0.984x at M = 16, run
-    # 72; on the Triton kernel it had lost in the step, run 19). Other splits +-1 step: 1.001-1.022x.
+    # 72; batch 4 0.985x at M = 2-4, run 74; on the Triton kernel it had lost in the step, run 19).
+    # Other splits +-1 step: 1.001-1.022x; qkv at M = 8 split 6 instead of 3: 1.025x.
     (6144, 2560, 1): _G(16, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),  # qkv (split 3: run 72)
     (2560, 4096, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # o
     (19456, 2560, 1): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),  # gate_up
     (2560, 9728, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x).
-    (6144, 2560, 2): _G(16, 64, 6, 4, 3, gluon=True, tiles_before_wait=1),
-    (6144, 2560, 4): _G(16, 64, 6, 4, 3, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 2): _G(16, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 4): _G(16, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),
     (6144, 2560, 8): _G(16, 64, 3, 4, 4, gluon=True, tiles_before_wait=1),
     (6144, 2560, 16): _G(16, 64, 3, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
     (2560, 4096, 2): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
