@@ -88,7 +88,17 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true", help="also print the steady loop's instructions")
     args = parser.parse_args()
     config = gemm_case_config(args)
-    compiled = compile_split_k(args.k, config)
+    if config.gluon:  # the tables' kernel at M <= 32 (`kernels/fp8_gemm_gluon.py`)
+        from shoal.kernels.fp8_gemm_gluon import compile_for_hopper
+
+        compiled = compile_for_hopper(
+            args.m, args.n, args.k, block_m=config.block_m, block_n=config.block_n,
+            split_k=config.split_k, num_stages=config.num_stages,
+            tiles_before_wait=config.tiles_before_wait, leave_partials=config.split_k > 1,
+            bf16_partials=config.bf16_partials,
+        )  # fmt: skip
+    else:
+        compiled = compile_split_k(args.k, config)
     cubin = Path("/tmp/inspect_gemm_sm90.cubin")
     cubin.write_bytes(compiled.asm["cubin"])
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"

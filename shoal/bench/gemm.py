@@ -336,8 +336,10 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
     128-row scale block), split-K counts that put about 2 and 4 programs on every SM (one per SM
     leaves too few loads in flight; at least 2 K steps per split); A/B swapped or not; 4 or 6
     pipeline stages (8 warps instead of 6 stages for 64+ row M tiles). With `tma` (W8A8), each
-    also with TMA descriptor loads, and at M <= 16 stream-K launches of one and two programs per
-    SM (`kernels/fp8_gemm_stream_k.py`)."""
+    also with TMA descriptor loads; at M <= 32 the Gluon kernel (`kernels/fp8_gemm_gluon.py`, one
+    weight tile before the PDL wait: timed alone there is no kernel before it to overlap, so
+    only `shoal bench ab` in the step shows that part of its gain); and at M <= 16 stream-K
+    launches of one and two programs per SM (`kernels/fp8_gemm_stream_k.py`)."""
     from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
     k_blocks = -(-k // BLOCK_K)
@@ -355,6 +357,14 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
                             configs.append(
                                 GemmConfig(bm, bn, split, warps, stages, swap_ab=swap, tma=use_tma)
                             )
+    if tma and m <= 32:  # the Gluon kernel (pre-quantized activations; 64 or 128 weight rows)
+        for bn in (64, 128):
+            tiles = -(-m // block_ms[0]) * -(-n // bn)
+            for split in sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in (2, 4)}):
+                for stages in (3, 4):
+                    configs.append(
+                        GemmConfig(block_ms[0], bn, split, 4, stages, gluon=True, tiles_before_wait=1)
+                    )
     if tma and m <= 16:  # stream-K (pre-quantized activations only): one or two programs per SM
         for programs in (sms, 2 * sms):
             for bn in (64, 128):
