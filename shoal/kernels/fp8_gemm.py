@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -666,7 +667,12 @@ def _result(
 
 def _gluon_runs(device: torch.device) -> bool:
     """Whether `kernels/fp8_gemm_gluon.py` can run here: compiled (not interpreted) on Hopper."""
-    return not _INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return not _INTERPRETED and device.type == "cuda" and _is_hopper(device.index)
+
+
+@functools.cache
+def _is_hopper(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def _launch_stream_k(
