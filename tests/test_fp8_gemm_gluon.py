@@ -103,6 +103,18 @@ def test_other_activation_modes_run_the_config_without_it() -> None:
     assert torch.equal(got, gemm.fp8_linear(x, w_q, w_s, True, config=plain))
 
 
+def test_a_triton_without_this_gluon_runs_the_equivalent_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pyproject.toml` allows Tritons older than the Gluon dialect the kernel is written in: if
+    the module does not import, a warning says so and the Triton config runs (never a crash)."""
+    monkeypatch.setitem(sys.modules, "shoal.kernels.fp8_gemm_gluon", None)  # import -> ImportError
+    gemm._gluon_imports.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="Gluon FP8 GEMM does not load"):
+            assert not gemm._gluon_imports()
+    finally:
+        gemm._gluon_imports.cache_clear()
+
+
 def _check_in_a_pdl_chain(
     x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, config: gemm.GemmConfig, unreduced: bool
 ) -> None:

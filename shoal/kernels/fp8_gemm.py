@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -666,13 +667,30 @@ def _result(
 
 
 def _gluon_runs(device: torch.device) -> bool:
-    """Whether `kernels/fp8_gemm_gluon.py` can run here: compiled (not interpreted) on Hopper."""
-    return not _INTERPRETED and device.type == "cuda" and _is_hopper(device.index)
+    """Whether `kernels/fp8_gemm_gluon.py` can run here: compiled (not interpreted) on Hopper, with
+    a Triton whose Gluon dialect it was written for (3.6; `pyproject.toml` allows older Tritons,
+    which then run the equivalent Triton config)."""
+    return not _INTERPRETED and device.type == "cuda" and _is_hopper(device.index) and _gluon_imports()
 
 
 @functools.cache
 def _is_hopper(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
+
+
+@functools.cache
+def _gluon_imports() -> bool:
+    try:
+        import shoal.kernels.fp8_gemm_gluon  # noqa: F401
+    except (ImportError, AttributeError) as error:
+        warnings.warn(
+            f"the Gluon FP8 GEMM does not load with Triton {triton.__version__} ({error}); "
+            "its equivalent Triton config runs instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def _launch_stream_k(
