@@ -41,7 +41,6 @@ Every kernel takes `USE_PDL` and waits for its inputs first (`kernels/pdl.py`).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,6 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.norm_rope import interpreting
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 from shoal.kernels.quant import (
     FP8_MAX,
@@ -111,11 +111,6 @@ def decode_config(batch: int) -> AttentionConfig:
         if batch <= bucket:
             return TUNED_DECODE_CONFIGS[bucket]
     return TUNED_DECODE_CONFIGS[max(TUNED_DECODE_CONFIGS)] if TUNED_DECODE_CONFIGS else DEFAULT_CONFIG
-
-
-def _interpreting() -> bool:
-    """Triton's CPU interpreter (3.6) multiplies bf16 tiles as raw integers: upcast there."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -523,7 +518,7 @@ def _launch_attention(
         BLOCK_N=config.block_n, PAGE=k_pages.shape[1], HEAD_DIM=d,
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
-        FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=_interpreting(),
+        FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
         QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
@@ -680,7 +675,7 @@ def shared_prefix_decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
-        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=_interpreting(), KV_FP8=k_scales is not None,
+        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shoal.kernels.attention import _LOG2E, _check_out_fp8, _dot, _interpreting, _write_rows
+from shoal.kernels.attention import _LOG2E, _check_out_fp8, _dot, _write_rows
 from shoal.kernels.norm_rope import _rms_scale, cast_rne, interpreting
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
@@ -307,7 +307,7 @@ def fast_rope_attention(
         BLOCK_G=block_g, BLOCK_R=max(16, tokens_per_row * block_g), HEAD_DIM=head_dim, PAGE=page_size,
         BLOCK_N=max(16, triton.next_power_of_2(page_size)),
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
-        EMULATE=interpreting(), UPCAST=_interpreting(), QUANT_OUT=out_fp8 is not None,
+        EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None,
         num_warps=NORM_WARPS if q_norm_weight is not None or k_norm_weight is not None else PLAIN_WARPS,
         **pdl_launch("attention"),
     )  # fmt: skip

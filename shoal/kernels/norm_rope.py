@@ -40,7 +40,8 @@ from shoal.kernels.quant import (
 
 
 def interpreting() -> bool:
-    """True under Triton's CPU interpreter, whose fp32 -> bf16 cast truncates (3.6)."""
+    """True under Triton's CPU interpreter (3.6), whose fp32 -> bf16 cast truncates and which
+    multiplies bf16 tiles as raw integers: the kernels emulate the cast and upcast the tiles there."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
