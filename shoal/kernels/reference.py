@@ -29,13 +29,19 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _quantize_last_dim(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [..., L] -> (e4m3 [..., L], fp32 [...]): one scale per last-dim vector, amax / 448,
+    values divided (IEEE, round to nearest) and rounded to e4m3 (ties to even)."""
+    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (e4m3 [M, K], fp32 [M, ceil(K/128)]): amax / 448 per token per 128 columns."""
     m, k = x.shape
     groups = _cdiv(k, BLOCK)
-    xg = _pad_to(x.float(), m, groups * BLOCK).view(m, groups, BLOCK)
-    scale = (xg.abs().amax(dim=2) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (xg / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q, scale = _quantize_last_dim(_pad_to(x.float(), m, groups * BLOCK).view(m, groups, BLOCK))
     return q.view(m, groups * BLOCK)[:, :k].contiguous(), scale
 
 
@@ -58,12 +64,9 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., D] -> (e4m3 [..., D], fp32 [...]): one scale per vector (a token's kv head),
-    amax / 448, values divided (IEEE, round to nearest) and rounded to e4m3 (ties to even)."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    """[..., D] -> (e4m3 [..., D], fp32 [...]): one scale per vector (a token's kv head), the
+    same rule as an activation group's."""
+    return _quantize_last_dim(x.float())
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
