@@ -93,7 +93,7 @@ def main() -> None:
 
         compiled = compile_for_hopper(
             args.m, args.n, args.k, block_m=config.block_m, block_n=config.block_n,
-            split_k=config.split_k, num_stages=config.num_stages,
+            split_k=config.split_k, swapped=config.swap_ab, num_stages=config.num_stages,
             tiles_before_wait=config.tiles_before_wait, leave_partials=config.split_k > 1,
             bf16_partials=config.bf16_partials,
         )  # fmt: skip

@@ -26,8 +26,9 @@ _PTX_PROBE = """
 import json, sys
 from shoal.kernels.fp8_gemm_gluon import compile_for_hopper
 report = []
-for m, n, k, split, stages, ahead, pdl in json.loads(sys.argv[1]):
-    ptx = compile_for_hopper(m, n, k, block_m=16, block_n=64, split_k=split, num_stages=stages,
+for m, n, k, split, stages, ahead, pdl, swapped in json.loads(sys.argv[1]):
+    tile = dict(block_m=16, block_n=64) if swapped else dict(block_m=64, block_n=32)
+    ptx = compile_for_hopper(m, n, k, **tile, split_k=split, num_stages=stages, swapped=swapped,
                              tiles_before_wait=ahead, leave_partials=True, use_pdl=pdl).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     head = ptx[:wait] if wait >= 0 else ""
@@ -42,13 +43,15 @@ print(json.dumps(report))
 def test_weight_copies_come_before_the_pdl_wait() -> None:
     """The sm_90 build (compiled here, no GPU needed): each program issues its first
     min(tiles_before_wait, steps) weight copies, and only those, before griddepcontrol.wait; the
-    rest of the ring and the activation copies come after it. Without PDL there is no wait."""
+    rest of the ring and the activation copies come after it. Without PDL there is no wait. The
+    same with unswapped tiles (64 activation rows on the wgmma's M side, 32 weight columns)."""
     cases = [
-        (1, 2560, 9728, 7, 4, 4, True),  # down at M = 1: 11 steps per split, the whole ring ahead
-        (1, 2560, 9728, 14, 6, 6, True),  # 6 steps, 6 stages: the whole split's weights ahead
-        (1, 6144, 2560, 6, 6, 6, True),  # qkv: 4 steps per split, fewer than the stages
-        (1, 2560, 9728, 7, 4, 1, True),  # one tile ahead, three after the wait
-        (1, 2560, 9728, 7, 4, 4, False),
+        (1, 2560, 9728, 7, 4, 4, True, True),  # down at M = 1: 11 steps per split, the whole ring ahead
+        (1, 2560, 9728, 14, 6, 6, True, True),  # 6 steps, 6 stages: the whole split's weights ahead
+        (1, 6144, 2560, 6, 6, 6, True, True),  # qkv: 4 steps per split, fewer than the stages
+        (1, 2560, 9728, 7, 4, 1, True, True),  # one tile ahead, three after the wait
+        (1, 2560, 9728, 7, 4, 4, False, True),
+        (64, 2560, 9728, 7, 4, 2, True, False),  # down at M = 64, unswapped, two tiles ahead
     ]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
@@ -59,31 +62,37 @@ def test_weight_copies_come_before_the_pdl_wait() -> None:
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    down, whole, qkv, one, plain = json.loads(result.stdout.strip().splitlines()[-1])
+    down, whole, qkv, one, plain, unswapped = json.loads(result.stdout.strip().splitlines()[-1])
     assert down == {"wait": True, "release_after_wait": True, "copies_before": 4, "copies": 10}
     assert whole["copies_before"] == 6 and qkv["copies_before"] == 4
     assert one["copies_before"] == 1 and one["copies"] == down["copies"]
     assert not plain["wait"]
+    assert unswapped == {"wait": True, "release_after_wait": True, "copies_before": 2, "copies": 10}
 
 
 def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
-    return replace(config, gluon=False, swap_ab=True, tma=True, scales_ahead=True)
+    return replace(config, gluon=False, tma=True, scales_ahead=True)
 
 
+@pytest.mark.parametrize("swapped", [True, False], ids=["swapped", "unswapped"])
 @pytest.mark.parametrize(
     "split,bf16_partials,unreduced",
     [(1, False, False), (3, False, True), (3, True, True), (3, False, False)],
     ids=["nosplit", "partials", "bf16-partials", "reduced"],
 )
-def test_same_bits_as_the_equivalent_triton_config(split: int, bf16_partials: bool, unreduced: bool) -> None:
-    """Ragged N and K (rows past N and columns past K zero-filled by TMA, a last split that runs
-    past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits either way."""
-    m, n, k = 5, 160, 400
+def test_same_bits_as_the_equivalent_triton_config(
+    split: int, bf16_partials: bool, unreduced: bool, swapped: bool
+) -> None:
+    """Ragged M, N and K (rows past M and N and columns past K zero-filled by TMA, a last split
+    that runs past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits."""
+    m, n, k = (5, 160, 400) if swapped else (70, 96, 400)
     w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    block_m, block_n = (16, 64) if swapped else (64, 32)
     config = gemm.GemmConfig(
-        16, 64, split, 4, 2, bf16_partials=bf16_partials, gluon=True, tiles_before_wait=1
-    )
+        block_m, block_n, split, 4, 2, swap_ab=swapped, bf16_partials=bf16_partials, gluon=True,
+        tiles_before_wait=1,
+    )  # fmt: skip
     got = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, unreduced=unreduced)
     got = got.parts.clone() if isinstance(got, gemm.SplitKPartials) else got
     want = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=_equivalent(config), unreduced=unreduced)
@@ -97,9 +106,9 @@ def test_other_activation_modes_run_the_config_without_it() -> None:
     n, k = 128, 256
     w_q, w_s = fp8_weight(n, k)
     x = torch.randn(3, k, device=DEVICE).to(torch.bfloat16)
-    config = gemm.GemmConfig(16, 64, 2, 4, 2, gluon=True, tiles_before_wait=2)
+    config = gemm.GemmConfig(16, 64, 2, 4, 2, swap_ab=True, gluon=True, tiles_before_wait=2)
     got = gemm.fp8_linear(x, w_q, w_s, True, config=config)
-    plain = replace(config, gluon=False, swap_ab=True)
+    plain = replace(config, gluon=False)
     assert torch.equal(got, gemm.fp8_linear(x, w_q, w_s, True, config=plain))
 
 
@@ -155,7 +164,8 @@ def _check_in_a_pdl_chain(
 def test_s2_shapes_in_a_pdl_chain_gpu(m: int, shape: str) -> None:
     """In a CUDA graph, right behind the quantization kernel that writes its input (so the weight
     copies, 0-4 of them, really run ahead of the wait), replayed with new input each time: the
-    Triton kernel's bits, partials and reduced results, fp32 and bf16 partials, 64 and 128 rows."""
+    Triton kernel's bits, partials and reduced results, fp32 and bf16 partials, 64 and 128 rows;
+    at M = 64 also unswapped tiles (64 activation rows, 32 or 64 weight columns)."""
     n, k = S2_SHAPES[shape]
     w_q, w_s = fp8_weight(n, k)
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
@@ -168,5 +178,13 @@ def test_s2_shapes_in_a_pdl_chain_gpu(m: int, shape: str) -> None:
         (64, 4, 0, False, True),
     )
     for block_n, stages, ahead, bf16_partials, unreduced in cases:
-        config = gemm.GemmConfig(block_m, block_n, split, 4, stages, bf16_partials=bf16_partials, gluon=True)
+        config = gemm.GemmConfig(
+            block_m, block_n, split, 4, stages, swap_ab=True, bf16_partials=bf16_partials, gluon=True
+        )
+        _check_in_a_pdl_chain(x, w_q, w_s, replace(config, tiles_before_wait=ahead), unreduced)
+    if m < 64:
+        return
+    unswapped_cases = ((32, 4, 1, True, True), (64, 6, 2, False, False))
+    for block_n, stages, ahead, bf16_partials, unreduced in unswapped_cases:
+        config = gemm.GemmConfig(64, block_n, split, 4, stages, bf16_partials=bf16_partials, gluon=True)
         _check_in_a_pdl_chain(x, w_q, w_s, replace(config, tiles_before_wait=ahead), unreduced)

@@ -336,10 +336,10 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
     128-row scale block), split-K counts that put about 2 and 4 programs on every SM (one per SM
     leaves too few loads in flight; at least 2 K steps per split); A/B swapped or not; 4 or 6
     pipeline stages (8 warps instead of 6 stages for 64+ row M tiles). With `tma` (W8A8), each
-    also with TMA descriptor loads; at M <= 32 the Gluon kernel (`kernels/fp8_gemm_gluon.py`, one
-    weight tile before the PDL wait: timed alone there is no kernel before it to overlap, so
-    only `shoal bench ab` in the step shows that part of its gain); and at M <= 16 stream-K
-    launches of one and two programs per SM (`kernels/fp8_gemm_stream_k.py`)."""
+    also with TMA descriptor loads; the Gluon kernel (`kernels/fp8_gemm_gluon.py`, one weight tile
+    before the PDL wait: timed alone there is no kernel before it to overlap, so only `shoal bench
+    ab` in the step shows that part of its gain), swapped at M <= 32 and unswapped at M >= 64; and
+    at M <= 16 stream-K launches of one and two programs per SM (`kernels/fp8_gemm_stream_k.py`)."""
     from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
     k_blocks = -(-k // BLOCK_K)
@@ -357,14 +357,22 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
                             configs.append(
                                 GemmConfig(bm, bn, split, warps, stages, swap_ab=swap, tma=use_tma)
                             )
-    if tma and m <= 32:  # the Gluon kernel (pre-quantized activations; 64 or 128 weight rows)
+    if tma and m <= 32:  # the Gluon kernel, swapped (pre-quantized activations; 64 or 128 weight rows)
         for bn in (64, 128):
             tiles = -(-m // block_ms[0]) * -(-n // bn)
             for split in sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in (2, 4)}):
                 for stages in (3, 4):
                     configs.append(
-                        GemmConfig(block_ms[0], bn, split, 4, stages, gluon=True, tiles_before_wait=1)
+                        GemmConfig(
+                            block_ms[0], bn, split, 4, stages, swap_ab=True, gluon=True, tiles_before_wait=1
+                        )
                     )
+    if tma and m >= 64:  # the Gluon kernel unswapped: 64 activation rows, 32 or 64 weight columns
+        for bn in (32, 64):
+            tiles = -(-m // 64) * -(-n // bn)
+            for split in sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in (1, 2, 3)}):
+                for stages in (4, 6):
+                    configs.append(GemmConfig(64, bn, split, 4, stages, gluon=True, tiles_before_wait=1))
     if tma and m <= 16:  # stream-K (pre-quantized activations only): one or two programs per SM
         for programs in (sms, 2 * sms):
             for bn in (64, 128):

@@ -88,8 +88,8 @@ class GemmConfig:
     # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
     # Same scales, same arithmetic: the same bits either way.
     scales_ahead: bool = False
-    # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`). Always
-    # swapped tiles and TMA (`swap_ab`, `tma` unused); the same bits as this config with swap_ab,
+    # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`), swapped
+    # tiles or not as `swap_ab` says, always TMA (`tma` unused); the same bits as this config with
     # tma and scales_ahead, which is what runs where Gluon cannot (CPU interpreter, other GPUs).
     gluon: bool = False
     # With `gluon`: weight tiles (<= num_stages) each program copies before the PDL wait, so that
@@ -129,6 +129,15 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 8): _G(16, 64, 14, 4, 4, swap_ab=True),
     (2560, 9728, 16): _G(16, 64, 14, 4, 4, swap_ab=True),  # 21.8 us
 }
+
+
+def _GS(block_m: int, block_n: int, split_k: int, num_stages: int, **fields) -> GemmConfig:  # noqa: N802
+    """A table entry on the Gluon kernel with swapped tiles and one weight tile before the wait."""
+    return GemmConfig(
+        block_m, block_n, split_k, 4, num_stages, swap_ab=True, gluon=True, tiles_before_wait=1, **fields
+    )
+
+
 TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # M <= 16: the Gluon kernel (`gluon`), swapped 64-row weight tiles through TMA, one weight tile
     # per program copied before the PDL wait (docs/performance.md runs 66-68, `shoal bench ab`):
@@ -138,38 +147,38 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # qkv's: on the Gluon kernel split 3 beats 6 (batch 1 0.989x, batch 16 0.984x at M = 16, run
     # 72; batch 4 0.985x at M = 2-4, run 74; on the Triton kernel it had lost in the step, run 19).
     # Other splits +-1 step: 1.001-1.022x; qkv at M = 8 split 6 instead of 3: 1.025x.
-    (6144, 2560, 1): _G(16, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),  # qkv (split 3: run 72)
-    (2560, 4096, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # o
-    (19456, 2560, 1): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),  # gate_up
-    (2560, 9728, 1): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),  # down
+    (6144, 2560, 1): _GS(16, 64, 3, 3),  # qkv (split 3: run 72)
+    (2560, 4096, 1): _GS(16, 64, 7, 3),  # o
+    (19456, 2560, 1): _GS(16, 64, 1, 3),  # gate_up
+    (2560, 9728, 1): _GS(16, 64, 7, 3),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x).
-    (6144, 2560, 2): _G(16, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),
-    (6144, 2560, 4): _G(16, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),
-    (6144, 2560, 8): _G(16, 64, 3, 4, 4, gluon=True, tiles_before_wait=1),
-    (6144, 2560, 16): _G(16, 64, 3, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
-    (2560, 4096, 2): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
-    (2560, 4096, 4): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
-    (2560, 4096, 8): _G(16, 64, 4, 4, 4, gluon=True, tiles_before_wait=1),
-    (2560, 4096, 16): _G(16, 64, 4, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
-    (19456, 2560, 2): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),
-    (19456, 2560, 4): _G(16, 64, 1, 4, 3, gluon=True, tiles_before_wait=1),
-    (19456, 2560, 8): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
-    (19456, 2560, 16): _G(16, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),
-    (2560, 9728, 2): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
-    (2560, 9728, 4): _G(16, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
-    (2560, 9728, 8): _G(16, 64, 7, 4, 4, gluon=True, tiles_before_wait=1),
-    (2560, 9728, 16): _G(16, 64, 7, 4, 4, bf16_partials=True, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 2): _GS(16, 64, 3, 3),
+    (6144, 2560, 4): _GS(16, 64, 3, 3),
+    (6144, 2560, 8): _GS(16, 64, 3, 4),
+    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True),
+    (2560, 4096, 2): _GS(16, 64, 7, 3),
+    (2560, 4096, 4): _GS(16, 64, 7, 3),
+    (2560, 4096, 8): _GS(16, 64, 4, 4),
+    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True),
+    (19456, 2560, 2): _GS(16, 64, 1, 3),
+    (19456, 2560, 4): _GS(16, 64, 1, 3),
+    (19456, 2560, 8): _GS(16, 64, 1, 4),
+    (19456, 2560, 16): _GS(16, 64, 1, 4),
+    (2560, 9728, 2): _GS(16, 64, 7, 3),
+    (2560, 9728, 4): _GS(16, 64, 7, 3),
+    (2560, 9728, 8): _GS(16, 64, 7, 4),
+    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True),
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
     # M = 32 (batches 17-32, and the fast transformer's first pass at batch 9-16): `default_config`'s
     # splits on the Gluon kernel, 32 x 64 tiles, 3 stages, one tile ahead: batch-32 step 0.842x,
     # batch 16 0.990x (run 70; the heuristic's unswapped pointer-load tiles before).
-    (6144, 2560, 32): _G(32, 64, 3, 4, 3, gluon=True, tiles_before_wait=1),
-    (2560, 4096, 32): _G(32, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
-    (19456, 2560, 32): _G(32, 64, 2, 4, 3, gluon=True, tiles_before_wait=1),
-    (2560, 9728, 32): _G(32, 64, 7, 4, 3, gluon=True, tiles_before_wait=1),
+    (6144, 2560, 32): _GS(32, 64, 3, 3),
+    (2560, 4096, 32): _GS(32, 64, 7, 3),
+    (19456, 2560, 32): _GS(32, 64, 2, 3),
+    (2560, 9728, 32): _GS(32, 64, 7, 3),
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
@@ -591,7 +600,7 @@ def _launch(
         if config.stream_k and mode != ACT_FP8:  # the FP8 table also serves inline quantization
             config = default_config(n, k, m, _multiprocessors(a.device))
     if config.gluon and (mode != ACT_FP8 or not _gluon_runs(a.device)):  # its Triton equivalent
-        config = dataclasses.replace(config, gluon=False, swap_ab=True, tma=True, scales_ahead=True)
+        config = dataclasses.replace(config, gluon=False, tma=True, scales_ahead=True)
     if config.scales_ahead and mode != ACT_FP8:
         config = dataclasses.replace(config, scales_ahead=False)  # the scales of quantized inputs
     if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
@@ -613,7 +622,7 @@ def _launch(
         launch_prefetch_gemm(
             a, a_scale_arg, w_q, w_scale, out, workspace.partials_for(config), workspace.counters,
             block_m=config.block_m, block_n=config.block_n, split_k=config.split_k,
-            num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
+            swapped=config.swap_ab, num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
             num_warps=config.num_warps, bf16_partials=config.bf16_partials,
             leave_partials=leave_partials, launch=pdl_launch(),
         )  # fmt: skip

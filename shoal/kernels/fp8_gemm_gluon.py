@@ -58,10 +58,11 @@ def _fp8_gemm_prefetch_kernel(
     w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
     STEPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
-    LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+    SWAPPED: gl.constexpr, LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr,
+    USE_PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows: the MMA's M side
-    BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows: the MMA's N side
+    BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows of the tile
+    BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows of the tile
     TILE_BYTES: gl.constexpr = w_desc.block_type.nbytes + a_desc.block_type.nbytes
     # Grid (m tiles, n tiles, splits), as the Triton kernel's: one weight tile's M tiles run together.
     pid_m = gl.program_id(0)
@@ -71,11 +72,25 @@ def _fp8_gemm_prefetch_kernel(
     off_m = pid_m * BM
     kb0 = pid_k * STEPS  # a fixed trip count: past K, TMA fills zeros and the scales load as 0
 
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 32]
-    )
-    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, mma_layout))
-    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+    # The accumulator is [BN, BM] when swapped (weight rows on the wgmma's M side), else [BM, BN].
+    if SWAPPED:
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 32]
+        )
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, mma_layout))
+        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+        rows_m = offs_m[None, :]
+        rows_n = offs_n[:, None]
+        acc_shape: gl.constexpr = (BN, BM)
+    else:
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32]
+        )
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+        rows_m = offs_m[:, None]
+        rows_n = offs_n[None, :]
+        acc_shape: gl.constexpr = (BM, BN)
     m_mask = offs_m < M
     w_scale_row = w_scale_ptr + (off_n // BLOCK_K) * stride_wsn
 
@@ -102,14 +117,19 @@ def _fp8_gemm_prefetch_kernel(
         a_scale_ptr + offs_m * stride_asm + kb0 * stride_asg, mask=m_mask & (kb0 < k_blocks), other=0.0
     )
 
-    zero = gl.zeros((BN, BM), gl.float32, mma_layout)
-    acc = gl.zeros((BN, BM), gl.float32, mma_layout)
+    zero = gl.zeros(acc_shape, gl.float32, mma_layout)
+    acc = gl.zeros(acc_shape, gl.float32, mma_layout)
     for step in range(STEPS):
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        part = warpgroup_mma(
-            w_smem.index(slot), a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
-        )
+        if SWAPPED:
+            part = warpgroup_mma(
+                w_smem.index(slot), a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
+            )
+        else:
+            part = warpgroup_mma(
+                a_smem.index(slot), w_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
+            )
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         following = step + STAGES  # into the slot this step has finished reading
         if following < STEPS:
@@ -118,7 +138,10 @@ def _fp8_gemm_prefetch_kernel(
             tma.async_copy_global_to_shared(
                 a_desc, [off_m, kb * BLOCK_K], ready.index(slot), a_smem.index(slot)
             )
-        acc += part * (a_scale * w_scale)[None, :]
+        if SWAPPED:
+            acc += part * (a_scale * w_scale)[None, :]
+        else:
+            acc += part * (a_scale * w_scale)[:, None]
         # The next step's scales, loaded after this step's last use (as `scales_ahead`).
         kb = kb0 + step + 1
         w_scale = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
@@ -128,9 +151,9 @@ def _fp8_gemm_prefetch_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
-    mask = m_mask[None, :] & (offs_n < N)[:, None]
-    tile_offsets = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM]: the output transposed back
-    out_ptrs = out_ptr + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
+    mask = (rows_m < M) & (rows_n < N)
+    tile_offsets = rows_m * N + rows_n
+    out_ptrs = out_ptr + rows_m.to(gl.int64) * stride_om + rows_n
     if SPLIT_K == 1:
         gl.store(out_ptrs, acc.to(gl.bfloat16), mask=mask)
     else:
@@ -144,7 +167,7 @@ def _fp8_gemm_prefetch_kernel(
             tile = pid_m * gl.num_programs(1) + pid_n
             arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
-                total = gl.zeros((BN, BM), gl.float32, mma_layout)
+                total = gl.zeros(acc_shape, gl.float32, mma_layout)
                 for s in range(SPLIT_K):
                     total += gl.load(
                         partial_ptr + s * split_stride + tile_offsets,
@@ -154,6 +177,19 @@ def _fp8_gemm_prefetch_kernel(
                     ).to(gl.float32)
                 gl.store(out_ptrs, total.to(gl.bfloat16), mask=mask)
                 gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> None:
+    """The wgmma's M side (weight rows when swapped, else activation rows) is 16 rows per warp of
+    the warpgroups; its N side is 8-256 columns in 8s."""
+    mma_m, mma_n = (block_n, block_m) if swapped else (block_m, block_n)
+    if mma_m % (16 * num_warps) or mma_m > 128 or mma_n % 8 or not 8 <= mma_n <= 128:
+        side = ("block_n", "block_m") if swapped else ("block_m", "block_n")
+        raise ValueError(
+            f"the Gluon GEMM ({'swapped' if swapped else 'unswapped'}, {num_warps} warps) needs "
+            f"{side[0]} a multiple of {16 * num_warps} up to 128 and {side[1]} 8-128 in 8s: "
+            f"block_m {block_m}, block_n {block_n}"
+        )
 
 
 def _descriptor(tensor: torch.Tensor, rows: int):
@@ -175,6 +211,7 @@ def launch_prefetch_gemm(
     block_m: int,
     block_n: int,
     split_k: int,
+    swapped: bool,
     num_stages: int,
     tiles_before_wait: int,
     num_warps: int,
@@ -183,10 +220,7 @@ def launch_prefetch_gemm(
     launch: dict,
 ) -> None:
     """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
-    if block_n not in (64, 128) or block_m % 8 or not 8 <= block_m <= 128:
-        raise ValueError(
-            f"the Gluon GEMM needs block_n 64 or 128 and block_m 8-128 in 8s: {block_n}, {block_m}"
-        )
+    check_tile(block_m, block_n, swapped, num_warps)
     (m, k), n = a.shape, w_q.shape[0]
     if k % 16:
         raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
@@ -196,7 +230,7 @@ def launch_prefetch_gemm(
     _fp8_gemm_prefetch_kernel[grid](
         _descriptor(w_q, block_n), _descriptor(a, block_m), w_scale, a_scale, out, partials, counters,
         m, n, k_blocks, w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
-        STEPS=steps, STAGES=num_stages, AHEAD=tiles_before_wait, SPLIT_K=split_k,
+        STEPS=steps, STAGES=num_stages, AHEAD=tiles_before_wait, SPLIT_K=split_k, SWAPPED=swapped,
         LEAVE_PARTIALS=leave_partials, BF16_PARTIALS=bf16_partials and split_k > 1,
         num_warps=num_warps, **launch,
     )  # fmt: skip
@@ -205,7 +239,7 @@ def launch_prefetch_gemm(
 def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
     tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
-    num_warps: int = 4,
+    num_warps: int = 4, swapped: bool = True,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -217,7 +251,7 @@ def compile_for_hopper(
     steps = triton.cdiv(triton.cdiv(k, BLOCK), split_k)
     constants = {
         "STEPS": steps, "STAGES": num_stages, "AHEAD": tiles_before_wait, "SPLIT_K": split_k,
-        "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
+        "SWAPPED": swapped, "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
         "USE_PDL": use_pdl, "num_warps": num_warps,
     }  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
