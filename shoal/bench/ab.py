@@ -13,6 +13,7 @@ A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,fie
 - `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
   (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part, so
   `gemm@*x*x1:scales_ahead=true` changes every M = 1 entry and `gemm@*x*x*:...` every entry.
+`--kv-cache-dtype fp8` times the step with an e4m3 KV cache (`attention@64:fp8_kv_f16_mma=true`).
 A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
 """
 
@@ -141,11 +142,17 @@ def workspace_shortfall(core, changes: list[Change], batch: int) -> str | None:
     return None
 
 
-def run_ab(batches: list[int], context: int, variants: dict[str, list[Change]], rounds: int) -> dict:
+def run_ab(
+    batches: list[int],
+    context: int,
+    variants: dict[str, list[Change]],
+    rounds: int,
+    kv_cache_dtype: str = "auto",
+) -> dict:
     """{batch: {variant: [ms per round]}} with "base" the tables as they are."""
     from shoal.bench.engine import decode_step_ms, random_step_core
 
-    core = random_step_core(batches, context)
+    core = random_step_core(batches, context, kv_cache_dtype=kv_cache_dtype)
     every = {"base": [], **variants}
     results: dict[int, dict[str, list[float]]] = {b: {name: [] for name in every} for b in batches}
     for batch in batches:
@@ -178,6 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--context", type=int, default=332, help="keys per row")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument(
         "--variant", action="append", default=[], metavar="SPEC", help="see the module docstring; repeat"
     )
@@ -190,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("the A/B bench needs a CUDA GPU")
         return 2
-    print_table(run_ab(args.batch, args.context, variants, args.rounds))
+    print_table(run_ab(args.batch, args.context, variants, args.rounds, args.kv_cache_dtype))
     return 0
 
 

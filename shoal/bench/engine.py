@@ -83,15 +83,16 @@ STEP_TABLE_MARGIN = 48
 
 
 def random_step_core(
-    batches: list[int], context: int, weight_format: str = "fp8", max_seq_len: int | None = None
-) -> EngineCore:
+    batches: list[int], context: int, weight_format: str = "fp8", max_seq_len: int | None = None,
+    kv_cache_dtype: str = "auto",
+) -> EngineCore:  # fmt: skip
     """An engine on random S2-Pro weights with decode graphs for exactly `batches`, sized to time
     the step at `context` keys (`decode_step_ms`); `max_seq_len` overrides the table width."""
     model = build_random_s2("cuda", torch.bfloat16)
     config = EngineConfig(
         max_running_requests=max(batches), max_seq_len=max_seq_len or context + STEP_TABLE_MARGIN,
         memory_fraction=0.5, ignore_eos=True, weight_format=weight_format,
-        graph_buckets=tuple(sorted(set(batches))),
+        graph_buckets=tuple(sorted(set(batches))), kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     return EngineCore(model, config)
 

@@ -82,6 +82,13 @@ class AttentionConfig:
     # Decode: the last split program of each (sequence, kv head) to finish merges the partials
     # (per-(sequence, kv head) arrival counters), so split-KV costs one launch instead of two.
     fused_merge: bool = False
+    # FP8 KV cache: widen e4m3 tiles to f16 (one conversion per two values, exact) and run both
+    # MMAs on f16 operands (q and the probabilities rounded to f16), instead of e4m3 -> fp32 ->
+    # bf16 (three conversions per two values and an fp32 tile in registers: 187 registers per
+    # thread against bf16's 128, run 61). Other numerics than the bf16 path: q rounds exactly
+    # (bf16's 8 significant bits fit f16's 11) while above f16's subnormal range, and the
+    # probabilities round to 11 bits instead of 8.
+    fp8_kv_f16_mma: bool = False
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -130,12 +137,18 @@ def _attend_key_range(
 ):  # fmt: skip
     """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row.
 
-    KV_FP8: e4m3 tiles converted to q's dtype; each key's scale multiplies its score column and
-    each value's scale its probability column (l_i sums the unscaled probabilities). The tiles go
-    e4m3 -> fp32 -> bf16 (exact both ways): Triton's direct e4m3 -> bf16 goes through f16 with one
-    f16 -> bf16 conversion per element, slower on the H200 (FP8-KV decode at 4k keys, tuned
-    configs: 12.7 -> 10.7 µs at batch 1, 81.6 -> 67.0 at 16, 362 -> 338 at 64), same bits."""
+    KV_FP8: 0 for a bf16 cache; 1 or 2 for an e4m3 one, whose tiles are widened: to q's dtype (1)
+    or to f16 (2: `AttentionConfig.fp8_kv_f16_mma`, q and the probabilities in f16 too). Each
+    key's scale multiplies its score column and each value's scale its probability column (l_i
+    sums the unscaled probabilities). Mode 1 goes e4m3 -> fp32 -> bf16 (exact both ways):
+    Triton's direct e4m3 -> bf16 goes through f16 with one f16 -> bf16 conversion per element,
+    slower on the H200 (FP8-KV decode at 4k keys, tuned configs: 12.7 -> 10.7 µs at batch 1, 81.6
+    -> 67.0 at 16, 362 -> 338 at 64), same bits."""
     offs_d = tl.arange(0, HEAD_DIM)
+    if KV_FP8 == 2:
+        q_op = q.to(tl.float16)
+    else:
+        q_op = q
     for start in range(lo, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         valid = tok < hi
@@ -143,12 +156,16 @@ def _attend_key_range(
         base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if KV_FP8:  # e4m3 -> fp32 -> q's dtype: exact, and cheaper on sm90 than through fp16
+        if KV_FP8 == 2:  # e4m3 -> f16: exact, one cvt per two values on sm90
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        elif KV_FP8:  # e4m3 -> fp32 -> q's dtype: exact, and cheaper on sm90 than through fp16
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
+        if KV_FP8:
             k_scale = tl.load(k_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
-            s = _dot(q, tl.trans(k), UPCAST) * (k_scale * scale_log2e)[None, :]
+            s = _dot(q_op, tl.trans(k), UPCAST) * (k_scale * scale_log2e)[None, :]
         else:
             s = _dot(q, tl.trans(k), UPCAST) * scale_log2e
         keep = valid[None, :]
@@ -160,7 +177,7 @@ def _attend_key_range(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
-            acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(q.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(v.dtype), v, UPCAST)
         else:
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
@@ -519,9 +536,16 @@ def _launch_attention(
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
-        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
+        QUANT_OUT=out_fp8 is not None, KV_FP8=_kv_fp8_mode(k_scales, config),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
+
+
+def _kv_fp8_mode(k_scales: Tensor | None, config: AttentionConfig) -> int:
+    """The kernels' KV_FP8 constant (see `_attend_key_range`)."""
+    if k_scales is None:
+        return 0
+    return 2 if config.fp8_kv_f16_mma else 1
 
 
 def _merge(
@@ -675,7 +699,7 @@ def shared_prefix_decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
-        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=k_scales is not None,
+        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=_kv_fp8_mode(k_scales, config),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)

@@ -131,11 +131,15 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
 }
 
 
-def _GS(block_m: int, block_n: int, split_k: int, num_stages: int, **fields) -> GemmConfig:  # noqa: N802
-    """A table entry on the Gluon kernel with swapped tiles and one weight tile before the wait."""
+def _GS(  # noqa: N802
+    block_m: int, block_n: int, split_k: int, num_stages: int, tiles_before_wait: int = 1, **fields
+) -> GemmConfig:
+    """A table entry on the Gluon kernel with swapped tiles (one weight tile before the wait unless
+    told otherwise)."""
     return GemmConfig(
-        block_m, block_n, split_k, 4, num_stages, swap_ab=True, gluon=True, tiles_before_wait=1, **fields
-    )
+        block_m, block_n, split_k, 4, num_stages, swap_ab=True, gluon=True,
+        tiles_before_wait=tiles_before_wait, **fields,
+    )  # fmt: skip
 
 
 TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
@@ -152,23 +156,24 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (19456, 2560, 1): _GS(16, 64, 1, 3),  # gate_up
     (2560, 9728, 1): _GS(16, 64, 7, 3),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
-    # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x).
+    # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
+    # M = 16 with 2 tiles ahead: batch 16 0.995x (run 76).
     (6144, 2560, 2): _GS(16, 64, 3, 3),
     (6144, 2560, 4): _GS(16, 64, 3, 3),
     (6144, 2560, 8): _GS(16, 64, 3, 4),
-    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True),
+    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=2),
     (2560, 4096, 2): _GS(16, 64, 7, 3),
     (2560, 4096, 4): _GS(16, 64, 7, 3),
     (2560, 4096, 8): _GS(16, 64, 4, 4),
-    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True),
+    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=2),
     (19456, 2560, 2): _GS(16, 64, 1, 3),
     (19456, 2560, 4): _GS(16, 64, 1, 3),
     (19456, 2560, 8): _GS(16, 64, 1, 4),
-    (19456, 2560, 16): _GS(16, 64, 1, 4),
+    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=2),
     (2560, 9728, 2): _GS(16, 64, 7, 3),
     (2560, 9728, 4): _GS(16, 64, 7, 3),
     (2560, 9728, 8): _GS(16, 64, 7, 4),
-    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True),
+    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=2),
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
