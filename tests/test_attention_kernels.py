@@ -87,6 +87,9 @@ def test_decode_config_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "TUNED_DECODE_CONFIGS", {1: small, 16: large})
     assert attention.decode_config(1) is small
     assert attention.decode_config(2) is large and attention.decode_config(64) is large
+    fp8_kv = AttentionConfig(block_n=64, num_stages=2)
+    monkeypatch.setattr(attention, "TUNED_DECODE_CONFIGS_FP8_KV", {64: fp8_kv})
+    assert attention.decode_config(1, kv_fp8=True) is fp8_kv and attention.decode_config(1) is small
 
 
 def test_decode_default_splits_with_page_size_8() -> None:
@@ -273,15 +276,11 @@ def assert_scales_matter(q, k8, v8, k_scales, v_scales, tables, lens, ref, start
         assert relative_error(wrong, ref) > 0.1  # more than 15x the tolerance
 
 
-F16_MMA = pytest.mark.parametrize("f16_mma", [False, True], ids=["widen-bf16", "f16-mma"])
-
-
-@F16_MMA
 @pytest.mark.parametrize("spread", [False, True], ids=["randn", "spread"])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
 @pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-fused"])
 def test_decode_fp8_kv_matches_dequantized_reference(
-    hq: int, hkv: int, num_splits: int, fused: bool, spread: bool, f16_mma: bool
+    hq: int, hkv: int, num_splits: int, fused: bool, spread: bool
 ) -> None:
     gen = torch.Generator().manual_seed(hq * 10 + num_splits + spread)
     seq_lens = [1, 15, 16, 17, 40]
@@ -290,7 +289,7 @@ def test_decode_fp8_kv_matches_dequantized_reference(
     q = torch.randn(len(seq_lens), hq, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = poisoned(q.shape)
-    config = replace(SMALL, fused_merge=fused, fp8_kv_f16_mma=f16_mma)
+    config = replace(SMALL, fused_merge=fused)
     paged_decode_attention(
         q, k8, v8, tables, lens, num_splits=num_splits, config=config, out=out, k_scales=ks, v_scales=vs
     )
@@ -302,9 +301,8 @@ def test_decode_fp8_kv_matches_dequantized_reference(
         assert not attention._merge_counters[out.device].any()
 
 
-@F16_MMA
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2)])
-def test_chunked_prefill_fp8_kv_matches_dequantized_reference(hq: int, hkv: int, f16_mma: bool) -> None:
+def test_chunked_prefill_fp8_kv_matches_dequantized_reference(hq: int, hkv: int) -> None:
     """As `test_chunked_prefill_matches_reference`, causal chunks after cached context, FP8 pages."""
     gen = torch.Generator().manual_seed(50 + hq + hkv)
     seq_lens, q_lens = [5, 23, 18], [5, 7, 1]
@@ -314,17 +312,15 @@ def test_chunked_prefill_fp8_kv_matches_dequantized_reference(hq: int, hkv: int,
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 5, 12, 13], dtype=torch.int32, device=DEVICE)
     out = poisoned(q.shape)
-    config = replace(SMALL, fp8_kv_f16_mma=f16_mma)
     paged_prefill_attention(
-        q, k8, v8, tables, lens, starts, max(q_lens), config=config, out=out, k_scales=ks, v_scales=vs
+        q, k8, v8, tables, lens, starts, max(q_lens), config=SMALL, out=out, k_scales=ks, v_scales=vs
     )
     ref = paged_attention_reference(q, k_deq, v_deq, tables, lens, starts)
     assert relative_error(out, ref) < FP8_KV_TOLERANCE
     assert_scales_matter(q, k8, v8, ks, vs, tables, lens, ref, starts)
 
 
-@F16_MMA
-def test_shared_prefix_fp8_kv_matches_dequantized_reference(f16_mma: bool) -> None:
+def test_shared_prefix_fp8_kv_matches_dequantized_reference() -> None:
     """A group of three rows sharing 2 pages and a group of two sharing 1, FP8 pages."""
     gen = torch.Generator().manual_seed(61)
     hq, hkv, d, page = 4, 2, 16, 8
@@ -342,7 +338,7 @@ def test_shared_prefix_fp8_kv_matches_dequantized_reference(f16_mma: bool) -> No
     out = poisoned(q.shape)
     shared_prefix_decode_attention(
         q, k8, v8, tables, lens, prefix, starts, max_group_size=3, num_splits=2,
-        config=replace(SMALL, fp8_kv_f16_mma=f16_mma), out=out, k_scales=ks, v_scales=vs,
+        config=SMALL, out=out, k_scales=ks, v_scales=vs,
     )  # fmt: skip
     ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
     assert relative_error(out, ref) < FP8_KV_TOLERANCE
@@ -486,8 +482,8 @@ def test_decode_fp8_output_full_s2_shapes(batch: int, context: int) -> None:
 @pytest.mark.gpu
 def test_decode_fp8_kv_full_s2_shapes() -> None:
     """S2-Pro's slow layer at batch 64 (8 kv heads, 32 q heads, head_dim 128), rows of about 332
-    keys: FP8 KV against the reference on the dequantized pools, tuned / wide split / fused, each
-    widened to bf16 and with f16 MMAs."""
+    keys: FP8 KV against the reference on the dequantized pools, tuned (for this cache and for the
+    bf16 one) / wide split / fused."""
     gen = torch.Generator().manual_seed(332)
     seq_lens = [332 - (7 * i) % 40 for i in range(64)]
     k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
@@ -496,15 +492,12 @@ def test_decode_fp8_kv_full_s2_shapes() -> None:
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
     wide = AttentionConfig(block_n=128, min_split_tokens=64, target_programs=528)
-    tuned = attention.decode_config(64)
     for config, num_splits in [
-        (tuned, None),
-        (tuned, 1),
+        (None, None),
+        (None, 1),
+        (attention.decode_config(64), None),
         (wide, None),
         (replace(wide, fused_merge=True), None),
-        (replace(tuned, fp8_kv_f16_mma=True), None),
-        (replace(tuned, fp8_kv_f16_mma=True), 1),
-        (replace(wide, fused_merge=True, fp8_kv_f16_mma=True), None),
     ]:
         out = paged_decode_attention(
             q, k8, v8, tables, lens, num_splits=num_splits, config=config, k_scales=ks, v_scales=vs

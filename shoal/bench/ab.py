@@ -13,7 +13,8 @@ A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,fie
 - `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
   (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part, so
   `gemm@*x*x1:scales_ahead=true` changes every M = 1 entry and `gemm@*x*x*:...` every entry.
-`--kv-cache-dtype fp8` times the step with an e4m3 KV cache (`attention@64:fp8_kv_f16_mma=true`).
+`--kv-cache-dtype fp8` times the step with an e4m3 KV cache, whose attention configs are the
+`attention-fp8kv` table (`kernels.attention.TUNED_DECODE_CONFIGS_FP8_KV`).
 A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
 """
 
@@ -35,10 +36,14 @@ class Change:
 
 
 def _tables() -> dict:
-    from shoal.kernels.attention import TUNED_DECODE_CONFIGS
+    from shoal.kernels.attention import TUNED_DECODE_CONFIGS, TUNED_DECODE_CONFIGS_FP8_KV
     from shoal.kernels.fp8_gemm import TUNED_CONFIGS_FP8
 
-    return {"attention": TUNED_DECODE_CONFIGS, "gemm": TUNED_CONFIGS_FP8}
+    return {
+        "attention": TUNED_DECODE_CONFIGS,
+        "attention-fp8kv": TUNED_DECODE_CONFIGS_FP8_KV,
+        "gemm": TUNED_CONFIGS_FP8,
+    }
 
 
 def _value(text: str) -> int | bool:
@@ -54,13 +59,13 @@ def parse_variant(spec: str) -> list[Change]:
         try:
             head, assignments = part.split(":", 1)
             table, key_text = head.split("@", 1)
-            if table == "attention":
+            if table in ("attention", "attention-fp8kv"):
                 key: int | tuple[int, int, int] = int(key_text)
             elif table == "gemm":
                 n, k, m = (None if v == "*" else int(v) for v in key_text.split("x"))
                 key = (n, k, m)
             else:
-                raise ValueError(f"unknown table {table!r} (attention or gemm)")
+                raise ValueError(f"unknown table {table!r} (attention, attention-fp8kv or gemm)")
             fields = {}
             for assignment in assignments.split(","):
                 name, value = assignment.split("=", 1)

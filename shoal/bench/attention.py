@@ -259,7 +259,9 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         ours, sdpa = case.paged(decode_config(batch)), case.sdpa()
         row = {"case": f"decode b={batch} ctx={context}", "bytes": kv_bytes(batch * context)}
         row.update(
-            ours_us=ours * 1e3, sdpa_us=sdpa * 1e3, fp8_kv_us=case.paged_fp8(decode_config(batch)) * 1e3
+            ours_us=ours * 1e3,
+            sdpa_us=sdpa * 1e3,
+            fp8_kv_us=case.paged_fp8(decode_config(batch, kv_fp8=True)) * 1e3,
         )
         if sweep:
             timed = timed_configs(case.paged, _distinct(SWEEP, batch, context))

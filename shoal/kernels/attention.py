@@ -12,8 +12,9 @@ FP8 KV cache (optional): `k_pages`/`v_pages` `torch.float8_e4m3fn` (same shape, 
 fp32 `k_scales`/`v_scales` `[num_pages, page_size, n_kv_heads]`, one per (token slot, kv head):
 the key is `k_pages[...] * k_scales[...]` (`reference.quantize_kv`); the scale of the vector at
 element offset `base` of a pool is at offset `base // head_dim` of its scales. The kernels
-convert tiles to q's dtype (e4m3 -> bf16 is exact), multiply each score column by its key's
-scale and the probabilities by each value's scale before the PV product (`KV_FP8`).
+widen tiles to f16 (exact) for f16 MMAs, multiply each score column by its key's scale and the
+probabilities by each value's scale before the PV product (`KV_FP8`); `decode_config` has its
+own table for this cache.
 
 GQA: one program handles all g = Hq/Hkv query heads of a kv head (its tile rows are
 (query token, head in group) pairs), so each kv head's keys are read once per group.
@@ -82,13 +83,6 @@ class AttentionConfig:
     # Decode: the last split program of each (sequence, kv head) to finish merges the partials
     # (per-(sequence, kv head) arrival counters), so split-KV costs one launch instead of two.
     fused_merge: bool = False
-    # FP8 KV cache: widen e4m3 tiles to f16 (one conversion per two values, exact) and run both
-    # MMAs on f16 operands (q and the probabilities rounded to f16), instead of e4m3 -> fp32 ->
-    # bf16 (three conversions per two values and an fp32 tile in registers: 187 registers per
-    # thread against bf16's 128, run 61). Other numerics than the bf16 path: q rounds exactly
-    # (bf16's 8 significant bits fit f16's 11) while above f16's subnormal range, and the
-    # probabilities round to 11 bits instead of 8.
-    fp8_kv_f16_mma: bool = False
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -112,12 +106,25 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 }
 
 
-def decode_config(batch: int) -> AttentionConfig:
-    """The tuned decode config for this batch size, else `DEFAULT_CONFIG`."""
-    for bucket in sorted(TUNED_DECODE_CONFIGS):
+# An e4m3 KV cache (`KV_FP8`): half the bytes per key, more work per key, so other winners
+# (`scripts/probe_fp8_kv_attention.py`, run 77, µs at 332 / 4k keys against the bf16 cache's tuned
+# kernel): batch 1 at 2 stages 6.7 / 10.1 (bf16 5.6 / 10.6); batch 16 as bf16's, 11.6 / 61.2
+# (11.9 / 84.2); batch 64 with 128-key blocks at 2 stages 29.7 / 274 (28.1 / 251; its bf16 config
+# took 37.3 / 321).
+TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
+    1: replace(TUNED_DECODE_CONFIGS[1], num_stages=2),
+    16: TUNED_DECODE_CONFIGS[16],
+    64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=2),
+}
+
+
+def decode_config(batch: int, kv_fp8: bool = False) -> AttentionConfig:
+    """The tuned decode config for this batch size and cache dtype, else `DEFAULT_CONFIG`."""
+    table = TUNED_DECODE_CONFIGS_FP8_KV if kv_fp8 else TUNED_DECODE_CONFIGS
+    for bucket in sorted(table):
         if batch <= bucket:
-            return TUNED_DECODE_CONFIGS[bucket]
-    return TUNED_DECODE_CONFIGS[max(TUNED_DECODE_CONFIGS)] if TUNED_DECODE_CONFIGS else DEFAULT_CONFIG
+            return table[bucket]
+    return table[max(table)] if table else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -137,15 +144,15 @@ def _attend_key_range(
 ):  # fmt: skip
     """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row.
 
-    KV_FP8: 0 for a bf16 cache; 1 or 2 for an e4m3 one, whose tiles are widened: to q's dtype (1)
-    or to f16 (2: `AttentionConfig.fp8_kv_f16_mma`, q and the probabilities in f16 too). Each
-    key's scale multiplies its score column and each value's scale its probability column (l_i
-    sums the unscaled probabilities). Mode 1 goes e4m3 -> fp32 -> bf16 (exact both ways):
-    Triton's direct e4m3 -> bf16 goes through f16 with one f16 -> bf16 conversion per element,
-    slower on the H200 (FP8-KV decode at 4k keys, tuned configs: 12.7 -> 10.7 µs at batch 1, 81.6
-    -> 67.0 at 16, 362 -> 338 at 64), same bits."""
+    KV_FP8 (an e4m3 cache): the tiles widen to f16 (exact, one `cvt` per two values on sm90) and
+    both MMAs take f16 operands, q and the probabilities rounded to f16 (q exactly, while above
+    f16's subnormal range: bf16's 8 significant bits fit f16's 11; the probabilities to 11 bits
+    instead of 8). Widening to bf16 instead (e4m3 -> fp32 -> bf16, exact, three conversions per
+    two values and an fp32 tile in registers) was 3-10% slower per kernel (docs/performance.md
+    run 77) and held 187 registers per thread (run 61). Each key's scale multiplies its score
+    column and each value's scale its probability column (l_i sums the unscaled probabilities)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    if KV_FP8 == 2:
+    if KV_FP8:
         q_op = q.to(tl.float16)
     else:
         q_op = q
@@ -156,13 +163,9 @@ def _attend_key_range(
         base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if KV_FP8 == 2:  # e4m3 -> f16: exact, one cvt per two values on sm90
+        if KV_FP8:
             k = k.to(tl.float16)
             v = v.to(tl.float16)
-        elif KV_FP8:  # e4m3 -> fp32 -> q's dtype: exact, and cheaper on sm90 than through fp16
-            k = k.to(tl.float32).to(q.dtype)
-            v = v.to(tl.float32).to(q.dtype)
-        if KV_FP8:
             k_scale = tl.load(k_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
             s = _dot(q_op, tl.trans(k), UPCAST) * (k_scale * scale_log2e)[None, :]
@@ -536,16 +539,9 @@ def _launch_attention(
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
-        QUANT_OUT=out_fp8 is not None, KV_FP8=_kv_fp8_mode(k_scales, config),
+        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
-
-
-def _kv_fp8_mode(k_scales: Tensor | None, config: AttentionConfig) -> int:
-    """The kernels' KV_FP8 constant (see `_attend_key_range`)."""
-    if k_scales is None:
-        return 0
-    return 2 if config.fp8_kv_f16_mma else 1
 
 
 def _merge(
@@ -587,7 +583,7 @@ def paged_decode_attention(
     `k_scales`/`v_scales`: the fp32 [num_pages, page_size, Hkv] scales of float8_e4m3fn pages
     (required then, refused otherwise; see the module docstring)."""
     bs, hq, d = q.shape
-    config = decode_config(bs) if config is None else config
+    config = decode_config(bs, kv_fp8=k_scales is not None) if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if out_fp8 is not None:
         _check_out_fp8(out_fp8, q)
@@ -699,7 +695,7 @@ def shared_prefix_decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
-        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=_kv_fp8_mode(k_scales, config),
+        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)
