@@ -98,7 +98,8 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # min_split_tokens 64 (was 128): rows of 332 keys in tables sized for them (the engine bench,
     # the gate) split in 3 pieces of 128 keys, as they do in 32k tables; attention 8.6 -> 6.7 µs,
     # FP8 step at batch 1 3.95 -> 3.87 ms (docs/performance.md run 32). 32k tables: unchanged.
-    1: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64),
+    # block_n 64 (was 128): batch-1 step 0.987x (run 78; 2 stages instead of 3: 1.003x).
+    1: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=64),
     # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
     # control within 0.3% (`shoal bench ab`, docs/performance.md run 38).
     16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256),
@@ -108,11 +109,12 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 
 # An e4m3 KV cache (`KV_FP8`): half the bytes per key, more work per key, so other winners
 # (`scripts/probe_fp8_kv_attention.py`, run 77, µs at 332 / 4k keys against the bf16 cache's tuned
-# kernel): batch 1 at 2 stages 6.7 / 10.1 (bf16 5.6 / 10.6); batch 16 as bf16's, 11.6 / 61.2
+# kernel): batch 1 with 128-key blocks at 2 stages 6.7 / 10.1 (bf16 5.6 / 10.6; bf16's batch-1
+# entry has 64-key blocks since run 78); batch 16 as bf16's, 11.6 / 61.2
 # (11.9 / 84.2); batch 64 with 128-key blocks at 2 stages 29.7 / 274 (28.1 / 251; its bf16 config
 # took 37.3 / 321).
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
-    1: replace(TUNED_DECODE_CONFIGS[1], num_stages=2),
+    1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
     16: TUNED_DECODE_CONFIGS[16],
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=2),
 }

@@ -44,7 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from shoal.kernels.attention import _LOG2E, _check_out_fp8, _dot, _write_rows
-from shoal.kernels.norm_rope import _rms_scale, cast_rne, interpreting
+from shoal.kernels.norm_rope import _rms_scale, cast_rne, interpreting, norm_weight_halves
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 # With QK-norm, one warp: the norm's 1-D reductions then run in the order of
@@ -58,7 +58,7 @@ PLAIN_WARPS = 4
 
 @triton.jit
 def _q_norm_rows(
-    x0, x1, qkv_ptr, first_token, stride_qkv, kv_head, w_ptr, offs, eps,
+    x0, x1, qkv_ptr, first_token, stride_qkv, kv_head, w0, w1, offs, eps,
     TOKENS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
     HEAD_DIM: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
@@ -76,10 +76,8 @@ def _q_norm_rows(
             f1 = tl.load(head + 2 * offs + 1).to(tl.float32)
             mean_square = (tl.sum(f0 * f0, 0) + tl.sum(f1 * f1, 0)) / HEAD_DIM
             inv = tl.where(rows == t * BLOCK_G + i, 1.0 / tl.sqrt(mean_square + eps), inv)
-    w0 = tl.load(w_ptr + 2 * offs).to(tl.float32)[None, :]
-    w1 = tl.load(w_ptr + 2 * offs + 1).to(tl.float32)[None, :]
-    x0 = cast_rne(x0.to(tl.float32) * inv[:, None] * w0, x0.dtype, EMULATE)
-    x1 = cast_rne(x1.to(tl.float32) * inv[:, None] * w1, x1.dtype, EMULATE)
+    x0 = cast_rne(x0.to(tl.float32) * inv[:, None] * w0[None, :], x0.dtype, EMULATE)
+    x1 = cast_rne(x1.to(tl.float32) * inv[:, None] * w1[None, :], x1.dtype, EMULATE)
     return x0, x1
 
 
@@ -96,12 +94,15 @@ def _fast_rope_attention_kernel(
 ):  # fmt: skip
     """Grid (batch, Hkv): row b's TOKENS tokens x kv head h (module docstring). Tile rows of q
     are (token, head in group) pairs; a position outside [0, position_limit) writes nothing and
-    reads only its own page (padding rows of a CUDA-graph batch stay inside their page)."""
-    wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
+    reads only its own page (padding rows of a CUDA-graph batch stay inside their page). The norm
+    weights, constants of the step, load before the PDL wait; each new token's v with its k."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
     offs_h = tl.arange(0, half)
+    k_w0, k_w1 = norm_weight_halves(k_norm_ptr, offs_h, HAS_K_NORM)
+    q_w0, q_w1 = norm_weight_halves(q_norm_ptr, offs_h, HAS_Q_NORM)
+    wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
     offs_d = tl.arange(0, HEAD_DIM)
     keys_at = tl.arange(0, BLOCK_N)
     in_page = keys_at < PAGE
@@ -123,13 +124,13 @@ def _fast_rope_attention_kernel(
         src = qkv_ptr + token * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
         x0 = tl.load(src + 2 * offs_h)
         x1 = tl.load(src + 2 * offs_h + 1)
-        x0, x1 = _rms_scale(x0, x1, k_norm_ptr, offs_h, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
+        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + offs_d).to(v_pages_ptr.dtype.element_ty)
+        x0, x1 = _rms_scale(x0, x1, k_w0, k_w1, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
         f0 = x0.to(tl.float32)
         f1 = x1.to(tl.float32)
         k_type = k_pages_ptr.dtype.element_ty
         k0 = cast_rne(f0 * cos - f1 * sin, k_type, EMULATE)
         k1 = cast_rne(f1 * cos + f0 * sin, k_type, EMULATE)
-        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + offs_d).to(v_pages_ptr.dtype.element_ty)
         dest = page + at * stride_pos
         tl.store(k_pages_ptr + dest + 2 * offs_h, k0, mask=valid)
         tl.store(k_pages_ptr + dest + 2 * offs_h + 1, k1, mask=valid)
@@ -159,7 +160,7 @@ def _fast_rope_attention_kernel(
     x1 = tl.load(src + 1, mask=row_ok[:, None], other=0.0)
     if HAS_Q_NORM:
         x0, x1 = _q_norm_rows(
-            x0, x1, qkv_ptr, row * TOKENS, stride_qkv, kv_head, q_norm_ptr, offs_h, eps,
+            x0, x1, qkv_ptr, row * TOKENS, stride_qkv, kv_head, q_w0, q_w1, offs_h, eps,
             TOKENS, GROUP, BLOCK_G, BLOCK_R, HEAD_DIM, EMULATE,
         )  # fmt: skip
     f0 = x0.to(tl.float32)

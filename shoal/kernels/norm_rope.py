@@ -71,18 +71,26 @@ def load_summing_partials(ptr, offs, mask, split_stride, PARTS: tl.constexpr, EM
 
 
 @triton.jit
-def _rms_scale(
-    x0, x1, w_ptr, offs, eps, HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, EMULATE: tl.constexpr
-):
-    """Per-head `F.rms_norm` of the even/odd halves of a head: unlike the model's RMSNorm, torch's
-    built-in multiplies by the weight in fp32 and rounds once at the end."""
+def norm_weight_halves(w_ptr, offs, HAS_WEIGHT: tl.constexpr):
+    """The even/odd halves of a per-head norm weight, in fp32 (zeros without a weight). A
+    constant of the step: kernels load it before the PDL wait, so its round trip to memory is
+    not on the path after the reduction that needs it."""
+    if HAS_WEIGHT:
+        return tl.load(w_ptr + 2 * offs).to(tl.float32), tl.load(w_ptr + 2 * offs + 1).to(tl.float32)
+    else:
+        return tl.zeros(offs.shape, tl.float32), tl.zeros(offs.shape, tl.float32)
+
+
+@triton.jit
+def _rms_scale(x0, x1, w0, w1, eps, HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, EMULATE: tl.constexpr):
+    """Per-head `F.rms_norm` of the even/odd halves of a head (weight halves w0/w1 from
+    `norm_weight_halves`): unlike the model's RMSNorm, torch's built-in multiplies by the weight
+    in fp32 and rounds once at the end."""
     if HAS_WEIGHT:
         f0 = x0.to(tl.float32)
         f1 = x1.to(tl.float32)
         mean_square = (tl.sum(f0 * f0, 0) + tl.sum(f1 * f1, 0)) / HEAD_DIM
         inv = 1.0 / tl.sqrt(mean_square + eps)
-        w0 = tl.load(w_ptr + 2 * offs).to(tl.float32)
-        w1 = tl.load(w_ptr + 2 * offs + 1).to(tl.float32)
         x0 = cast_rne(f0 * inv * w0, x0.dtype, EMULATE)
         x1 = cast_rne(f1 * inv * w1, x1.dtype, EMULATE)
     return x0, x1
@@ -102,12 +110,19 @@ def _qk_norm_rope_kv_kernel(
     k head h-Hq and writes it and v head h-Hq into the page pools. With PARTS > 0 qkv is a
     split-K GEMM's partials, summed while loading. With KV_FP8 the pools are e4m3: each head
     vector is rounded to bf16 (the bits the bf16 pools would get), then quantized with one scale
-    (amax / 448), stored at `place // HEAD_DIM` of the contiguous [pages, page, Hkv] scales."""
-    wait_for_inputs(USE_PDL)
+    (amax / 448), stored at `place // HEAD_DIM` of the contiguous [pages, page, Hkv] scales.
+
+    Loads are issued as early as they may be (latency is the cost here): the norm weight before
+    the PDL wait, a kv head's v together with its k."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, half)
+    if head < NUM_Q_HEADS:
+        w0, w1 = norm_weight_halves(q_norm_ptr, offs, HAS_Q_NORM)
+    else:
+        w0, w1 = norm_weight_halves(k_norm_ptr, offs, HAS_K_NORM)
+    wait_for_inputs(USE_PDL)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(table_ptr + position * stride_table + 2 * offs).to(tl.float32)
     sin = tl.load(table_ptr + position * stride_table + 2 * offs + 1).to(tl.float32)
@@ -116,7 +131,7 @@ def _qk_norm_rope_kv_kernel(
     x0 = load_summing_partials(row, 2 * offs, everywhere, stride_qkv_s, PARTS, EMULATE)
     x1 = load_summing_partials(row, 2 * offs + 1, everywhere, stride_qkv_s, PARTS, EMULATE)
     if head < NUM_Q_HEADS:
-        x0, x1 = _rms_scale(x0, x1, q_norm_ptr, offs, eps, HEAD_DIM, HAS_Q_NORM, EMULATE)
+        x0, x1 = _rms_scale(x0, x1, w0, w1, eps, HEAD_DIM, HAS_Q_NORM, EMULATE)
         f0 = x0.to(tl.float32)
         f1 = x1.to(tl.float32)
         dest = q_out_ptr + token * stride_qo_t + head * stride_qo_h
@@ -125,9 +140,13 @@ def _qk_norm_rope_kv_kernel(
         tl.store(dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, q_type, EMULATE))
     else:
         slot = tl.load(slots_ptr + token).to(tl.int64)
+        full = tl.arange(0, HEAD_DIM)
+        v = load_summing_partials(
+            row + NUM_KV_HEADS * HEAD_DIM, full, full < HEAD_DIM, stride_qkv_s, PARTS, EMULATE
+        )
         if slot >= 0:
             kv_head = head - NUM_Q_HEADS
-            x0, x1 = _rms_scale(x0, x1, k_norm_ptr, offs, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
+            x0, x1 = _rms_scale(x0, x1, w0, w1, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
             f0 = x0.to(tl.float32)
             f1 = x1.to(tl.float32)
             place = (slot // PAGE) * stride_page + (slot % PAGE) * stride_pos + kv_head * stride_head
@@ -146,10 +165,6 @@ def _qk_norm_rope_kv_kernel(
                 k_type = k_pages_ptr.dtype.element_ty
                 tl.store(k_dest + 2 * offs, cast_rne(rotated0, k_type, EMULATE))
                 tl.store(k_dest + 2 * offs + 1, cast_rne(rotated1, k_type, EMULATE))
-            full = tl.arange(0, HEAD_DIM)
-            v = load_summing_partials(
-                row + NUM_KV_HEADS * HEAD_DIM, full, full < HEAD_DIM, stride_qkv_s, PARTS, EMULATE
-            )
             if KV_FP8:  # the bf16 pool's value: a no-op on bf16 input (and on summed partials)
                 vf = cast_rne(v, tl.bfloat16, EMULATE).to(tl.float32)
                 v_scale = scale_from_amax(tl.max(tl.abs(vf), 0), FP8_MAX_, MIN_SCALE_)
@@ -264,24 +279,35 @@ def _rms_norm_kernel(
     With SLICE_GROUPS < GROUPS several programs share a row: each reads the whole row for the
     mean square (the same tile and reduction in every program, so the same bits as one program)
     and normalizes only its slice. Then `residual_out` must not alias `residual`: a slice written
-    in place could be read back by another program of the row as its input."""
-    wait_for_inputs(USE_PDL)
+    in place could be read back by another program of the row as its input.
+
+    Latency, not bytes, is this kernel's cost at decode sizes (3.5 µs per call at batch 1, run
+    70), so every load is issued as early as it may be: the weight (a constant of the step)
+    before the PDL wait, and a slice's own tile together with the whole row, not after the mean
+    square's reduction: one dependent round trip to memory instead of three."""
     row = tl.program_id(0).to(tl.int64)
+    first_group = tl.program_id(1) * SLICE_GROUPS
+    w_offs = (first_group + tl.arange(0, SLICE_GROUPS))[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[
+        None, :
+    ]
+    w = tl.load(weight_ptr + w_offs, mask=w_offs < dim, other=0.0).to(tl.float32)
+    wait_for_inputs(USE_PDL)
     groups, offs, ok, x = _row_groups(
         x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim, 0, GROUPS, GROUP_SIZE, PARTS,
         HAS_RESIDUAL, EMULATE,
     )  # fmt: skip
+    if SLICE_GROUPS < GROUPS:  # this program's groups, in a smaller tile (an L1/L2 re-read)
+        slice_groups, slice_offs, slice_ok, slice_x = _row_groups(
+            x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim, first_group, SLICE_GROUPS,
+            GROUP_SIZE, PARTS, HAS_RESIDUAL, EMULATE,
+        )  # fmt: skip
     f = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(tl.sum(f * f, 1), 0) / dim + eps)
-    if SLICE_GROUPS < GROUPS:  # this program's groups only, re-read (L1/L2) in a smaller tile
-        groups, offs, ok, x = _row_groups(
-            x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim,
-            tl.program_id(1) * SLICE_GROUPS, SLICE_GROUPS, GROUP_SIZE, PARTS, HAS_RESIDUAL, EMULATE,
-        )  # fmt: skip
+    if SLICE_GROUPS < GROUPS:
+        groups, offs, ok, x = slice_groups, slice_offs, slice_ok, slice_x
         f = x.to(tl.float32)
     if HAS_RESIDUAL:
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
-    w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
     if QUANT_OUT:
         rounded = tl.where(ok, cast_rne(y, tl.bfloat16, EMULATE).to(tl.float32), 0.0)
