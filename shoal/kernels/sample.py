@@ -194,18 +194,34 @@ def _sample_kernel(
     BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
     RADIX: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_inputs(USE_PDL)
+    """Program per row. Every load is issued before the first reduction, in two groups: the
+    column ids (constants of the model) before the PDL wait, and after it the logits with the
+    row's parameters and RAS window, which no later step depends on, so their round trip to
+    memory is not left for the end of the kernel."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     ok = cols < columns
-    x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
     if HAS_TOKEN_IDS:
         ids = tl.load(token_ids_ptr + cols, mask=ok, other=0x7FFFFFFF)
+        if EXTRA_LAST:
+            id_last = tl.load(token_ids_ptr + BLOCK_V)
     else:
         ids = cols
-    top = tl.max(x, 0)
+        id_last = tl.full([], BLOCK_V, tl.int32)
+    wait_for_inputs(USE_PDL)
+    x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
     if EXTRA_LAST:  # the row's last column, outside the BLOCK_V = columns - 1 tile
         x_last = tl.load(logits_ptr + row * stride_logits + BLOCK_V).to(tl.float32)
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    frame = tl.load(frame_ptr + row).to(tl.int64)
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    top_k = tl.load(top_k_ptr + row).to(tl.int64)
+    if RAS:
+        w = tl.arange(0, BLOCK_W)
+        previous = tl.load(window_ptr + row * stride_wb + w * stride_ww, mask=w < window_width, other=-1)
+    top = tl.max(x, 0)
+    if EXTRA_LAST:
         top = tl.maximum(top, x_last)
         total = tl.sum(tl.exp(x - top), 0) + tl.exp(x_last - top)
     else:
@@ -218,10 +234,6 @@ def _sample_kernel(
     else:
         keys = tl.topk(keys, K)
     if EXTRA_LAST:
-        if HAS_TOKEN_IDS:
-            id_last = tl.load(token_ids_ptr + BLOCK_V)
-        else:
-            id_last = tl.full([], BLOCK_V, tl.int32)
         keys = _insert_key(keys, _sort_keys(x_last, id_last), K)
     ordered = (keys >> 32).to(tl.uint32)
     sorted_bits = tl.where((ordered >> 31) != 0, ordered ^ 0x80000000, ordered ^ 0xFFFFFFFF)
@@ -229,11 +241,6 @@ def _sample_kernel(
     sorted_ids = (0xFFFFFFFF - (keys & 0xFFFFFFFF).to(tl.uint32)).to(tl.int32)
     ranks = tl.arange(0, K)
 
-    seed = tl.load(seed_ptr + row).to(tl.int64)
-    frame = tl.load(frame_ptr + row).to(tl.int64)
-    temperature = tl.load(temperature_ptr + row).to(tl.float32)
-    top_p = tl.load(top_p_ptr + row).to(tl.float32)
-    top_k = tl.load(top_k_ptr + row).to(tl.int64)
     token = _race(
         values, sorted_ids, ranks, top, total, temperature, top_p, top_k, _row_hash(seed, frame, slot)
     )
@@ -242,8 +249,6 @@ def _sample_kernel(
             values, sorted_ids, ranks, top, total, ras_temperature, ras_top_p, top_k,
             _row_hash(seed, frame, slot + 1),
         )  # fmt: skip
-        w = tl.arange(0, BLOCK_W)
-        previous = tl.load(window_ptr + row * stride_wb + w * stride_ww, mask=w < window_width, other=-1)
         repeated = tl.sum((previous == token).to(tl.int32), 0) > 0
         semantic = (token >= semantic_begin) & (token <= semantic_end)
         token = tl.where(repeated & semantic & (frame >= 1), high, token)
