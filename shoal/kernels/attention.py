@@ -341,12 +341,16 @@ def _paged_attention_kernel(
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
     (decode only), the last of a (sequence, kv head)'s split programs to finish merges them."""
-    wait_for_inputs(USE_PDL)  # q, seq_lens, block tables, kv pages: all written just before
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
-    seq_len = tl.load(seq_lens_ptr + seq)
+    if IS_DECODE:  # the step's lengths: read before the wait (`paged_decode_attention`'s contract)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        wait_for_inputs(USE_PDL)  # q and the pages were written just before
+    else:
+        wait_for_inputs(USE_PDL)
+        seq_len = tl.load(seq_lens_ptr + seq)
     if IS_DECODE:
         q_start = seq
         q_len = 1
@@ -583,7 +587,11 @@ def paged_decode_attention(
     the output is written quantized for the FP8 o-projection instead of to `out`, and returned.
 
     `k_scales`/`v_scales`: the fp32 [num_pages, page_size, Hkv] scales of float8_e4m3fn pages
-    (required then, refused otherwise; see the module docstring)."""
+    (required then, refused otherwise; see the module docstring).
+
+    Under PDL (`kernels/pdl.py`) `seq_lens` is read before the wait for the previous kernel: no
+    kernel of the same graph or chain may write it (the engine uploads the step's lengths before
+    the step; the fast passes' are constant)."""
     bs, hq, d = q.shape
     config = decode_config(bs, kv_fp8=k_scales is not None) if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale

@@ -82,6 +82,16 @@ def _q_norm_rows(
 
 
 @triton.jit
+def _rotation(position_ptr, table_ptr, stride_table, offs_h, position_limit):
+    """(position, cos, sin) of one token; a position outside [0, position_limit) reads row 0."""
+    position = tl.load(position_ptr).to(tl.int32)
+    at = tl.where((position >= 0) & (position < position_limit), position, 0).to(tl.int64)
+    cos = tl.load(table_ptr + at * stride_table + 2 * offs_h).to(tl.float32)
+    sin = tl.load(table_ptr + at * stride_table + 2 * offs_h + 1).to(tl.float32)
+    return position, cos, sin
+
+
+@triton.jit
 def _fast_rope_attention_kernel(
     qkv_ptr, positions_ptr, table_ptr, q_norm_ptr, k_norm_ptr, k_pages_ptr, v_pages_ptr,
     out_ptr, q8_ptr, scale_ptr, eps, scale_log2e, position_limit,
@@ -94,14 +104,37 @@ def _fast_rope_attention_kernel(
 ):  # fmt: skip
     """Grid (batch, Hkv): row b's TOKENS tokens x kv head h (module docstring). Tile rows of q
     are (token, head in group) pairs; a position outside [0, position_limit) writes nothing and
-    reads only its own page (padding rows of a CUDA-graph batch stay inside their page). The norm
-    weights, constants of the step, load before the PDL wait; each new token's v with its k."""
+    reads only its own page (padding rows of a CUDA-graph batch stay inside their page).
+
+    Constants of the step load before the PDL wait: the norm weights, the positions and their
+    RoPE rows (`fast_rope_attention`'s contract); after it qkv and the pages, each new token's v
+    with its k."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
     offs_h = tl.arange(0, half)
     k_w0, k_w1 = norm_weight_halves(k_norm_ptr, offs_h, HAS_K_NORM)
     q_w0, q_w1 = norm_weight_halves(q_norm_ptr, offs_h, HAS_Q_NORM)
+    # The new tokens' rotations (k side: TOKENS is 1 or 2), then the query rows' (q side).
+    position_0, cos_0, sin_0 = _rotation(
+        positions_ptr + row * TOKENS, table_ptr, stride_table, offs_h, position_limit
+    )
+    position_1, cos_1, sin_1 = position_0, cos_0, sin_0
+    if TOKENS == 2:
+        position_1, cos_1, sin_1 = _rotation(
+            positions_ptr + row * TOKENS + 1, table_ptr, stride_table, offs_h, position_limit
+        )
+    rows = tl.arange(0, BLOCK_R)
+    in_group = rows % BLOCK_G
+    t_index = rows // BLOCK_G
+    row_ok = (in_group < GROUP) & (t_index < TOKENS)
+    token_r = row * TOKENS + t_index
+    head_r = kv_head * GROUP + in_group
+    position_r = tl.load(positions_ptr + token_r, mask=row_ok, other=0).to(tl.int32)
+    at_r = tl.where((position_r >= 0) & (position_r < position_limit), position_r, 0).to(tl.int64)
+    trig = table_ptr + at_r[:, None] * stride_table + 2 * offs_h[None, :]
+    q_cos = tl.load(trig, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_sin = tl.load(trig + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
     wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
     offs_d = tl.arange(0, HEAD_DIM)
     keys_at = tl.arange(0, BLOCK_N)
@@ -116,11 +149,12 @@ def _fast_rope_attention_kernel(
     last = tl.full([], -1, tl.int32)
     for t in tl.static_range(TOKENS):
         token = row * TOKENS + t
-        position = tl.load(positions_ptr + token).to(tl.int32)
+        if t == 0:
+            position, cos, sin = position_0, cos_0, sin_0
+        else:
+            position, cos, sin = position_1, cos_1, sin_1
         valid = (position >= 0) & (position < position_limit)
         at = tl.where(valid, position, 0).to(tl.int64)
-        cos = tl.load(table_ptr + at * stride_table + 2 * offs_h).to(tl.float32)
-        sin = tl.load(table_ptr + at * stride_table + 2 * offs_h + 1).to(tl.float32)
         src = qkv_ptr + token * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
         x0 = tl.load(src + 2 * offs_h)
         x1 = tl.load(src + 2 * offs_h + 1)
@@ -144,17 +178,8 @@ def _fast_rope_attention_kernel(
     values = tl.where((keys_at <= last)[:, None], values, 0.0)
 
     # Queries: rows (token, head in group), rotated as `_qk_norm_rope_kv_kernel` rotates q heads.
-    rows = tl.arange(0, BLOCK_R)
-    in_group = rows % BLOCK_G
-    t_index = rows // BLOCK_G
-    row_ok = (in_group < GROUP) & (t_index < TOKENS)
-    token_r = row * TOKENS + t_index
-    head_r = kv_head * GROUP + in_group
-    position_r = tl.load(positions_ptr + token_r, mask=row_ok, other=0).to(tl.int32)
-    at_r = tl.where((position_r >= 0) & (position_r < position_limit), position_r, 0).to(tl.int64)
-    trig = table_ptr + at_r[:, None] * stride_table + 2 * offs_h[None, :]
-    cos = tl.load(trig, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    sin = tl.load(trig + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    cos = q_cos
+    sin = q_sin
     src = qkv_ptr + (token_r * stride_qkv + head_r * HEAD_DIM)[:, None] + 2 * offs_h[None, :]
     x0 = tl.load(src, mask=row_ok[:, None], other=0.0)
     x1 = tl.load(src + 1, mask=row_ok[:, None], other=0.0)
@@ -264,7 +289,11 @@ def fast_rope_attention(
 
     Positions are range-checked here only when they live on the CPU: reading a CUDA tensor would
     sync the stream, which the graph-captured step must not. On the GPU a position outside
-    [0, min(page_size, len(rope_table))) writes nothing and reads only its own row's page."""
+    [0, min(page_size, len(rope_table))) writes nothing and reads only its own row's page.
+
+    Under PDL (`kernels/pdl.py`) `positions` and the table are read before the wait for the
+    previous kernel: no kernel of the same graph or chain may write them (the engine's pass
+    positions are constant buffers)."""
     head_dim = _check_inputs(
         qkv, positions, rope_table, k_pages, v_pages, tokens_per_row, n_q_heads, n_kv_heads,
         (q_norm_weight, k_norm_weight),

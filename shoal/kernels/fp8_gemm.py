@@ -150,11 +150,13 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # M = 1 kept each shape's split (the same bits as before: swapped tiles, scales ahead), but
     # qkv's: on the Gluon kernel split 3 beats 6 (batch 1 0.989x, batch 16 0.984x at M = 16, run
     # 72; batch 4 0.985x at M = 2-4, run 74; on the Triton kernel it had lost in the step, run 19).
-    # Other splits +-1 step: 1.001-1.022x; qkv at M = 8 split 6 instead of 3: 1.025x.
-    (6144, 2560, 1): _GS(16, 64, 3, 3),  # qkv (split 3: run 72)
-    (2560, 4096, 1): _GS(16, 64, 7, 3),  # o
-    (19456, 2560, 1): _GS(16, 64, 1, 3),  # gate_up
-    (2560, 9728, 1): _GS(16, 64, 7, 3),  # down
+    # Other splits +-1 step: 1.001-1.022x; qkv at M = 8 split 6 instead of 3: 1.025x. Two tiles
+    # ahead at M = 1 once the norms issued their loads in one round: 0.995x (run 80; one shape at a
+    # time 0.997-1.001x, three for o 1.001x).
+    (6144, 2560, 1): _GS(16, 64, 3, 3, tiles_before_wait=2),  # qkv (split 3: run 72)
+    (2560, 4096, 1): _GS(16, 64, 7, 3, tiles_before_wait=2),  # o
+    (19456, 2560, 1): _GS(16, 64, 1, 3, tiles_before_wait=2),  # gate_up
+    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
     # M = 8 and 16 with 2 tiles ahead: batch 8 0.996x (run 78), batch 16 0.995x (run 76).

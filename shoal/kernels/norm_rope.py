@@ -112,8 +112,10 @@ def _qk_norm_rope_kv_kernel(
     vector is rounded to bf16 (the bits the bf16 pools would get), then quantized with one scale
     (amax / 448), stored at `place // HEAD_DIM` of the contiguous [pages, page, Hkv] scales.
 
-    Loads are issued as early as they may be (latency is the cost here): the norm weight before
-    the PDL wait, a kv head's v together with its k."""
+    Loads are issued as early as they may be (latency is the cost here): before the PDL wait the
+    norm weight, the position, its RoPE row and the slot (the caller's contract: no kernel of the
+    step writes positions or slots; the engine uploads them before the step), after it qkv, a kv
+    head's v together with its k."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -122,10 +124,11 @@ def _qk_norm_rope_kv_kernel(
         w0, w1 = norm_weight_halves(q_norm_ptr, offs, HAS_Q_NORM)
     else:
         w0, w1 = norm_weight_halves(k_norm_ptr, offs, HAS_K_NORM)
-    wait_for_inputs(USE_PDL)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(table_ptr + position * stride_table + 2 * offs).to(tl.float32)
     sin = tl.load(table_ptr + position * stride_table + 2 * offs + 1).to(tl.float32)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    wait_for_inputs(USE_PDL)
     row = qkv_ptr + token * stride_qkv + head * HEAD_DIM
     everywhere = offs < half
     x0 = load_summing_partials(row, 2 * offs, everywhere, stride_qkv_s, PARTS, EMULATE)
@@ -139,7 +142,6 @@ def _qk_norm_rope_kv_kernel(
         tl.store(dest + 2 * offs, cast_rne(f0 * cos - f1 * sin, q_type, EMULATE))
         tl.store(dest + 2 * offs + 1, cast_rne(f1 * cos + f0 * sin, q_type, EMULATE))
     else:
-        slot = tl.load(slots_ptr + token).to(tl.int64)
         full = tl.arange(0, HEAD_DIM)
         v = load_summing_partials(
             row + NUM_KV_HEADS * HEAD_DIM, full, full < HEAD_DIM, stride_qkv_s, PARTS, EMULATE
@@ -205,7 +207,10 @@ def qk_norm_rope_kv_write(
 
     FP8 KV cache: with float8_e4m3fn pools [num_pages, page_size, Hkv, D] (contiguous), pass
     `k_scales`/`v_scales` float32 [num_pages, page_size, Hkv] (contiguous); each written vector is
-    `reference.quantize_kv` of the bf16 vector a bf16 pool would get, its scale stored alongside."""
+    `reference.quantize_kv` of the bf16 vector a bf16 pool would get, its scale stored alongside.
+
+    Under PDL (`kernels/pdl.py`) `positions`, `slot_mapping` and the table are read before the
+    wait for the previous kernel: no kernel of the same graph or chain may write them."""
     qkv, count, split_stride, qkv_dtype = _consumer_input(qkv)
     tokens, width = qkv.shape
     head_dim = width // (n_q_heads + 2 * n_kv_heads)

@@ -8,7 +8,8 @@ programmatic edge) may be scheduled while its predecessor is still running. The 
 
 - every kernel so launched calls `wait_for_inputs` before it reads anything an earlier kernel
   writes (griddepcontrol.wait: blocks until the predecessor has finished and its writes are
-  visible); reads of weights and other constants may come before it;
+  visible); reads of weights and other constants of the step (docs/engine.md lists them: also
+  the step's host-uploaded metadata) may come before it;
 - `wait_for_inputs` then lets the kernel after it launch (griddepcontrol.launch_dependents).
   Triggering after the wait, never before, keeps at most one kernel waiting behind a running one.
 

@@ -194,10 +194,9 @@ def _sample_kernel(
     BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
     RADIX: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program per row. Every load is issued before the first reduction, in two groups: the
-    column ids (constants of the model) before the PDL wait, and after it the logits with the
-    row's parameters and RAS window, which no later step depends on, so their round trip to
-    memory is not left for the end of the kernel."""
+    """Program per row. Every load is issued before the first reduction: before the PDL wait
+    the column ids, the row's parameters and its RAS window (`sample_tokens`' contract), after it
+    the logits; nothing is left for a round trip to memory at the end of the kernel."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     ok = cols < columns
@@ -208,10 +207,6 @@ def _sample_kernel(
     else:
         ids = cols
         id_last = tl.full([], BLOCK_V, tl.int32)
-    wait_for_inputs(USE_PDL)
-    x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    if EXTRA_LAST:  # the row's last column, outside the BLOCK_V = columns - 1 tile
-        x_last = tl.load(logits_ptr + row * stride_logits + BLOCK_V).to(tl.float32)
     seed = tl.load(seed_ptr + row).to(tl.int64)
     frame = tl.load(frame_ptr + row).to(tl.int64)
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
@@ -220,6 +215,10 @@ def _sample_kernel(
     if RAS:
         w = tl.arange(0, BLOCK_W)
         previous = tl.load(window_ptr + row * stride_wb + w * stride_ww, mask=w < window_width, other=-1)
+    wait_for_inputs(USE_PDL)
+    x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    if EXTRA_LAST:  # the row's last column, outside the BLOCK_V = columns - 1 tile
+        x_last = tl.load(logits_ptr + row * stride_logits + BLOCK_V).to(tl.float32)
     top = tl.max(x, 0)
     if EXTRA_LAST:
         top = tl.maximum(top, x_last)
@@ -286,7 +285,12 @@ def sample_tokens(
     at capture time is what the graph replays. "radix" allocates its [B, 2k] int64 scratch with
     `torch.empty` per call: inside a capture that block comes from the graph's private pool and is
     reused in stream order like any temporary, so nothing is allocated at replay, and no cached
-    workspace can be freed or regrown under a graph that still uses it."""
+    workspace can be freed or regrown under a graph that still uses it.
+
+    Under PDL (`kernels/pdl.py`) everything but the logits is read before the wait for the
+    previous kernel: no kernel of the same graph or chain before this one may write `token_ids`,
+    the parameters, `seed`, `frame` or `window` (the engine uploads them before the step, and
+    shifts the window after the step's last draw)."""
     rows, columns = logits.shape
     if columns > MAX_COLUMNS or logits.stride(1) != 1:
         raise ValueError(f"need contiguous rows of at most {MAX_COLUMNS} columns (got {columns})")
