@@ -224,10 +224,13 @@ class DecodeStep:
             fast_logits = self.model.forward_fast(x, 0, cache)[:, 1]
         for k in range(1, mc.num_codebooks):
             if k >= 2:
-                x = self.model.fast_embed(frames[:, k].long())
-                if self.use_kernels:
+                if self.use_kernels:  # the sampler's int32 codes read in place, one PDL launch
+                    from shoal.kernels.gather_rows import gather_rows
+
+                    x = gather_rows(frames[:, k], self.model.fast_embeddings.weight)
                     fast_logits = self._fast_kernels(x, k)
                 else:
+                    x = self.model.fast_embed(frames[:, k].long())
                     fast_logits = self.model.forward_fast(x[:, None], k, cache)[:, 0]
             self.sample_codebook(fast_logits, k, buffers, capped)
 

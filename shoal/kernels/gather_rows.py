@@ -1,0 +1,62 @@
+"""Embedding rows by ids that a kernel just wrote: one PDL launch instead of two plain ones.
+
+Each fast-transformer pass k >= 2 starts from the embedding of the code the sampler drew for
+codebook k (`frames[:, k]`, int32). In torch that is a cast to int64 and an `nn.Embedding`
+gather: two kernels launched without programmatic dependent launch, so the decode graph drains
+the GPU before each and the pass's first kernel cannot start early (docs/performance.md run 81:
+the step's plain torch kernels cost 2-3 µs each at batch 1). Here one kernel reads the ids in
+place (any integer dtype and stride), waits for the sampler, and copies the rows: the same bits
+as `F.embedding`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from shoal.kernels.pdl import pdl_launch, wait_for_inputs
+
+BLOCK_D = 1024  # columns per program: a 2,560-wide row is three programs
+
+
+@triton.jit
+def _gather_rows_kernel(
+    ids_ptr, table_ptr, out_ptr, stride_ids, stride_table, stride_out, num_rows, dim,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < dim
+    wait_for_inputs(USE_PDL)  # the ids come from the kernel just before
+    index = tl.load(ids_ptr + row * stride_ids).to(tl.int64)
+    valid = (index >= 0) & (index < num_rows)  # `gather_rows` refuses nothing at replay time
+    values = tl.load(table_ptr + index * stride_table + cols, mask=in_row & valid, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, values, mask=in_row)
+
+
+def gather_rows(ids: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor:
+    """`F.embedding(ids, table)` for integer ids [B] of any stride -> [B, D] (`out`, if given,
+    must be [B, D] of the table's dtype with contiguous rows). No host sync, no allocation with
+    `out`: safe inside a CUDA graph. An id outside [0, V) yields a zero row instead of an error
+    (a device-side check would need a sync); the engine's ids come from the samplers, which draw
+    only valid codes."""
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if table.dim() != 2 or table.stride(1) != 1:
+        raise ValueError("the table must be 2-D with contiguous rows")
+    if ids.device != table.device:
+        raise ValueError(f"ids on {ids.device}, table on {table.device}")
+    (batch,), (num_rows, dim) = ids.shape, table.shape
+    if out is None:
+        out = torch.empty(batch, dim, dtype=table.dtype, device=table.device)
+    elif out.shape != (batch, dim) or out.dtype != table.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be {table.dtype} [{batch}, {dim}] with contiguous rows")
+    if batch == 0 or dim == 0:
+        return out
+    _gather_rows_kernel[(batch, triton.cdiv(dim, BLOCK_D))](
+        ids, table, out, ids.stride(0), table.stride(0), out.stride(0), num_rows, dim,
+        BLOCK=BLOCK_D, **pdl_launch(),
+    )  # fmt: skip
+    return out
