@@ -159,23 +159,24 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
-    # M = 8 and 16 with 2 tiles ahead: batch 8 0.996x (run 78), batch 16 0.995x (run 76).
+    # M = 8 with 2 tiles ahead: batch 8 0.996x (run 78); M = 16 with 2, then 3: batch 16 0.995x
+    # (run 76), then 0.986x of that (run 82).
     (6144, 2560, 2): _GS(16, 64, 3, 3),
     (6144, 2560, 4): _GS(16, 64, 3, 3),
     (6144, 2560, 8): _GS(16, 64, 3, 4, tiles_before_wait=2),
-    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=2),
+    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=3),
     (2560, 4096, 2): _GS(16, 64, 7, 3),
     (2560, 4096, 4): _GS(16, 64, 7, 3),
     (2560, 4096, 8): _GS(16, 64, 4, 4, tiles_before_wait=2),
-    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=2),
+    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=3),
     (19456, 2560, 2): _GS(16, 64, 1, 3),
     (19456, 2560, 4): _GS(16, 64, 1, 3),
     (19456, 2560, 8): _GS(16, 64, 1, 4, tiles_before_wait=2),
-    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=2),
+    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3),
     (2560, 9728, 2): _GS(16, 64, 7, 3),
     (2560, 9728, 4): _GS(16, 64, 7, 3),
     (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
-    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=2),
+    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=3),
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
