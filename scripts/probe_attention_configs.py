@@ -1,0 +1,44 @@
+"""Decode attention under a few launch configs beside the tuned one and SDPA, at S2-Pro shapes:
+for the batch buckets whose tuned config trails SDPA at long contexts (batch 16: 0.78-0.82x at
+1k-8k keys, docs/performance.md run 83), to see whether another block size, stage count or split
+target closes the gap before `shoal bench ab` checks it in the step.
+
+Usage (GPU): python scripts/probe_attention_configs.py --batch 16 --context 1024 4096 8192 \
+    --configs 64/2/264 128/2/264 64/2/528
+(each config: block_n/num_stages/target_programs, applied to the tuned entry of the batch);
+`--capacity 32768` sizes the block tables as `shoal serve` does (splits follow the width).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from shoal.bench.attention import DecodeCase
+from shoal.kernels.attention import decode_config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[16])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--capacity", type=int, default=0, help="block table width in keys (0: the context)")
+    parser.add_argument("--configs", nargs="+", default=["64/2/264", "128/2/264", "64/2/528"])
+    args = parser.parse_args()
+    variants = [tuple(int(part) for part in text.split("/")) for text in args.configs]
+    for batch in args.batch:
+        tuned = decode_config(batch)
+        for context in args.context:
+            case = DecodeCase([context] * batch, capacity=args.capacity)
+            ours, sdpa = case.paged(tuned), case.sdpa()
+            name = f"{tuned.block_n}/{tuned.num_stages}/{tuned.target_programs}"
+            cells = [f"sdpa {sdpa * 1e3:6.1f}", f"tuned {name} {ours * 1e3:6.1f} ({sdpa / ours:.2f}x sdpa)"]
+            for block_n, stages, target in variants:
+                config = replace(tuned, block_n=block_n, num_stages=stages, target_programs=target)
+                t = case.paged(config)
+                cells.append(f"{block_n}/{stages}/{target} {t * 1e3:6.1f} ({sdpa / t:.2f}x)")
+            print(f"b={batch} ctx={context}: " + "; ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
