@@ -153,6 +153,32 @@ def test_kernel_step_equals_torch_step(
     assert torch.equal(b.tokens, b.frames)
 
 
+def test_kernel_step_never_writes_what_its_kernels_read_before_the_pdl_wait(golden_dir) -> None:
+    """The PDL contract (docs/engine.md): kernels read the step's metadata, sampling parameters and
+    the fast passes' constant buffers before waiting for the kernel in front of them, which is
+    sound only while no kernel of the step writes them. A step that wrote one would race on the
+    GPU without failing a bit-level test there; here it fails."""
+    core, requests = decoding_core(golden_dir, 3)
+    runner = core.runner
+    step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
+    fields = runner.host.fill(requests)
+    n = len(requests)
+    buffers = DecodeBuffers.allocate(n, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
+    for name in fields:
+        getattr(buffers, name).copy_(getattr(runner.host.host, name)[:n])
+    read_early = ("positions", "slots", "block_tables", "kv_lens", "frame_index", "temperature", "top_p")
+    read_early += ("top_k", "seed")
+    constants = [step.pass0_positions, step.pass0_slots, step.pass0_lens, step.pass0_starts, step.fast_tables]
+    for table in (step.pass_positions, step.pass_slots, step.pass_lens):
+        constants.extend(table.values())
+    before = [getattr(buffers, name).clone() for name in read_early] + [t.clone() for t in constants]
+    with torch.no_grad():
+        step(buffers, True)
+    after = [getattr(buffers, name) for name in read_early] + constants
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(old, new)
+
+
 @pytest.mark.parametrize("select", ["sort", "radix"])
 def test_kernel_step_with_wide_rows_equals_torch_step(
     tmp_path, select: str, monkeypatch: pytest.MonkeyPatch
