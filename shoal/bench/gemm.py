@@ -343,14 +343,17 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
     from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
     k_blocks = -(-k // BLOCK_K)
+
+    def split_counts(block_m: int, block_n: int, programs_per_sm: tuple[int, ...]) -> list[int]:
+        """Split-K counts that put about that many programs on every SM (at least 2 K steps each)."""
+        tiles = -(-m // block_m) * -(-n // block_n)
+        return sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in programs_per_sm})
+
     block_ms = (16,) if m <= 16 else (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
     configs = []
     for bm in block_ms:
-        m_tiles = -(-m // bm)
         for bn in (32, 64, 128):
-            tiles = m_tiles * -(-n // bn)
-            splits = sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in (2, 4)})
-            for split in splits:
+            for split in split_counts(bm, bn, (2, 4)):
                 for swap in (False, True):
                     for warps, stages in ((4, 4), (4, 6)) if bm <= 32 else ((4, 4), (8, 4)):
                         for use_tma in (False, True) if tma else (False,):
@@ -359,8 +362,7 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
                             )
     if tma and m <= 32:  # the Gluon kernel, swapped (pre-quantized activations; 64 or 128 weight rows)
         for bn in (64, 128):
-            tiles = -(-m // block_ms[0]) * -(-n // bn)
-            for split in sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in (2, 4)}):
+            for split in split_counts(block_ms[0], bn, (2, 4)):
                 for stages in (3, 4):
                     configs.append(
                         GemmConfig(
@@ -369,8 +371,7 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
                     )
     if tma and m >= 64:  # the Gluon kernel unswapped: 64 activation rows, 32 or 64 weight columns
         for bn in (32, 64):
-            tiles = -(-m // 64) * -(-n // bn)
-            for split in sorted({max(1, min(k_blocks // 2, math.ceil(t * sms / tiles))) for t in (1, 2, 3)}):
+            for split in split_counts(64, bn, (1, 2, 3)):
                 for stages in (4, 6):
                     configs.append(GemmConfig(64, bn, split, 4, stages, gluon=True, tiles_before_wait=1))
     if tma and m <= 16:  # stream-K (pre-quantized activations only): one or two programs per SM
