@@ -192,6 +192,18 @@ def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> Non
         )
 
 
+def _kernel_constants(
+    k: int, *, split_k: int, swapped: bool, num_stages: int, tiles_before_wait: int,
+    leave_partials: bool, bf16_partials: bool,
+) -> dict:  # fmt: skip
+    """The kernel's compile-time constants for one launch shape (USE_PDL comes with the launch)."""
+    return {
+        "STEPS": triton.cdiv(triton.cdiv(k, BLOCK), split_k), "STAGES": num_stages,
+        "AHEAD": tiles_before_wait, "SPLIT_K": split_k, "SWAPPED": swapped,
+        "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
+    }  # fmt: skip
+
+
 def _descriptor(tensor: torch.Tensor, rows: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -224,15 +236,15 @@ def launch_prefetch_gemm(
     (m, k), n = a.shape, w_q.shape[0]
     if k % 16:
         raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
-    k_blocks = triton.cdiv(k, BLOCK)
-    steps = triton.cdiv(k_blocks, split_k)
+    constants = _kernel_constants(
+        k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
+        leave_partials=leave_partials, bf16_partials=bf16_partials,
+    )  # fmt: skip
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _fp8_gemm_prefetch_kernel[grid](
         _descriptor(w_q, block_n), _descriptor(a, block_m), w_scale, a_scale, out, partials, counters,
-        m, n, k_blocks, w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
-        STEPS=steps, STAGES=num_stages, AHEAD=tiles_before_wait, SPLIT_K=split_k, SWAPPED=swapped,
-        LEAVE_PARTIALS=leave_partials, BF16_PARTIALS=bf16_partials and split_k > 1,
-        num_warps=num_warps, **launch,
+        m, n, triton.cdiv(k, BLOCK), w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
+        **constants, num_warps=num_warps, **launch,
     )  # fmt: skip
 
 
@@ -248,12 +260,10 @@ def compile_for_hopper(
     from triton.runtime.jit import mangle_type
 
     kernel = _fp8_gemm_prefetch_kernel
-    steps = triton.cdiv(triton.cdiv(k, BLOCK), split_k)
-    constants = {
-        "STEPS": steps, "STAGES": num_stages, "AHEAD": tiles_before_wait, "SPLIT_K": split_k,
-        "SWAPPED": swapped, "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
-        "USE_PDL": use_pdl, "num_warps": num_warps,
-    }  # fmt: skip
+    constants = _kernel_constants(
+        k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
+        leave_partials=leave_partials, bf16_partials=bf16_partials,
+    ) | {"USE_PDL": use_pdl, "num_warps": num_warps}  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
     signature = {name: "constexpr" if name in constants else "i32" for name in kernel.arg_names}
