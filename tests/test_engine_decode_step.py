@@ -116,17 +116,22 @@ def decoding_core(golden_dir, count: int):
 
 
 @pytest.mark.parametrize(
-    "capped,fused_fast", [(True, False), (False, False), (True, True)], ids=["capped", "full", "fused-fast"]
+    "capped,fused_fast,head_kernel",
+    [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
+    ids=["capped", "full", "fused-fast", "head-kernel"],
 )
 def test_kernel_step_equals_torch_step(
-    golden_dir, capped: bool, fused_fast: bool, monkeypatch: pytest.MonkeyPatch
+    golden_dir, capped: bool, fused_fast: bool, head_kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`fused-fast`: the fast transformer through `kernels/fast_attention.py` (one launch per layer)."""
+    """`fused-fast`: the fast transformer through `kernels/fast_attention.py` (one launch per layer);
+    `head-kernel`: every output head on `kernels/output_head.py` (batch 1 only by default)."""
     monkeypatch.setenv("SHOAL_FUSED_FAST_ATTENTION", "1" if fused_fast else "0")
+    monkeypatch.setenv("SHOAL_HEAD_KERNEL", "1" if head_kernel else "0")
     core, requests = decoding_core(golden_dir, 3)
     runner = core.runner
     kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
     assert kernel_step.fused_fast_max_batch == (runner.max_batch if fused_fast else 0)
+    assert (kernel_step.head_kernel_max_rows > 0) == head_kernel
     torch_step = runner.step
     fields = runner.host.fill(requests)
     n = len(requests)

@@ -52,6 +52,38 @@ def test_window_shift_on_a_batch_slice_and_frame_zero_rows() -> None:
     assert torch.equal(buffer, before)
 
 
+@pytest.mark.parametrize("with_frame_index", [True, False])
+def test_window_shift_also_stores_tokens(with_frame_index: bool) -> None:
+    """`tokens` (a strided view, poisoned first) gets the new frames in every row, frame 0 rows
+    included; the window moves as without it; the buffer around the view is untouched."""
+    gen = torch.Generator().manual_seed(9)
+    window = torch.randint(0, 1000, (4, 10, 11), generator=gen, dtype=torch.int32).to(DEVICE)
+    frames = torch.randint(0, 1000, (4, 11), generator=gen, dtype=torch.int32).to(DEVICE)
+    frame_index = torch.tensor([0, 3, 1, 0], device=DEVICE) if with_frame_index else None
+    expected = window.clone()
+    if frame_index is None:
+        window_shift_reference(expected, frames)
+    else:
+        push_frames(expected, frames, frame_index)
+    buffer = torch.full((4, 13), -7, dtype=torch.int32, device=DEVICE)
+    window_shift(window, frames, frame_index, tokens=buffer[:, 1:12])
+    assert torch.equal(window, expected)
+    assert torch.equal(buffer[:, 1:12], frames)
+    assert (buffer[:, 0] == -7).all() and (buffer[:, 12] == -7).all()
+
+
+def test_rejects_bad_tokens() -> None:
+    window = torch.zeros(2, 10, 11, dtype=torch.int32, device=DEVICE)
+    frames = torch.zeros(2, 11, dtype=torch.int32, device=DEVICE)
+    for tokens in (
+        torch.zeros(2, 11, dtype=torch.int64, device=DEVICE),
+        torch.zeros(3, 11, dtype=torch.int32, device=DEVICE),
+        torch.zeros(11, 2, dtype=torch.int32, device=DEVICE).t(),
+    ):
+        with pytest.raises(ValueError, match=r"tokens must be torch.int32 \[2, 11\]"):
+            window_shift(window, frames, tokens=tokens)
+
+
 def test_rejects_promoted_or_misshaped_frames() -> None:
     window = torch.zeros(2, 10, 11, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError):
@@ -75,3 +107,30 @@ def test_window_shift_in_a_cuda_graph() -> None:
         window_shift_reference(expected, frames)
     torch.cuda.synchronize()
     assert torch.equal(window, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_window_shift_stores_tokens_in_a_graph_behind_the_writer() -> None:
+    """Captured behind the copy that writes the frames: each replay stores that replay's frames."""
+    source = torch.zeros(64, 11, dtype=torch.int32, device="cuda")
+    frames, tokens = torch.zeros_like(source), torch.zeros_like(source)
+    window = torch.zeros(64, 10, 11, dtype=torch.int32, device="cuda")
+    frame_index = torch.arange(64, device="cuda") % 3
+
+    def step() -> None:
+        frames.copy_(source)
+        window_shift(window, frames, frame_index, tokens=tokens)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        source.copy_(torch.randint(0, 1000, source.shape, generator=torch.Generator().manual_seed(seed)))
+        expected = window.clone()
+        push_frames(expected, source, frame_index)
+        tokens.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(tokens, source) and torch.equal(window, expected)

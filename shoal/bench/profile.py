@@ -141,7 +141,8 @@ def sample_kernel_table() -> None:
     (4,096 columns) and S2's main row (4,097, with token ids and RAS), batch 1 and 64, `max_top_k`
     64; every way to extract the top keys (`select`: "sort" = `tl.topk`, "radix" = the radix
     select), and for the main row each with its last column split off (`split_last_column`) and
-    without (the 8,192 tile). (Run 20 timed 4 to 32 warps: 8 was fastest.)"""
+    without (the 8,192 tile); the radix select also at 4 and 16 warps (`/4w`, `/16w`; 8 by
+    default: run 20 timed 4 to 32 warps for the sort, when it was the default, and 8 was fastest)."""
     import torch
 
     from shoal.bench.timing import time_graph_ms
@@ -169,12 +170,14 @@ def sample_kernel_table() -> None:
         times = {}
         for select in SELECTS:
             for split in (True, False) if main else (True,):  # a 4,096-column row has no column to split
-                call = functools.partial(
-                    sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
-                    split_last_column=split, select=select, **extra,
-                )  # fmt: skip
-                label = f"{select}+{'split' if split else 'whole'}" if main else select
-                times[label] = 1000 * time_graph_ms(call, repeats=30)
+                for warps in (4, 8, 16) if select == "radix" and split else (8,):
+                    call = functools.partial(
+                        sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
+                        split_last_column=split, select=select, num_warps=warps, **extra,
+                    )  # fmt: skip
+                    label = f"{select}+{'split' if split else 'whole'}" if main else select
+                    label += f"/{warps}w" if warps != 8 else ""
+                    times[label] = 1000 * time_graph_ms(call, repeats=30)
         cells = "  ".join(f"{label} {t:6.1f}" for label, t in times.items())
         print(f"sample kernel rows={rows} columns={columns}: µs  {cells}")
 

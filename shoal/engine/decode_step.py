@@ -54,6 +54,9 @@ FUSED_FAST_MAX_BATCH = 16  # the largest batch whose fast layers use the fused a
 # one program per row and the separate quantization launch, as prefill does.
 NORM_SLICE_GROUPS = 4
 NORM_SPLIT_MAX_ROWS = 16
+# The largest batch whose output heads run `kernels/output_head.py` (weights loaded before the PDL
+# wait, one activation row at a time) instead of cuBLAS; larger batches keep cuBLAS.
+HEAD_KERNEL_MAX_ROWS = 1
 
 
 def env_switch(name: str, choices: tuple[str, ...]) -> str:
@@ -157,6 +160,11 @@ class DecodeStep:
         switch = env_switch("SHOAL_FUSED_FAST_ATTENTION", ("auto", "0", "1"))
         limits = {"auto": FUSED_FAST_MAX_BATCH, "0": 0, "1": max_batch}
         self.fused_fast_max_batch = limits[switch] if use_kernels else 0
+        # `SHOAL_HEAD_KERNEL=auto|0|1`: the output heads on `kernels/output_head.py` up to
+        # `HEAD_KERNEL_MAX_ROWS` rows, never, always.
+        switch = env_switch("SHOAL_HEAD_KERNEL", ("auto", "0", "1"))
+        limits = {"auto": HEAD_KERNEL_MAX_ROWS, "0": 0, "1": 2 * max_batch}
+        self.head_kernel_max_rows = limits[switch] if use_kernels else 0
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -197,29 +205,35 @@ class DecodeStep:
         kernels extract only `max_top_k` candidates (every row's top_k must be <= it)."""
         residual, normed = self.slow(buffers)
         self.frames_from_hidden(residual, normed, buffers, capped)
-        if self.use_kernels:
+        if self.use_kernels:  # the next step's tokens written by the same launch
             from shoal.kernels.window import window_shift
 
-            window_shift(buffers.window, buffers.frames, buffers.frame_index)
+            window_shift(buffers.window, buffers.frames, buffers.frame_index, tokens=buffers.tokens)
         else:
             keep = (buffers.frame_index >= 1)[:, None, None]
             shifted = torch.cat([buffers.window[:, 1:], buffers.frames[:, None, :]], dim=1)
             buffers.window.copy_(torch.where(keep, shifted, buffers.window))
-        buffers.tokens.copy_(buffers.frames)
+            buffers.tokens.copy_(buffers.frames)
 
     def frames_from_hidden(self, residual: Tensor, normed: Tensor, buffers, capped: bool = True) -> None:
         """Head, main-token sampling and the fast loop for slow hidden states (`residual`
         before, `normed` after the final norm) of `buffers`' rows; writes `buffers.frames`."""
         mc, frames = self.config, buffers.frames
-        logits = F.linear(normed, self.head_weight)[:, : self.head_rows]
+        logits = self._head(normed, self.head_weight, self.head_rows)
         self.sample_main(logits, buffers, capped)
         fast_input = normed if mc.norm_fastlayer_input else residual
-        code0 = torch.clamp(frames[:, 0].long() - mc.semantic_begin_id, 0, mc.codebook_size - 1)
-        frames[:, 1].copy_(code0)
-        x = torch.stack([self.model.fast_project_in(fast_input), self.model.fast_embed(code0)], dim=1)
-        if self.use_kernels:
+        if self.use_kernels and isinstance(self.model.fast_project_in, torch.nn.Identity):
+            from shoal.kernels.step_inputs import fast_pass0_input
+
+            x = fast_pass0_input(
+                frames, fast_input, self.model.fast_embeddings.weight, mc.semantic_begin_id, mc.codebook_size
+            )  # code 0 into frames[:, 1], rows (hidden, code 0's embedding) per frame: one launch
+            fast_logits = self._fast_kernels(x, 0)
+        elif self.use_kernels:
+            x = self._pass0_input(fast_input, frames)
             fast_logits = self._fast_kernels(x.reshape(-1, x.shape[-1]), 0)
         else:
+            x = self._pass0_input(fast_input, frames)
             cache = self.model.new_fast_cache(x.shape[0])
             fast_logits = self.model.forward_fast(x, 0, cache)[:, 1]
         for k in range(1, mc.num_codebooks):
@@ -234,19 +248,30 @@ class DecodeStep:
                     fast_logits = self.model.forward_fast(x[:, None], k, cache)[:, 0]
             self.sample_codebook(fast_logits, k, buffers, capped)
 
+    def _pass0_input(self, fast_input: Tensor, frames: Tensor) -> Tensor:
+        """Fast pass 0's input [B, 2, fast_dim] in torch ops; code 0 into `frames[:, 1]`."""
+        mc = self.config
+        code0 = torch.clamp(frames[:, 0].long() - mc.semantic_begin_id, 0, mc.codebook_size - 1)
+        frames[:, 1].copy_(code0)
+        return torch.stack([self.model.fast_project_in(fast_input), self.model.fast_embed(code0)], dim=1)
+
     # Slow transformer -------------------------------------------------------------------------
 
     def slow(self, buffers) -> tuple[Tensor, Tensor]:
         """(last layer's output, final-normed hidden) [B, dim] of the rows' next token."""
         model = self.model
         self.kv.set_decode(buffers.slots, buffers.block_tables, buffers.kv_lens)
-        tokens = buffers.tokens.long()
         if not self.use_kernels:
-            hidden = model.forward_slow(tokens, buffers.positions, self.kv)
+            hidden = model.forward_slow(buffers.tokens.long(), buffers.positions, self.kv)
             return hidden, model.norm(hidden)
         from shoal.kernels.attention import paged_decode_attention
+        from shoal.kernels.step_inputs import embed_tokens
 
-        residual = model.embed(tokens)
+        mc = self.config
+        residual = embed_tokens(
+            buffers.tokens, model.embeddings.weight, model.codebook_embeddings.weight, mc.codebook_size,
+            mc.semantic_begin_id, mc.semantic_end_id, mc.scale_codebook_embeddings,
+        )  # fmt: skip
         return self._layers(
             model.layers, residual, model.norm.weight, buffers.positions, model.rope,
             self.kv.layer, buffers.slots,
@@ -403,7 +428,17 @@ class DecodeStep:
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]
-        return F.linear(normed, model.fast_output.weight)
+        return self._head(normed, model.fast_output.weight)
+
+    def _head(self, normed: Tensor, weight: Tensor, rows: int | None = None) -> Tensor:
+        """Logits of an output head (the first `rows` rows of `weight`), on the head kernel for
+        batches up to `head_kernel_max_rows`, else cuBLAS."""
+        if normed.shape[0] <= self.head_kernel_max_rows:
+            from shoal.kernels.output_head import output_head
+
+            return output_head(normed, weight, rows)
+        logits = F.linear(normed, weight)
+        return logits if rows is None else logits[:, :rows]
 
     # Sampling ---------------------------------------------------------------------------------
 
