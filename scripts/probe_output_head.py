@@ -3,9 +3,10 @@
 The decode step runs each head right after the final RMSNorm; under programmatic dependent launch
 the head kernel's weight loads overlap that norm, which a standalone timing cannot show. So each
 case is timed twice as CUDA-graph replays: the head alone, and norm + head (the step's pair).
-Prints µs per call for cuBLAS (`F.linear`) and each kernel variant (rows per program / warps).
+Prints µs per call for cuBLAS (`F.linear`) and each kernel variant (rows per program / warps /
+chunks ahead).
 
-    python scripts/probe_output_head.py [--batch 1 2 4] [--variants 16/8 8/4 32/8]
+    python scripts/probe_output_head.py [--batch 1 2] [--variants 16/8/2 16/8/1 8/4/2]
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ def time_case(x: torch.Tensor, norm_weight: torch.Tensor, pair: bool, head) -> f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--variants", nargs="+", default=["16/8", "8/4", "32/8"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--variants", nargs="+", default=["16/8/2", "16/8/1", "8/4/2"])
     args = parser.parse_args()
     variants = [tuple(int(v) for v in text.split("/")) for text in args.variants]
     gen = torch.Generator().manual_seed(0)
     norm_weight = torch.ones(DIM, dtype=torch.bfloat16, device="cuda")
-    print(" | ".join(["head", "batch", "pair", "cuBLAS"] + [f"{r}/{w}" for r, w in variants]))
+    print(" | ".join(["head", "batch", "pair", "cuBLAS"] + ["/".join(map(str, v)) for v in variants]))
     for name, (padded, rows) in HEADS.items():
         weight = (torch.randn(padded, DIM, generator=gen) / 50).to(torch.bfloat16).cuda()
         for batch in args.batch:
@@ -52,7 +53,9 @@ def main() -> None:
             out = torch.empty(batch, rows, dtype=torch.bfloat16, device="cuda")
             heads = [functools.partial(cublas_head, weight=weight, rows=rows)]
             kernel = functools.partial(output_head, weight=weight, rows=rows, out=out)
-            heads += [functools.partial(kernel, rows_per_program=r, num_warps=w) for r, w in variants]
+            heads += [
+                functools.partial(kernel, rows_per_program=r, num_warps=w, ahead=a) for r, w, a in variants
+            ]
             for pair in (False, True):
                 cells = [time_case(x, norm_weight, pair, head) for head in heads]
                 label = "norm+head" if pair else "head"

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from shoal.kernels.output_head import _split_columns, output_head  # noqa: E402
+from shoal.kernels.output_head import output_head  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,23 +33,16 @@ def assert_one_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def test_split_columns() -> None:
-    assert _split_columns(2560) == (2048, 512)
-    assert _split_columns(4096) == (4096, 0)
-    assert _split_columns(1) == (1, 0)
-    assert _split_columns(96) == (64, 32)
-    assert _split_columns(100) == (64, 64)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("k", [64, 100, 2560])
-def test_batch_one_row_against_linear(dtype: torch.dtype, k: int) -> None:
-    """K a power of two, with an exact and with a masked tail; rows not a multiple of the
-    program's; the first `rows` rows of a padded weight (S2's restricted main head)."""
+@pytest.mark.parametrize("k,ahead", [(64, 2), (100, 2), (1100, 1), (1100, 2), (2560, 2)])
+def test_batch_one_row_against_linear(dtype: torch.dtype, k: int, ahead: int) -> None:
+    """One chunk (a power of two, or masked), three chunks the last masked (one or two chunks
+    ahead), S2's five; rows not a multiple of the program's; the first `rows` rows of a padded
+    weight (S2's restricted main head)."""
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
     weight = torch.randn(45, k, generator=gen).to(dtype).to(DEVICE)
-    got = output_head(x, weight, rows=37)
+    got = output_head(x, weight, rows=37, ahead=ahead)
     assert_one_rounding(got, x, weight, 37)
     if dtype == torch.bfloat16:  # nearly every logit is exactly the rounded sum
         assert (got == reference(x, weight, 37)).float().mean() > 0.9
@@ -80,6 +73,8 @@ def test_bad_inputs_are_refused() -> None:
         output_head(x, weight, rows=5)
     with pytest.raises(ValueError, match="power of two"):
         output_head(x, weight, rows_per_program=3)
+    with pytest.raises(ValueError, match="ahead"):
+        output_head(x, weight, ahead=3)
     with pytest.raises(ValueError, match="out must be"):
         output_head(x, weight, out=torch.zeros(1, 4, device=DEVICE))
     assert output_head(x[:0], weight).shape == (0, 4)

@@ -6,17 +6,20 @@ batch 1 against a 4.9 µs read floor (21 MB at 4.3 TB/s; docs/performance.md run
 launched without programmatic dependent launch, it drained the GPU before it and kept the
 sampler after it from starting early.
 
-Here each program owns `rows_per_program` rows of the weight and holds all K columns of them in
-registers (16 rows x 2,560 columns over 256 threads: 160 values each). The weights are a constant
-of the step, so every program loads its rows *before* `wait_for_inputs`: with all programs
-resident at once (257 programs of 256 threads, two per SM) the whole head streams while the final
-norm before it still runs, and after the wait only the activation row (5 KB) is read. That is the
-design's limit too: a second activation row costs a dependent round trip to L2, so larger batches
-keep cuBLAS (`DecodeStep`'s `head_kernel_max_rows`).
+Here each program owns `rows_per_program` rows of the weight and streams their K columns in
+chunks of 512 (five at S2's 2,560). The weights are a constant of the step, so every program
+loads its first `ahead` chunks *before* `wait_for_inputs`: with all programs resident at once
+(257 programs of 256 threads, 115 registers each: two per SM) 40% of the head streams while the
+final norm before it still runs; after the wait the activation row comes in chunk by chunk beside
+the remaining weight chunks, `ahead` chunks in flight. Holding a program's whole rows in registers
+instead (194 registers at 16 rows: one program per SM, two waves) made the head slower than
+cuBLAS alone (11.1 against 9.9 µs, docs/performance.md run 87). Each activation row is its own
+program column (`grid = (row blocks, M)`), so a batch re-reads the weight from L2 per row: the
+engine uses the kernel at batch 1 only (`DecodeStep`'s `head_kernel_max_rows`).
 
-Arithmetic: fp32 products summed in fp32 (Triton's reduction order), rounded once to the output
-dtype, which is what a bf16 `F.linear` does up to its summation order. K need not be a power of
-two: the row is held as a power-of-two part and a tail (2,560 = 2,048 + 512).
+Arithmetic: fp32 products summed in fp32 (per chunk in Triton's reduction order, chunks in
+order), rounded once to the output dtype, which is what a bf16 `F.linear` does up to its
+summation order.
 """
 
 from __future__ import annotations
@@ -31,55 +34,61 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 ROWS_PER_PROGRAM = 16
 NUM_WARPS = 8
+CHUNK = 512  # K columns per load round: [16, 512] bf16 is 32 values per thread at 8 warps
+AHEAD = 2  # chunks loaded before the PDL wait, and in flight after it
+
+
+@triton.jit
+def _weight_chunk(w_rows, row_ok, chunk, k, CHUNK: tl.constexpr):
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    return tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < k)[None, :], other=0.0)
+
+
+@triton.jit
+def _activation_chunk(x_row, chunk, k, CHUNK: tl.constexpr):
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    return tl.load(x_row + cols, mask=cols < k, other=0.0)
 
 
 @triton.jit
 def _head_kernel(
     x_ptr, w_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_om,
-    ROWS_X: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_K: tl.constexpr, TAIL_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, AHEAD: tl.constexpr,
     EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program p: weight rows [p * BLOCK_N, ...) against every activation row. The row's columns
-    are [0, HEAD_K) (HEAD_K a power of two <= k) and, with TAIL_K > 0, [HEAD_K, HEAD_K + TAIL_K)
-    masked past k. The ROWS_X activation rows (unrolled: a
-    compile per batch size) are read one ahead of their use."""
+    """Program (p, m): weight rows [p * BLOCK_N, ...) against activation row m, over K in CHUNKS
+    chunks of CHUNK columns (masked past k). The first AHEAD chunks (1 or 2) load before the wait;
+    afterwards chunk c + AHEAD loads while chunk c is summed, so at most AHEAD + 1 chunks are in
+    registers."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1).to(tl.int64)
     row_ok = rows < n
-    head_cols = tl.arange(0, HEAD_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    w_head = tl.load(w_rows + head_cols[None, :], mask=row_ok[:, None], other=0.0)
-    if TAIL_K > 0:
-        tail_cols = HEAD_K + tl.arange(0, TAIL_K)
-        tail_ok = tail_cols < k
-        w_tail = tl.load(w_rows + tail_cols[None, :], mask=row_ok[:, None] & tail_ok[None, :], other=0.0)
+    current = _weight_chunk(w_rows, row_ok, 0, k, CHUNK)
+    if AHEAD > 1 and CHUNKS > 1:
+        following = _weight_chunk(w_rows, row_ok, 1, k, CHUNK)
+    else:
+        following = current
     wait_for_inputs(USE_PDL)
-    x_head = tl.load(x_ptr + head_cols)
-    if TAIL_K > 0:
-        x_tail = tl.load(x_ptr + tail_cols, mask=tail_ok, other=0.0)
-    for m in tl.static_range(ROWS_X):
-        if m + 1 < ROWS_X:  # the next row's load in flight during this row's sums
-            next_head = tl.load(x_ptr + (m + 1) * stride_xm + head_cols)
-            if TAIL_K > 0:
-                next_tail = tl.load(x_ptr + (m + 1) * stride_xm + tail_cols, mask=tail_ok, other=0.0)
+    x_row = x_ptr + m * stride_xm
+    x_current = _activation_chunk(x_row, 0, k, CHUNK)
+    x_following = _activation_chunk(x_row, 1, k, CHUNK) if AHEAD > 1 and CHUNKS > 1 else x_current
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        if c + AHEAD < CHUNKS:  # the activation chunks roll along with the weight chunks
+            upcoming = _weight_chunk(w_rows, row_ok, c + AHEAD, k, CHUNK)
+            x_upcoming = _activation_chunk(x_row, c + AHEAD, k, CHUNK)
         else:
-            next_head = x_head
-            if TAIL_K > 0:
-                next_tail = x_tail
-        acc = tl.sum(w_head.to(tl.float32) * x_head.to(tl.float32)[None, :], 1)
-        if TAIL_K > 0:
-            acc += tl.sum(w_tail.to(tl.float32) * x_tail.to(tl.float32)[None, :], 1)
-        logits = cast_rne(acc, out_ptr.dtype.element_ty, EMULATE)
-        tl.store(out_ptr + m * stride_om + rows, logits, mask=row_ok)
-        x_head = next_head
-        if TAIL_K > 0:
-            x_tail = next_tail
-
-
-def _split_columns(k: int) -> tuple[int, int]:
-    """(HEAD_K, TAIL_K): the largest power of two <= k, and the rest rounded up to a power of two
-    (0 when k is one)."""
-    head = 1 << (k.bit_length() - 1)
-    return head, (triton.next_power_of_2(k - head) if k > head else 0)
+            upcoming = current
+            x_upcoming = x_current
+        acc += tl.sum(current.to(tl.float32) * x_current.to(tl.float32)[None, :], 1)
+        if AHEAD > 1:
+            current, following = following, upcoming
+            x_current, x_following = x_following, x_upcoming
+        else:
+            current, x_current = upcoming, x_upcoming
+    logits = cast_rne(acc, out_ptr.dtype.element_ty, EMULATE)
+    tl.store(out_ptr + m * stride_om + rows, logits, mask=row_ok)
 
 
 def output_head(
@@ -89,6 +98,7 @@ def output_head(
     out: Tensor | None = None,
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
+    ahead: int = AHEAD,
 ) -> Tensor:
     """`F.linear(x, weight[:rows])` for x [M, K] and weight [N, K] (both with contiguous rows,
     the same dtype): logits [M, rows] in that dtype (`out`, if given, with contiguous rows). No
@@ -108,6 +118,8 @@ def output_head(
         raise ValueError(f"rows must lie in [0, {weight.shape[0]}], got {rows}")
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
+    if ahead not in (1, 2):
+        raise ValueError(f"ahead must be 1 or 2, got {ahead}")
     m, k = x.shape
     if out is None:
         out = torch.empty(m, rows, dtype=x.dtype, device=x.device)
@@ -117,10 +129,10 @@ def output_head(
         return out
     if k == 0:
         return out.zero_()
-    head_k, tail_k = _split_columns(k)
-    _head_kernel[(triton.cdiv(rows, rows_per_program),)](
+    chunk = min(CHUNK, triton.next_power_of_2(k))
+    _head_kernel[(triton.cdiv(rows, rows_per_program), m)](
         x, weight, out, rows, k, x.stride(0), weight.stride(0), out.stride(0),
-        ROWS_X=m, BLOCK_N=rows_per_program, HEAD_K=head_k, TAIL_K=tail_k, EMULATE=interpreting(),
-        num_warps=num_warps, **pdl_launch("head"),
+        BLOCK_N=rows_per_program, CHUNK=chunk, CHUNKS=triton.cdiv(k, chunk), AHEAD=ahead,
+        EMULATE=interpreting(), num_warps=num_warps, **pdl_launch("head"),
     )  # fmt: skip
     return out
