@@ -80,6 +80,30 @@ def test_decode_matches_reference(hq: int, hkv: int, num_splits: int, fused: boo
         assert torch.equal(again, out)
 
 
+def test_split_rows_take_split_block_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`split_block_n` is the block size of split launches only: the launch sees block_n 32 with
+    three splits and 16 with one (recorded at the launcher), and the results are the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [3, 40, 70]
+    k, v, tables = make_paged_cache(seq_lens, 2, 32, 16, gen)
+    q = torch.randn(3, 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    config = replace(SMALL, split_block_n=32, fused_merge=True)
+    launched = []
+    launch = attention._launch_attention
+
+    def recording(*args, **kwargs):
+        launched.append(args[15].block_n)  # the config
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_launch_attention", recording)
+    ref = paged_attention_reference(q, k, v, tables, lens)
+    for num_splits in (3, 1):
+        out = paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config)
+        assert relative_error(out, ref) < 1e-2
+    assert launched == [32, 16]
+
+
 def test_decode_config_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "TUNED_DECODE_CONFIGS", {})
     assert attention.decode_config(7) is attention.DEFAULT_CONFIG

@@ -153,11 +153,13 @@ def run_ab(
     variants: dict[str, list[Change]],
     rounds: int,
     kv_cache_dtype: str = "auto",
+    max_seq_len: int | None = None,
 ) -> dict:
-    """{batch: {variant: [ms per round]}} with "base" the tables as they are."""
+    """{batch: {variant: [ms per round]}} with "base" the tables as they are; `max_seq_len` sizes
+    the block tables (default: the engine bench's, context + a margin)."""
     from shoal.bench.engine import decode_step_ms, random_step_core
 
-    core = random_step_core(batches, context, kv_cache_dtype=kv_cache_dtype)
+    core = random_step_core(batches, context, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype)
     every = {"base": [], **variants}
     results: dict[int, dict[str, list[float]]] = {b: {name: [] for name in every} for b in batches}
     for batch in batches:
@@ -192,6 +194,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument(
+        "--max-seq-len", type=int, default=None,
+        help="block table width in keys (default: context + 48, the engine bench's; `shoal serve`: 32768)",
+    )  # fmt: skip
+    parser.add_argument(
         "--variant", action="append", default=[], metavar="SPEC", help="see the module docstring; repeat"
     )
 
@@ -203,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("the A/B bench needs a CUDA GPU")
         return 2
-    print_table(run_ab(args.batch, args.context, variants, args.rounds, args.kv_cache_dtype))
+    results = run_ab(args.batch, args.context, variants, args.rounds, args.kv_cache_dtype, args.max_seq_len)
+    print_table(results)
     return 0
 
 

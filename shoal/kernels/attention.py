@@ -83,6 +83,9 @@ class AttentionConfig:
     # Decode: the last split program of each (sequence, kv head) to finish merges the partials
     # (per-(sequence, kv head) arrival counters), so split-KV costs one launch instead of two.
     fused_merge: bool = False
+    # Decode: keys per iteration instead of block_n when a row is split (num_splits > 1); 0 keeps
+    # block_n. The split count follows the block table's width, so one batch bucket meets both.
+    split_block_n: int = 0
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -101,8 +104,11 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # block_n 64 (was 128): batch-1 step 0.987x (run 78; 2 stages instead of 3: 1.003x).
     1: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=64),
     # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
-    # control within 0.3% (`shoal bench ab`, docs/performance.md run 38).
-    16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256),
+    # control within 0.3% (`shoal bench ab`, docs/performance.md run 38); those tables held 380
+    # keys, one split per row. Split rows (tables of 512 keys and more, `shoal serve`'s 32k) take
+    # 64-key blocks: 10-16% faster alone at 332 keys to 8k in 32k tables, while one split of 332
+    # keys is 23% slower with them (docs/performance.md runs 85 and 89).
+    16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256, split_block_n=64),
     64: AttentionConfig(block_n=64, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 
@@ -115,7 +121,7 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 # took 37.3 / 321).
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
     1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
-    16: TUNED_DECODE_CONFIGS[16],
+    16: replace(TUNED_DECODE_CONFIGS[16], split_block_n=0),  # 64-key blocks not measured on e4m3
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=2),
 }
 
@@ -603,6 +609,8 @@ def paged_decode_attention(
     if num_splits is None:
         capacity = block_tables.shape[1] * k_pages.shape[1]
         num_splits = choose_num_splits(bs, k_pages.shape[2], capacity, config)
+    if num_splits > 1 and config.split_block_n:
+        config = replace(config, block_n=config.split_block_n)
     if num_splits == 1:
         _launch_attention(
             q, k_pages, v_pages, block_tables, seq_lens, None, None, out, None, None, 1, 1, 1, 1,
