@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.out_buffer import out_buffer
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 BLOCK_D = 1024  # columns per program: a 2,560-wide row is three programs
@@ -49,10 +50,7 @@ def gather_rows(ids: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor
     if ids.device != table.device:
         raise ValueError(f"ids on {ids.device}, table on {table.device}")
     (batch,), (num_rows, dim) = ids.shape, table.shape
-    if out is None:
-        out = torch.empty(batch, dim, dtype=table.dtype, device=table.device)
-    elif out.shape != (batch, dim) or out.dtype != table.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be {table.dtype} [{batch}, {dim}] with contiguous rows")
+    out = out_buffer(out, batch, dim, table.dtype, table.device)
     if batch == 0 or dim == 0:
         return out
     _gather_rows_kernel[(batch, triton.cdiv(dim, BLOCK_D))](

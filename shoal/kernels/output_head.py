@@ -24,12 +24,12 @@ summation order.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from shoal.kernels.norm_rope import cast_rne, interpreting
+from shoal.kernels.out_buffer import out_buffer
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 ROWS_PER_PROGRAM = 16
@@ -121,10 +121,7 @@ def output_head(
     if ahead not in (1, 2):
         raise ValueError(f"ahead must be 1 or 2, got {ahead}")
     m, k = x.shape
-    if out is None:
-        out = torch.empty(m, rows, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, rows) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be {x.dtype} [{m}, {rows}] with contiguous rows")
+    out = out_buffer(out, m, rows, x.dtype, x.device)
     if m == 0 or rows == 0:
         return out
     if k == 0:

@@ -36,6 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from shoal.kernels.norm_rope import cast_rne, interpreting
+from shoal.kernels.out_buffer import out_buffer
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 BLOCK_D = 1024  # columns per program: a 2,560-wide row is three programs
@@ -84,11 +85,6 @@ def _check_table(name: str, table: Tensor) -> None:
         raise ValueError(f"{name} must be a 2-D floating table with contiguous rows")
 
 
-def _check_out(out: Tensor, rows: int, dim: int, dtype: torch.dtype) -> None:
-    if out.shape != (rows, dim) or out.dtype != dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be {dtype} [{rows}, {dim}] with contiguous rows")
-
-
 def embed_tokens(
     tokens: Tensor,
     embeddings: Tensor,
@@ -115,9 +111,7 @@ def embed_tokens(
         raise ValueError("embeddings and codebook_embeddings must have one dtype")
     if not tokens.device == embeddings.device == codebook_embeddings.device:
         raise ValueError("tokens and tables must be on one device")
-    if out is None:
-        out = torch.empty(tokens.shape[0], dim, dtype=embeddings.dtype, device=embeddings.device)
-    _check_out(out, tokens.shape[0], dim, embeddings.dtype)
+    out = out_buffer(out, tokens.shape[0], dim, embeddings.dtype, embeddings.device)
     if out.numel() == 0:
         return out
     divide = _torch_divides(tokens.device)
@@ -174,9 +168,7 @@ def fast_pass0_input(
         raise ValueError(f"hidden must be {fast_embeddings.dtype} [{batch}, {dim}] with contiguous rows")
     if not frames.device == hidden.device == fast_embeddings.device:
         raise ValueError("frames, hidden and fast_embeddings must be on one device")
-    if out is None:
-        out = torch.empty(2 * batch, dim, dtype=hidden.dtype, device=hidden.device)
-    _check_out(out, 2 * batch, dim, hidden.dtype)
+    out = out_buffer(out, 2 * batch, dim, hidden.dtype, hidden.device)
     if batch == 0:
         return out
     _fast_pass0_kernel[(batch, max(1, triton.cdiv(dim, BLOCK_D)))](
