@@ -23,7 +23,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[16])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--capacity", type=int, default=0, help="block table width in keys (0: the context)")
-    parser.add_argument("--configs", nargs="+", default=["64/2/264", "128/2/264", "64/2/528"])
+    parser.add_argument(
+        "--configs", nargs="+", default=["64/2/264", "128/2/264", "64/2/528"],
+        help="block_n/num_stages/target_programs[/min_split_tokens]",
+    )  # fmt: skip
     args = parser.parse_args()
     variants = [tuple(int(part) for part in text.split("/")) for text in args.configs]
     for batch in args.batch:
@@ -33,10 +36,12 @@ def main() -> None:
             ours, sdpa = case.paged(tuned), case.sdpa()
             name = f"{tuned.block_n}/{tuned.num_stages}/{tuned.target_programs}"
             cells = [f"sdpa {sdpa * 1e3:6.1f}", f"tuned {name} {ours * 1e3:6.1f} ({sdpa / ours:.2f}x sdpa)"]
-            for block_n, stages, target in variants:
+            for text, (block_n, stages, target, *min_split) in zip(args.configs, variants, strict=True):
                 config = replace(tuned, block_n=block_n, num_stages=stages, target_programs=target)
+                if min_split:  # a fourth field: min_split_tokens
+                    config = replace(config, min_split_tokens=min_split[0])
                 t = case.paged(config)
-                cells.append(f"{block_n}/{stages}/{target} {t * 1e3:6.1f} ({sdpa / t:.2f}x)")
+                cells.append(f"{text} {t * 1e3:6.1f} ({sdpa / t:.2f}x)")
             print(f"b={batch} ctx={context}: " + "; ".join(cells), flush=True)
 
 
