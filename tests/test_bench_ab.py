@@ -42,6 +42,26 @@ def test_applied_changes_and_restores_the_tables() -> None:
             pass
 
 
+def test_step_switches_are_set_and_restored() -> None:
+    """`step:` changes set `DecodeStep` switches for the variant only (also when a later change
+    of the same variant fails), and only the listed ones."""
+    changes = ab.concrete(ab.parse_variant("step:head_kernel_max_rows=16,fused_fast_max_batch=64"))
+    assert changes == [ab.Change("step", None, {"head_kernel_max_rows": 16, "fused_fast_max_batch": 64})]
+    step = SimpleNamespace(head_kernel_max_rows=1, fused_fast_max_batch=16)
+    with ab.applied(changes, step):
+        assert (step.head_kernel_max_rows, step.fused_fast_max_batch) == (16, 64)
+    assert (step.head_kernel_max_rows, step.fused_fast_max_batch) == (1, 16)
+    with pytest.raises(KeyError):
+        with ab.applied(ab.parse_variant("step:head_kernel_max_rows=16+gemm@1x2x3:split_k=1"), step):
+            pass
+    assert step.head_kernel_max_rows == 1
+    with pytest.raises(ValueError, match="DecodeStep"):
+        with ab.applied(changes):
+            pass
+    with pytest.raises(ValueError, match="step switches are"):
+        ab.parse_variant("step:max_batch=3")
+
+
 def test_wildcard_gemm_keys_expand_to_the_matching_entries() -> None:
     changes = ab.concrete(ab.parse_variant("gemm@*x*x1:scales_ahead=true+attention@16:block_n=128"))
     ones = sorted(key for key in TUNED_CONFIGS_FP8 if key[2] == 1)

@@ -13,6 +13,8 @@ A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,fie
 - `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
   (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part, so
   `gemm@*x*x1:scales_ahead=true` changes every M = 1 entry and `gemm@*x*x*:...` every entry.
+- `step:head_kernel_max_rows=16`: a switch of the engine's `DecodeStep` (`STEP_SWITCHES`: the ones
+  its constructor reads from `SHOAL_*` variables, which would otherwise need a process per value).
 `--kv-cache-dtype fp8` times the step with an e4m3 KV cache, whose attention configs are the
 `attention-fp8kv` table (`kernels.attention.TUNED_DECODE_CONFIGS_FP8_KV`).
 A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
@@ -27,11 +29,16 @@ import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+# DecodeStep attributes a `step:` change may set (each read at every call of the step).
+STEP_SWITCHES = frozenset(
+    {"head_kernel_max_rows", "fused_fast_max_batch", "norm_split_max_rows", "norm_slice_groups"}
+)
+
 
 @dataclass(frozen=True)
 class Change:
-    table: str  # "attention" or "gemm"
-    key: int | tuple[int, int, int]
+    table: str  # "attention", "attention-fp8kv", "gemm" or "step"
+    key: int | tuple[int, int, int] | None  # None for "step"
     fields: dict
 
 
@@ -58,18 +65,22 @@ def parse_variant(spec: str) -> list[Change]:
     for part in spec.split("+"):
         try:
             head, assignments = part.split(":", 1)
-            table, key_text = head.split("@", 1)
-            if table in ("attention", "attention-fp8kv"):
+            table, key_text = head.split("@", 1) if head != "step" else (head, "")
+            if table == "step":
+                key = None
+            elif table in ("attention", "attention-fp8kv"):
                 key: int | tuple[int, int, int] = int(key_text)
             elif table == "gemm":
                 n, k, m = (None if v == "*" else int(v) for v in key_text.split("x"))
                 key = (n, k, m)
             else:
-                raise ValueError(f"unknown table {table!r} (attention, attention-fp8kv or gemm)")
+                raise ValueError(f"unknown table {table!r} (attention, attention-fp8kv, gemm or step)")
             fields = {}
             for assignment in assignments.split(","):
                 name, value = assignment.split("=", 1)
                 fields[name.strip()] = _value(value.strip())
+            if table == "step" and not fields.keys() <= STEP_SWITCHES:
+                raise ValueError(f"step switches are {', '.join(sorted(STEP_SWITCHES))}")
         except ValueError as error:
             raise ValueError(f"bad variant part {part!r}: {error}") from None
         changes.append(Change(table, key, fields))
@@ -95,13 +106,22 @@ def concrete(changes: list[Change]) -> list[Change]:
 
 
 @contextlib.contextmanager
-def applied(changes: list[Change]) -> Iterator[None]:
-    """The tuned tables with `changes` applied (entries replaced by modified copies), restored
-    afterwards. A key must already be in its table, and a field must be one of its config's."""
+def applied(changes: list[Change], step=None) -> Iterator[None]:
+    """The tuned tables with `changes` applied (entries replaced by modified copies), and `step`'s
+    switches set, restored afterwards. A key must already be in its table, and a field must be one
+    of its config's; `step:` changes need the engine's `DecodeStep`."""
     tables = _tables()
     saved = []
+    switched = []
     try:
         for change in changes:
+            if change.table == "step":
+                if step is None:
+                    raise ValueError("step: changes need the engine's DecodeStep")
+                for name, value in change.fields.items():
+                    switched.append((name, getattr(step, name)))
+                    setattr(step, name, value)
+                continue
             table = tables[change.table]
             if change.key not in table:
                 raise KeyError(f"{change.table} table has no entry {change.key}")
@@ -112,6 +132,8 @@ def applied(changes: list[Change]) -> Iterator[None]:
     finally:
         for table, key, value in reversed(saved):
             table[key] = value
+        for name, value in reversed(switched):
+            setattr(step, name, value)
 
 
 def interleaved(names: list[str], rounds: int) -> list[str]:
@@ -171,7 +193,7 @@ def run_ab(
             else:
                 print(f"batch {batch} {name}: not run ({why})")
         for name in interleaved(runnable, rounds):
-            with applied(every[name]):
+            with applied(every[name], core.runner.step):
                 results[batch][name].append(decode_step_ms(core, [batch], context)[batch])
     return results
 

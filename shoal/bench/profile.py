@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     dump = {}
     for batch in args.batch:
         for name, changes in variants.items():
-            with applied(changes):
+            with applied(changes, core.runner.step):
                 step_ms = decode_step_ms(core, [batch], args.context)[batch]
                 events = profile_step(core, batch, args.context)
             label = f"decode step, {args.weight_format}, batch {batch}" + (f", {name}" if name else "")
