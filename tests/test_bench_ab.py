@@ -45,12 +45,12 @@ def test_applied_changes_and_restores_the_tables() -> None:
 def test_step_switches_are_set_and_restored() -> None:
     """`step:` changes set `DecodeStep` switches for the variant only (also when a later change
     of the same variant fails), and only the listed ones."""
-    changes = ab.concrete(ab.parse_variant("step:head_kernel_max_rows=16,fused_fast_max_batch=64"))
-    assert changes == [ab.Change("step", None, {"head_kernel_max_rows": 16, "fused_fast_max_batch": 64})]
-    step = SimpleNamespace(head_kernel_max_rows=1, fused_fast_max_batch=16)
+    changes = ab.concrete(ab.parse_variant("step:head_kernel_max_rows=16,two_launch_fast_to=64"))
+    assert changes == [ab.Change("step", None, {"head_kernel_max_rows": 16, "two_launch_fast_to": 64})]
+    step = SimpleNamespace(head_kernel_max_rows=1, two_launch_fast_to=39)
     with ab.applied(changes, step):
-        assert (step.head_kernel_max_rows, step.fused_fast_max_batch) == (16, 64)
-    assert (step.head_kernel_max_rows, step.fused_fast_max_batch) == (1, 16)
+        assert (step.head_kernel_max_rows, step.two_launch_fast_to) == (16, 64)
+    assert (step.head_kernel_max_rows, step.two_launch_fast_to) == (1, 39)
     with pytest.raises(KeyError):
         with ab.applied(ab.parse_variant("step:head_kernel_max_rows=16+gemm@1x2x3:split_k=1"), step):
             pass

@@ -130,7 +130,7 @@ def test_kernel_step_equals_torch_step(
     core, requests = decoding_core(golden_dir, 3)
     runner = core.runner
     kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
-    assert kernel_step.fused_fast_max_batch == (runner.max_batch if fused_fast else 0)
+    assert kernel_step.fuses_fast_attention(len(requests)) == fused_fast
     assert (kernel_step.head_kernel_max_rows > 0) == head_kernel
     torch_step = runner.step
     fields = runner.host.fill(requests)
@@ -246,8 +246,6 @@ def test_fused_prefill_equals_model_forward(golden_dir) -> None:
 
 
 def test_fused_fast_attention_switch(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shoal.engine.decode_step import FUSED_FAST_MAX_BATCH
-
     core, _ = decoding_core(golden_dir, 1)
     runner = core.runner
 
@@ -255,7 +253,8 @@ def test_fused_fast_attention_switch(golden_dir, monkeypatch: pytest.MonkeyPatch
         return DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True)
 
     monkeypatch.delenv("SHOAL_FUSED_FAST_ATTENTION", raising=False)
-    assert step().fused_fast_max_batch == FUSED_FAST_MAX_BATCH
+    fused = [step().fuses_fast_attention(batch) for batch in (1, 16, 17, 39, 40, 128)]
+    assert fused == [True, True, False, False, True, True]
     monkeypatch.setenv("SHOAL_FUSED_FAST_ATTENTION", "sometimes")
     with pytest.raises(ValueError, match="SHOAL_FUSED_FAST_ATTENTION"):
         step()

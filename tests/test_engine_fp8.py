@@ -499,7 +499,8 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
         step.fp8.reserve(graph_row_counts([2]))
         step.norm_split_max_rows = 1 << 20 if split_rows else 0
         step.norm_slice_groups = 1
-        step.fused_fast_max_batch = 16 if fused_fast else 0
+        step.two_launch_fast_from = 17 if fused_fast else 1
+        step.two_launch_fast_to = 1 << 30
         for calls in handed.values():
             calls.clear()
         outputs.append(_slow_and_first_fast_pass(step, model, runner, fields))

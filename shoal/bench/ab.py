@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 # DecodeStep attributes a `step:` change may set (each read at every call of the step).
 STEP_SWITCHES = frozenset(
-    {"head_kernel_max_rows", "fused_fast_max_batch", "norm_split_max_rows", "norm_slice_groups"}
+    {
+        "head_kernel_max_rows",
+        "two_launch_fast_from",
+        "two_launch_fast_to",
+        "norm_split_max_rows",
+        "norm_slice_groups",
+    }
 )
 
 

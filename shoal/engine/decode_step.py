@@ -45,7 +45,9 @@ from shoal.models.sampling import (
 )
 
 FAST_PAGE = 16  # one page per row holds a frame's fast positions (num_codebooks <= 16)
-FUSED_FAST_MAX_BATCH = 16  # the largest batch whose fast layers use the fused attention kernel
+# The batches (inclusive) whose fast layers keep two launches (QK-norm/RoPE/KV write, then paged
+# attention) instead of `kernels/fast_attention.py`'s one; every other batch fuses them.
+TWO_LAUNCH_FAST_BATCHES = (17, 39)
 # Small decode batches (at most this many rows) split each RMSNorm row over programs of this many
 # 128-column groups (`kernels.norm_rope.rms_norm`'s `slice_groups`; 0: one program per row) and
 # let the norm write the next W8A8 projection's input quantized. On the H200 (docs/performance.md
@@ -153,13 +155,15 @@ class DecodeStep:
         self.norm_reduces_partials = switch != "0"
         self.rope_reduces_partials = switch == "1"
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
-        # (`kernels/fast_attention.py`) for batches up to `fused_fast_max_batch`: on the H200 it
-        # took the step from 4.46 to 4.42 ms at batch 1 and from 6.87 to 6.91 ms at batch 64
-        # (docs/performance.md run 20), from 5.41 to 5.37 ms at batch 16 (run 21).
+        # (`kernels/fast_attention.py`) except for batches `two_launch_fast_from..to`: on the H200
+        # the fused launch took the step from 4.46 to 4.42 ms at batch 1 (run 20), 5.41 to 5.37 at
+        # 16 (run 21); by `shoal bench ab` (run 94) 0.986x at 64, 0.965x at 128, 0.973x at 96,
+        # 0.989-0.995x at 40-56, but 1.008x at 24 and 1.023x at 32.
         # `SHOAL_FUSED_FAST_ATTENTION=1` / `0`: always / never.
         switch = env_switch("SHOAL_FUSED_FAST_ATTENTION", ("auto", "0", "1"))
-        limits = {"auto": FUSED_FAST_MAX_BATCH, "0": 0, "1": max_batch}
-        self.fused_fast_max_batch = limits[switch] if use_kernels else 0
+        never = (1, 1 << 30)
+        ranges = {"auto": TWO_LAUNCH_FAST_BATCHES, "0": never, "1": (1, 0)}
+        self.two_launch_fast_from, self.two_launch_fast_to = ranges[switch] if use_kernels else never
         # `SHOAL_HEAD_KERNEL=auto|0|1`: the output heads on `kernels/output_head.py` up to
         # `HEAD_KERNEL_MAX_ROWS` rows, never, always.
         switch = env_switch("SHOAL_HEAD_KERNEL", ("auto", "0", "1"))
@@ -381,6 +385,10 @@ class DecodeStep:
 
     # Fast transformer (kernel path) -------------------------------------------------------------
 
+    def fuses_fast_attention(self, batch: int) -> bool:
+        """Whether fast passes of this batch run `kernels/fast_attention.py` (one launch per layer)."""
+        return not self.two_launch_fast_from <= batch <= self.two_launch_fast_to
+
     def _fast_kernels(self, x: Tensor, k: int) -> Tensor:
         """Fast pass `k` (0: the 2-token pass over positions 0 and 1) -> logits predicting code k
         (k = 1 for pass 0), [B, codebook_size]."""
@@ -407,7 +415,7 @@ class DecodeStep:
                 return paged_decode_attention(q, pools.k, pools.v, tables, lens, out_fp8=out_fp8)
 
         rope_attend = None
-        if batch <= self.fused_fast_max_batch:
+        if self.fuses_fast_attention(batch):
             from shoal.kernels.fast_attention import fast_rope_attention
 
             tokens_per_row = 2 if k == 0 else 1
