@@ -11,7 +11,10 @@ Two implementations of the same math, chosen per op:
 - kernels (CUDA, or the Triton interpreter in tests): `kernels/norm_rope.py` fused RMSNorm
   with residual add and QK-norm + RoPE + paged KV write, `kernels/attention.py` paged
   attention (the fast transformer's per-frame cache is a page per row), `kernels/sample.py`
-  for the S2 main token (restricted row + RAS) and the codebooks, `kernels/window.py`;
+  for the S2 main token (restricted row + RAS) and the codebooks, `kernels/window.py` (which
+  also writes the next step's tokens), `kernels/step_inputs.py` (the slow pass's embedding, fast
+  pass 0's input), `kernels/gather_rows.py` (the later passes' code embeddings) and, at batch 1,
+  `kernels/output_head.py`: no plain torch kernel is left in a batch-1 step;
 - torch ops (CPU): the model's own modules and a graph-safe copy of `models/sampling.py`'s
   rules over the restricted row (`counter_uniform_columns` draws the full row's numbers).
 
