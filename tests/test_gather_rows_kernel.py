@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from shoal.bench.timing import capture_graph  # noqa: E402
 from shoal.kernels.gather_rows import BLOCK_D, gather_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,10 +65,7 @@ def test_in_a_graph_behind_the_writer_gpu() -> None:
         frames.copy_(source)
         gather_rows(frames[:, 3], table, out=out)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)  # warm-up calls outside the capture
     for seed in range(3):
         source.copy_(torch.randint(0, 4096, source.shape, generator=torch.Generator().manual_seed(seed)))
         graph.replay()

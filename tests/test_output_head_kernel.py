@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from shoal.bench.timing import capture_graph  # noqa: E402
 from shoal.kernels.output_head import output_head  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,10 +101,7 @@ def test_s2_heads_in_a_graph_behind_the_writer_gpu(batch: int) -> None:
         output_head(x, main, rows=4097, out=main_out)
         output_head(x, codebook, out=codebook_out)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)  # warm-up calls outside the capture
     for seed in range(3):
         source.copy_(torch.randn(source.shape, generator=torch.Generator().manual_seed(seed)))
         graph.replay()

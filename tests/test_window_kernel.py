@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from shoal.bench.timing import capture_graph  # noqa: E402
 from shoal.kernels.reference_attention import window_shift_reference  # noqa: E402
 from shoal.kernels.window import window_shift  # noqa: E402
 from shoal.models.sampling import push_frames  # noqa: E402
@@ -122,10 +123,7 @@ def test_window_shift_stores_tokens_in_a_graph_behind_the_writer() -> None:
         frames.copy_(source)
         window_shift(window, frames, frame_index, tokens=tokens)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)  # warm-up calls outside the capture
     for seed in range(3):
         source.copy_(torch.randint(0, 1000, source.shape, generator=torch.Generator().manual_seed(seed)))
         expected = window.clone()
