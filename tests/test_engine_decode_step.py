@@ -245,6 +245,19 @@ def test_fused_prefill_equals_model_forward(golden_dir) -> None:
     torch.testing.assert_close(outputs[1][2][:, :7], outputs[0][2][:, :7], rtol=1e-5, atol=1e-5)
 
 
+def test_norm_slice_groups_by_rows(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 groups per norm program up to 8 rows, 8 from 9 to 16, none (one program per row) above;
+    `SHOAL_NORM_SLICE_GROUPS` sets one size for every split norm."""
+    core, _ = decoding_core(golden_dir, 1)
+    runner = core.runner
+    monkeypatch.delenv("SHOAL_NORM_SLICE_GROUPS", raising=False)
+    step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True)
+    assert [step.norm_slice_groups_for(rows) for rows in (0, 1, 8, 9, 16, 17)] == [0, 4, 4, 8, 8, 0]
+    monkeypatch.setenv("SHOAL_NORM_SLICE_GROUPS", "2")
+    step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True)
+    assert [step.norm_slice_groups_for(rows) for rows in (1, 16, 17)] == [2, 2, 0]
+
+
 def test_fused_fast_attention_switch(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     core, _ = decoding_core(golden_dir, 1)
     runner = core.runner

@@ -57,7 +57,11 @@ TWO_LAUNCH_FAST_BATCHES = (17, 39)
 # run 23) that took the FP8 step from 4.42 to 4.30 ms at batch 1 and 5.49 to 5.45 at 16; at
 # batch 64 the fused quantization was 2% slower (7.04 against 6.91 ms), so bigger batches keep
 # one program per row and the separate quantization launch, as prefill does.
+# Rows of 9-16 take programs of 8 groups instead (`shoal bench ab`, run 97: batch 16 0.985x; batch
+# 8 1.000x and batch 4 1.006x with 8, so they keep 4).
 NORM_SLICE_GROUPS = 4
+NORM_SLICE_GROUPS_WIDE = 8
+NORM_SLICE_WIDE_FROM_ROWS = 9
 NORM_SPLIT_MAX_ROWS = 16
 # The largest batch whose output heads run `kernels/output_head.py` (weights loaded before the PDL
 # wait, one activation row at a time) instead of cuBLAS; larger batches keep cuBLAS.
@@ -144,10 +148,11 @@ class DecodeStep:
         # The norm's pays only with rows split over programs (one program quantizing a whole row
         # serially cost 0.18 ms per step in run 13): `NORM_SPLIT_MAX_ROWS` above. Switches for
         # same-run A/B runs: `SHOAL_FUSE_NORM_QUANT=auto|0|1` (1: at every decode batch),
-        # `SHOAL_NORM_SLICE_GROUPS` (0: never split rows).
+        # `SHOAL_NORM_SLICE_GROUPS` (one size for every split norm; 0: never split rows).
         switch = env_switch("SHOAL_FUSE_NORM_QUANT", ("auto", "0", "1"))
         self.norm_split_max_rows = {"auto": NORM_SPLIT_MAX_ROWS, "0": 0, "1": max_batch * 2}[switch]
-        self.norm_slice_groups = int(os.environ.get("SHOAL_NORM_SLICE_GROUPS", NORM_SLICE_GROUPS))
+        groups = os.environ.get("SHOAL_NORM_SLICE_GROUPS")
+        self.norm_slice_groups = None if groups is None else int(groups)  # None: by rows
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
         # FP8 projections leave their split-K partials to the kernel that reads their output
         # (`kernels.fp8_gemm.SplitKPartials`): the GEMM skips its arrival atomic and reduction,
@@ -328,7 +333,7 @@ class DecodeStep:
             wanted = self.fuse_attention_quant if which == "out" else split_rows
             return fp8.fp8_input(block, which, tokens) if fuse_quantization and wanted else None
 
-        slice_groups = self.norm_slice_groups if split_rows else 0
+        slice_groups = self.norm_slice_groups_for(tokens)
         spare = torch.empty_like(residual) if slice_groups else None
 
         def add_and_norm(x, weight, out_fp8):
@@ -385,6 +390,15 @@ class DecodeStep:
             target = None if last else fp8_target(layers[i + 1], "qkv")
             normed = add_and_norm(out, following, target)
         return residual, normed
+
+    def norm_slice_groups_for(self, rows: int) -> int:
+        """128-column groups per norm program for a batch of `rows` rows; 0: one program per row
+        (batches above NORM_SPLIT_MAX_ROWS, or `SHOAL_NORM_SLICE_GROUPS=0`)."""
+        if not 0 < rows <= self.norm_split_max_rows:
+            return 0
+        if self.norm_slice_groups is not None:
+            return self.norm_slice_groups
+        return NORM_SLICE_GROUPS_WIDE if rows >= NORM_SLICE_WIDE_FROM_ROWS else NORM_SLICE_GROUPS
 
     # Fast transformer (kernel path) -------------------------------------------------------------
 
