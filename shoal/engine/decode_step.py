@@ -327,7 +327,7 @@ class DecodeStep:
         tokens = residual.shape[0]
         fp8 = self.fp8
         fuse_quantization = fp8 is not None and self.dtype == torch.bfloat16  # kernels quantize bf16
-        split_rows = 0 < tokens <= self.norm_split_max_rows  # small batches: see NORM_SPLIT_MAX_ROWS
+        split_rows = self.splits_norm_rows(tokens)
 
         def fp8_target(block, which: str):
             wanted = self.fuse_attention_quant if which == "out" else split_rows
@@ -391,10 +391,15 @@ class DecodeStep:
             normed = add_and_norm(out, following, target)
         return residual, normed
 
+    def splits_norm_rows(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows is small enough for split norm rows and the norm's fused
+        quantization (NORM_SPLIT_MAX_ROWS)."""
+        return 0 < rows <= self.norm_split_max_rows
+
     def norm_slice_groups_for(self, rows: int) -> int:
         """128-column groups per norm program for a batch of `rows` rows; 0: one program per row
         (batches above NORM_SPLIT_MAX_ROWS, or `SHOAL_NORM_SLICE_GROUPS=0`)."""
-        if not 0 < rows <= self.norm_split_max_rows:
+        if not self.splits_norm_rows(rows):
             return 0
         if self.norm_slice_groups is not None:
             return self.norm_slice_groups

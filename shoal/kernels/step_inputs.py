@@ -35,11 +35,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels.gather_rows import BLOCK_D  # the same row copies, the same programs per row
 from shoal.kernels.norm_rope import cast_rne, interpreting
 from shoal.kernels.out_buffer import out_buffer
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
-
-BLOCK_D = 1024  # columns per program: a 2,560-wide row is three programs
 
 
 @triton.jit
