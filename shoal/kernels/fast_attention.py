@@ -15,9 +15,12 @@ rotates the g = Hq/Hkv query heads of those tokens; then attends them over the p
 Visibility of the keys written by this launch: they are not read back. The program keeps the
 rotated k and v of its own tokens in registers and puts them into the [page, D] key/value tiles
 it loads from the page (`tl.where` on the key index); every other visible key was written by an
-earlier launch. So the page loads depend on nothing this program computes and are issued
-together with the qkv loads, with no store -> barrier -> load round trip on the critical path,
-and the attention uses exactly the bits that were stored.
+earlier pass's launch, at least two kernels back (the qkv GEMM lies between). Under PDL
+(`kernels/pdl.py`) a kernel starts only once the kernel before it has passed its own wait, which
+returns when the one before that has finished and its writes are visible: so the page is complete
+when this program starts, and its loads are issued before the wait, overlapping the GEMM. No
+store -> barrier -> load round trip and no page load is left on the critical path, and the
+attention uses exactly the bits that were stored.
 
 Numerics, against the two-kernel path (bit for bit in the interpreter, tests/test_fast_attention_kernel.py):
 - k and v in the pages are bit-identical: the k head goes through the same expressions as in
@@ -106,9 +109,9 @@ def _fast_rope_attention_kernel(
     are (token, head in group) pairs; a position outside [0, position_limit) writes nothing and
     reads only its own page (padding rows of a CUDA-graph batch stay inside their page).
 
-    Constants of the step load before the PDL wait: the norm weights, the positions and their
-    RoPE rows (`fast_rope_attention`'s contract); after it qkv and the pages, each new token's v
-    with its k."""
+    Loads before the PDL wait: the norm weights, the positions and their RoPE rows
+    (`fast_rope_attention`'s contract) and the page (written by earlier passes); after it qkv,
+    each new token's v with its k."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -135,7 +138,9 @@ def _fast_rope_attention_kernel(
     trig = table_ptr + at_r[:, None] * stride_table + 2 * offs_h[None, :]
     q_cos = tl.load(trig, mask=row_ok[:, None], other=0.0).to(tl.float32)
     q_sin = tl.load(trig + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
+    # The page: every key this program reads from it was written by an earlier pass's launch, at
+    # least two kernels back, so it is complete before this program starts (module docstring);
+    # the keys of this launch's own tokens are put into the tiles from registers below.
     offs_d = tl.arange(0, HEAD_DIM)
     keys_at = tl.arange(0, BLOCK_N)
     in_page = keys_at < PAGE
@@ -143,6 +148,7 @@ def _fast_rope_attention_kernel(
     tile = page + keys_at[:, None] * stride_pos + offs_d[None, :]
     keys = tl.load(k_pages_ptr + tile, mask=in_page[:, None], other=0.0)
     values = tl.load(v_pages_ptr + tile, mask=in_page[:, None], other=0.0)
+    wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
 
     # This row's new keys: normalized and rotated exactly as `_qk_norm_rope_kv_kernel` does, stored,
     # and put into the tiles in place of whatever the page held at their positions.
