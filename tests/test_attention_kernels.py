@@ -104,58 +104,6 @@ def test_split_rows_take_split_block_n(monkeypatch: pytest.MonkeyPatch) -> None:
     assert launched == [32, 16]
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("preload", [1, 2])
-@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, True), (8, True), (3, False)])
-def test_decode_keys_before_wait_give_the_same_bits(preload: int, num_splits: int, fused: bool, kv: str) -> None:
-    """`kv_blocks_before_wait` only moves loads: the output equals the plain launch's bit for bit,
-    with the new key in a preloaded block, past them (70 keys, 1 split: 5 blocks), in an empty or
-    a one-key split, over a bf16 or an e4m3 cache. The plain launch matches the reference, so
-    equal outputs are right ones."""
-    gen = torch.Generator().manual_seed(preload * 100 + num_splits)
-    seq_lens = [1, 15, 16, 17, 33, 40, 70]
-    k, v, tables = make_paged_cache(seq_lens, 2, 32, 16, gen)
-    k_pages, v_pages, scales, k_ref, v_ref, tolerance = kv_case(kv, k, v, gen)
-    q = torch.randn(len(seq_lens), 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    plain = replace(SMALL, fused_merge=fused)
-    outs = []
-    for config in (plain, replace(plain, kv_blocks_before_wait=preload)):
-        out = poisoned(q.shape)
-        paged_decode_attention(
-            q, k_pages, v_pages, tables, lens, num_splits=num_splits, config=config, out=out, **scales
-        )
-        outs.append(out)
-    assert relative_error(outs[0], paged_attention_reference(q, k_ref, v_ref, tables, lens)) < tolerance
-    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
-
-
-def test_shared_prefix_suffix_keys_before_wait_give_the_same_bits() -> None:
-    """The per-row suffix launch of the shared-prefix path (keys from `prefix_lens` on) with its
-    first blocks loaded before the wait: the same bits as without."""
-    gen = torch.Generator().manual_seed(17)
-    seq_lens = [20, 17, 30, 41]
-    k, v, tables = make_paged_cache(seq_lens, 2, 16, 8, gen, shared_pages=2)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    prefix = torch.full((4,), 16, dtype=torch.int32, device=DEVICE)
-    starts = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(4, 4, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
-    outs = [
-        shared_prefix_decode_attention(
-            q, k, v, tables, lens, prefix, starts, max_group_size=4, num_splits=2,
-            config=replace(SMALL, kv_blocks_before_wait=blocks),
-        )  # fmt: skip
-        for blocks in (0, 2)
-    ]
-    assert relative_error(outs[0], paged_attention_reference(q, k, v, tables, lens)) < 1e-2
-    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
-
-
-def test_keys_before_wait_is_checked() -> None:
-    with pytest.raises(ValueError, match="kv_blocks_before_wait"):
-        AttentionConfig(kv_blocks_before_wait=3)
-
-
 def test_decode_config_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "TUNED_DECODE_CONFIGS", {})
     assert attention.decode_config(7) is attention.DEFAULT_CONFIG
@@ -515,45 +463,6 @@ def test_decode_full_s2_shapes(batch: int, context: int, fused: bool) -> None:
     for cfg in (None, config):  # the default (tuned) config and a wide split
         out = paged_decode_attention(q, k, v, tables, lens, config=cfg)
         assert relative_error(out, ref) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("batch,context", S2_DECODE_SHAPES)
-def test_decode_keys_before_wait_full_s2_shapes(batch: int, context: int, kv: str) -> None:
-    """The tuned config with 1 and 2 key blocks loaded before the PDL wait, under PDL in a CUDA
-    graph behind the KV write of the new key: the same bits as the plain config."""
-    from shoal.bench.timing import capture_graph
-    from shoal.kernels.norm_rope import qk_norm_rope_kv_write
-
-    gen = torch.Generator().manual_seed(batch + context)
-    seq_lens = decode_lengths(batch, context)
-    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
-    k_pages, v_pages, scales, _, _, _ = kv_case(kv, k, v, gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    qkv = torch.randn(batch, (32 + 16) * 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    positions = (lens - 1).to(torch.int64)
-    pages = tables.gather(1, (positions // 16)[:, None].to(torch.int64))[:, 0]
-    slots = (pages.to(torch.int64) * 16 + positions % 16).to(torch.int64)
-    table = torch.randn(max(seq_lens) + 1, 64, 2, generator=gen).to(torch.bfloat16).to(DEVICE)
-    base = attention.decode_config(batch, kv_fp8=kv == "fp8")
-    outs = []
-    for blocks in (0, 1, 2):
-        config = replace(base, kv_blocks_before_wait=blocks)
-        k_run, v_run = k_pages.clone(), v_pages.clone()
-        run_scales = {name: value.clone() for name, value in scales.items()}
-        out = torch.empty(batch, 32, 128, dtype=torch.bfloat16, device=DEVICE)
-
-        def step(config=config, k_run=k_run, v_run=v_run, run_scales=run_scales, out=out) -> None:
-            q = qk_norm_rope_kv_write(qkv, positions, table, k_run, v_run, slots, 32, 8, **run_scales)
-            paged_decode_attention(q, k_run, v_run, tables, lens, config=config, out=out, **run_scales)
-
-        step()
-        capture_graph(step).replay()
-        torch.cuda.synchronize()
-        outs.append(out)
-    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
-    assert torch.equal(outs[2].view(torch.int16), outs[0].view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -36,9 +36,7 @@ saving the separate `quant.py` launch per layer. The numerics are those of `quan
 applied to the bf16 output the same call would store (the bf16 store rounds with
 `round_to_bf16`, so interpreter and GPU agree bit for bit).
 
-Every kernel takes `USE_PDL` and waits for its inputs first (`kernels/pdl.py`), but for what no
-kernel of the step writes (the step's lengths) and, with `kv_blocks_before_wait`, the keys that
-earlier launches wrote.
+Every kernel takes `USE_PDL` and waits for its inputs first (`kernels/pdl.py`).
 """
 
 from __future__ import annotations
@@ -88,16 +86,6 @@ class AttentionConfig:
     # Decode: keys per iteration instead of block_n when a row is split (num_splits > 1); 0 keeps
     # block_n. The split count follows the block table's width, so one batch bucket meets both.
     split_block_n: int = 0
-    # Decode: the first 0, 1 or 2 key blocks of each split are loaded before the PDL wait. Every
-    # key but the step's new one was written by an earlier launch (an earlier step, the prefill),
-    # complete before this kernel starts (`kernels/pdl.py`); the new key, which the kernel just
-    # before writes, is read after the wait and put in place. The same tiles, the same bits; the
-    # loads then overlap the kernel before instead of lying on the critical path.
-    kv_blocks_before_wait: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kv_blocks_before_wait not in (0, 1, 2):
-            raise ValueError(f"kv_blocks_before_wait must be 0, 1 or 2, got {self.kv_blocks_before_wait}")
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -156,87 +144,54 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _kv_block(
-    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, start, hi,
-    stride_kp, stride_kt, stride_kh,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """Keys [start, start + BLOCK_N) below `hi` of one page-table row, as the MMAs take them:
-    (key index, k, v, k scales, v scales); masked keys read 0. KV_FP8: the e4m3 tiles widened to
-    f16 (exact, one `cvt` per two values on sm90) with their fp32 scales; otherwise the scales are
-    unused zeros."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    tok = start + tl.arange(0, BLOCK_N)
-    valid = tok < hi
-    page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
-    base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
-    k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    if KV_FP8:
-        k = k.to(tl.float16)
-        v = v.to(tl.float16)
-        k_scale = tl.load(k_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
-        v_scale = tl.load(v_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
-    else:
-        k_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
-        v_scale = k_scale
-    return tok, k, v, k_scale, v_scale
-
-
-@triton.jit
-def _attend_block(
-    acc, m_i, l_i, q_op, query_pos, tok, hi, k, v, k_scale, v_scale, scale_log2e,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """One block of keys (`_kv_block`'s tiles; keys at or past `hi` masked) folded into the
-    online-softmax state. KV_FP8: q_op is q in f16 and both MMAs take f16 operands, q and the
-    probabilities rounded to f16 (q exactly, while above f16's subnormal range: bf16's 8
-    significant bits fit f16's 11; the probabilities to 11 bits instead of 8). Widening to bf16
-    instead (e4m3 -> fp32 -> bf16, exact, three conversions per two values and an fp32 tile in
-    registers) was 3-10% slower per kernel (docs/performance.md run 77) and held 187 registers per
-    thread (run 61). Each key's scale multiplies its score column and each value's scale its
-    probability column (l_i sums the unscaled probabilities)."""
-    if KV_FP8:
-        s = _dot(q_op, tl.trans(k), UPCAST) * (k_scale * scale_log2e)[None, :]
-    else:
-        s = _dot(q_op, tl.trans(k), UPCAST) * scale_log2e
-    keep = (tok < hi)[None, :]
-    if CAUSAL:
-        keep = keep & (tok[None, :] <= query_pos[:, None])
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if KV_FP8:
-        acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(v.dtype), v, UPCAST)
-    else:
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _attend_key_range(
     acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
     stride_kp, stride_kt, stride_kh, scale_log2e,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row, block
-    by block (`_kv_block`, `_attend_block`)."""
+    """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row.
+
+    KV_FP8 (an e4m3 cache): the tiles widen to f16 (exact, one `cvt` per two values on sm90) and
+    both MMAs take f16 operands, q and the probabilities rounded to f16 (q exactly, while above
+    f16's subnormal range: bf16's 8 significant bits fit f16's 11; the probabilities to 11 bits
+    instead of 8). Widening to bf16 instead (e4m3 -> fp32 -> bf16, exact, three conversions per
+    two values and an fp32 tile in registers) was 3-10% slower per kernel (docs/performance.md
+    run 77) and held 187 registers per thread (run 61). Each key's scale multiplies its score
+    column and each value's scale its probability column (l_i sums the unscaled probabilities)."""
+    offs_d = tl.arange(0, HEAD_DIM)
     if KV_FP8:
         q_op = q.to(tl.float16)
     else:
         q_op = q
     for start in range(lo, hi, BLOCK_N):
-        tok, k, v, k_scale, v_scale = _kv_block(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, start, hi,
-            stride_kp, stride_kt, stride_kh, BLOCK_N, PAGE, HEAD_DIM, KV_FP8,
-        )  # fmt: skip
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q_op, query_pos, tok, hi, k, v, k_scale, v_scale, scale_log2e,
-            CAUSAL, UPCAST, KV_FP8,
-        )  # fmt: skip
+        tok = start + tl.arange(0, BLOCK_N)
+        valid = tok < hi
+        page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
+        k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+            k_scale = tl.load(k_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
+            s = _dot(q_op, tl.trans(k), UPCAST) * (k_scale * scale_log2e)[None, :]
+        else:
+            s = _dot(q, tl.trans(k), UPCAST) * scale_log2e
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (tok[None, :] <= query_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FP8:
+            acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(v.dtype), v, UPCAST)
+        else:
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -341,15 +296,23 @@ def _merge_group_partials(
 
 
 @triton.jit
-def _finish_split(
-    acc, m_i, l_i, token, head, row_ok, seq, kv_head, split, out_ptr, part_out_ptr, part_lse_ptr,
-    counter_ptr, q8_ptr, scale_ptr, num_q_heads, num_slots, num_splits,
-    stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, QUANT_OUT: tl.constexpr,
+def _attend_split(
+    q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, k_scale_ptr,
+    v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr, scale_ptr,
+    scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
+    stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """A split's finished rows, or its partial (and with FUSED_MERGE, the merge by the last split
-    of the (sequence, kv head) to arrive)."""
+    """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
+    the last split of the (sequence, kv head) to arrive)."""
+    acc, m_i, l_i = _attend_fresh(
+        q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi, stride_kp, stride_kt,
+        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
+    )  # fmt: skip
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
         stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8, stride_st,
@@ -368,95 +331,6 @@ def _finish_split(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
-def _preload_decode_keys(
-    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi, seq_len,
-    stride_kp, stride_kt, stride_kh,
-    BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """Before the PDL wait: the first BLOCKS (1 or 2) key blocks of a decode split, all but the
-    step's new key (position seq_len - 1, written by the kernel just before), and where that key
-    lives. Returns (block 0's tiles, block 1's (block 0's again when BLOCKS == 1), the new key's
-    element offset in the pools)."""
-    before_new = tl.minimum(hi, seq_len - 1)
-    block_0 = _kv_block(
-        k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, before_new,
-        stride_kp, stride_kt, stride_kh, BLOCK_N, PAGE, HEAD_DIM, KV_FP8,
-    )  # fmt: skip
-    block_1 = block_0
-    if BLOCKS == 2:
-        block_1 = _kv_block(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo + BLOCK_N, before_new,
-            stride_kp, stride_kt, stride_kh, BLOCK_N, PAGE, HEAD_DIM, KV_FP8,
-        )  # fmt: skip
-    new_key = tl.maximum(seq_len - 1, 0)
-    new_page = tl.load(table_row_ptr + new_key // PAGE).to(tl.int64)
-    new_base = new_page * stride_kp + (new_key % PAGE) * stride_kt + kv_head * stride_kh
-    return block_0, block_1, new_base
-
-
-@triton.jit
-def _with_new_key(block, new_key, new_k, new_v, new_k_scale, new_v_scale):
-    """A preloaded block with the step's new key (loaded after the wait) put in its place."""
-    tok, k, v, k_scale, v_scale = block
-    here = tok == new_key
-    k = tl.where(here[:, None], new_k[None, :], k)
-    v = tl.where(here[:, None], new_v[None, :], v)
-    k_scale = tl.where(here, new_k_scale, k_scale)
-    v_scale = tl.where(here, new_v_scale, v_scale)
-    return tok, k, v, k_scale, v_scale
-
-
-@triton.jit
-def _attend_preloaded(
-    q, query_pos, block_0, block_1, new_base, seq_len, lo, hi, k_ptr, v_ptr, k_scale_ptr,
-    v_scale_ptr, table_row_ptr, kv_head, stride_kp, stride_kt, stride_kh, scale_log2e,
-    BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """After the wait: `_attend_fresh` over keys [lo, hi) of a decode split whose first BLOCKS
-    blocks `_preload_decode_keys` loaded: the new key read and put in place, the same blocks
-    folded in the same order (the same bits), then the keys past them as usual."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    new_key = seq_len - 1
-    has_new = (new_key >= lo) & (new_key < hi)
-    new_k = tl.load(k_ptr + new_base + offs_d, mask=has_new & (offs_d < HEAD_DIM), other=0.0)
-    new_v = tl.load(v_ptr + new_base + offs_d, mask=has_new & (offs_d < HEAD_DIM), other=0.0)
-    if KV_FP8:
-        new_k = new_k.to(tl.float16)
-        new_v = new_v.to(tl.float16)
-        new_k_scale = tl.load(k_scale_ptr + new_base // HEAD_DIM, mask=has_new, other=0.0)
-        new_v_scale = tl.load(v_scale_ptr + new_base // HEAD_DIM, mask=has_new, other=0.0)
-        q_op = q.to(tl.float16)
-    else:
-        new_k_scale = 0.0
-        new_v_scale = 0.0
-        q_op = q
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if lo < hi:  # an empty split folds nothing in, as `_attend_key_range`'s loop would not
-        tok, k, v, k_scale, v_scale = _with_new_key(block_0, new_key, new_k, new_v, new_k_scale, new_v_scale)
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q_op, query_pos, tok, hi, k, v, k_scale, v_scale, scale_log2e, False, UPCAST, KV_FP8
-        )  # fmt: skip
-    if BLOCKS == 2:
-        if lo + BLOCK_N < hi:
-            tok, k, v, k_scale, v_scale = _with_new_key(
-                block_1, new_key, new_k, new_v, new_k_scale, new_v_scale
-            )  # fmt: skip
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q_op, query_pos, tok, hi, k, v, k_scale, v_scale, scale_log2e, False,
-                UPCAST, KV_FP8,
-            )  # fmt: skip
-    return _attend_key_range(
-        acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head,
-        lo + BLOCKS * BLOCK_N, hi, stride_kp, stride_kt, stride_kh, scale_log2e, False, BLOCK_N, PAGE,
-        HEAD_DIM, UPCAST, KV_FP8,
-    )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["num_slots", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
@@ -468,7 +342,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, PRELOAD_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
@@ -477,23 +351,16 @@ def _paged_attention_kernel(
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
-    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if IS_DECODE:  # the step's lengths: read before the wait (`paged_decode_attention`'s contract)
         seq_len = tl.load(seq_lens_ptr + seq)
-        q_start = seq
-        q_len = 1
-        if PRELOAD_BLOCKS > 0:  # keys written by earlier launches, before the wait too
-            lo, hi = _split_range(
-                seq, q_block, seq_len, q_len, kv_start_ptr, num_splits, split, BLOCK_M, BLOCK_N, HAS_KV_START
-            )  # fmt: skip
-            block_0, block_1, new_base = _preload_decode_keys(
-                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi, seq_len,
-                stride_kp, stride_kt, stride_kh, PRELOAD_BLOCKS, BLOCK_N, PAGE, HEAD_DIM, KV_FP8,
-            )  # fmt: skip
-        wait_for_inputs(USE_PDL)  # q and the new key were written just before
+        wait_for_inputs(USE_PDL)  # q and the pages were written just before
     else:
         wait_for_inputs(USE_PDL)
         seq_len = tl.load(seq_lens_ptr + seq)
+    if IS_DECODE:
+        q_start = seq
+        q_len = 1
+    else:
         q_start = tl.load(query_start_ptr + seq)
         q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if q_block * BLOCK_M < q_len:
@@ -507,46 +374,24 @@ def _paged_attention_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         q_ptrs = q_ptr + (token.to(tl.int64) * stride_qt + head * stride_qh)[:, None] + offs_d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        if IS_DECODE and PRELOAD_BLOCKS > 0:
-            acc, m_i, l_i = _attend_preloaded(
-                q, query_pos, block_0, block_1, new_base, seq_len, lo, hi, k_ptr, v_ptr, k_scale_ptr,
-                v_scale_ptr, table_row_ptr, kv_head, stride_kp, stride_kt, stride_kh, scale_log2e,
-                PRELOAD_BLOCKS, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
-            )  # fmt: skip
-        else:
-            lo, hi = _split_range(
-                seq, q_block, seq_len, q_len, kv_start_ptr, num_splits, split, BLOCK_M, BLOCK_N, HAS_KV_START
-            )  # fmt: skip
-            acc, m_i, l_i = _attend_fresh(
-                q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
-                stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM,
-                UPCAST, KV_FP8,
-            )  # fmt: skip
-        _finish_split(
-            acc, m_i, l_i, token, head, row_ok, seq, kv_head, split, out_ptr, part_out_ptr, part_lse_ptr,
-            counter_ptr, q8_ptr, scale_ptr, num_q_heads, num_slots, num_splits,
-            stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
-            GROUP, BLOCK_G, HEAD_DIM, WRITE_PARTIAL, FUSED_MERGE, BLOCK_S, QUANT_OUT,
+
+        kv_lo = 0
+        if HAS_KV_START:
+            kv_lo = tl.load(kv_start_ptr + seq)
+        last_query = tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len) - 1
+        kv_hi = seq_len - q_len + last_query + 1
+        span = tl.maximum(kv_hi - kv_lo, 0)
+        chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        lo = kv_lo + split * chunk
+        hi = tl.minimum(lo + chunk, kv_hi)
+        _attend_split(
+            q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, k_scale_ptr,
+            v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr,
+            scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
+            stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
+            GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
+            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8,
         )  # fmt: skip
-
-
-@triton.jit
-def _split_range(
-    seq, q_block, seq_len, q_len, kv_start_ptr, num_splits, split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr,
-):  # fmt: skip
-    """Keys [lo, hi) of one split: the query block's causally visible keys (from the row's
-    `kv_start` on, with one) cut into num_splits chunks of whole key blocks."""
-    kv_lo = 0
-    if HAS_KV_START:
-        kv_lo = tl.load(kv_start_ptr + seq)
-    last_query = tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len) - 1
-    kv_hi = seq_len - q_len + last_query + 1
-    span = tl.maximum(kv_hi - kv_lo, 0)
-    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-    lo = kv_lo + split * chunk
-    hi = tl.minimum(lo + chunk, kv_hi)
-    return lo, hi
 
 
 @triton.jit
@@ -707,7 +552,6 @@ def _launch_attention(
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
         QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
-        PRELOAD_BLOCKS=config.kv_blocks_before_wait if query_start_loc is None else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
 
@@ -753,10 +597,7 @@ def paged_decode_attention(
 
     Under PDL (`kernels/pdl.py`) `seq_lens` is read before the wait for the previous kernel: no
     kernel of the same graph or chain may write it (the engine uploads the step's lengths before
-    the step; the fast passes' are constant). With `config.kv_blocks_before_wait` the block table
-    and the keys before each row's last (its new one) are read there too: they must not be
-    written by the kernel just before this one (the engine's pages are written by the step's
-    `qk_norm_rope_kv_write`, the new key only, and by earlier launches)."""
+    the step; the fast passes' are constant)."""
     bs, hq, d = q.shape
     config = decode_config(bs, kv_fp8=k_scales is not None) if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -845,7 +686,6 @@ def shared_prefix_decode_attention(
     sharing nothing is a group of one with prefix 0); prefix_lens int32 [bs] is the shared token
     count of the row's group (equal within a group, less than each row's seq_len); the prefix
     pages are read through the group's first row. max_group_size bounds the rows of any group.
-    With `config.kv_blocks_before_wait`, prefix_lens is read before the PDL wait, as seq_lens is.
     `k_scales`/`v_scales`: as in `paged_decode_attention`, for an FP8 KV cache."""
     bs, hq, d = q.shape
     hq, hkv, d = _check_inputs(q, k_pages, v_pages, k_scales, v_scales)
