@@ -1,0 +1,58 @@
+"""Launch the sampling kernel as the decode step does (one codebook row of 4,096 logits, or S2's
+main row of 4,097 with token ids and RAS; `max_top_k` 64, radix select), a few times, eagerly, so
+Nsight Compute can profile one launch of it:
+
+    ncu --clock-control none --kernel-name regex:_sample_kernel --launch-skip 3 --launch-count 1 \\
+        --section WarpStateStats --section SourceCounters -o sampler python3 scripts/ncu_sampler.py
+    ncu --import sampler.ncu-rep --page source --csv --print-source sass > sampler_sass.csv
+
+The kernel is one program per row, a chain of block-wide steps: the per-instruction stall samples
+say which of its steps (reductions, the radix select's passes, the scratch round trip, the top-k
+network, the race) the 10-12 µs per call go to (docs/performance.md).
+Usage: python scripts/ncu_sampler.py [--rows 1] [--main] [--launches 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from shoal.kernels.sample import sample_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--main", action="store_true", help="S2's main row (4,097 columns, ids, RAS)")
+    parser.add_argument("--launches", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    columns = 4097 if args.main else 4096
+    # Peaked like a trained model's logits rather than flat: a few large values over a wide spread.
+    logits = (3.0 * torch.randn(args.rows, columns, device=device)).to(torch.bfloat16)
+    rows = args.rows
+    params = (
+        torch.full((rows,), 0.8, device=device),
+        torch.full((rows,), 0.8, device=device),
+        torch.full((rows,), 30, device=device, dtype=torch.long),
+        torch.arange(rows, device=device, dtype=torch.long),
+        torch.full((rows,), 5, device=device, dtype=torch.long),
+    )
+    extra = {}
+    if args.main:
+        extra = {
+            "token_ids": torch.arange(columns, device=device, dtype=torch.int32),
+            "window": torch.zeros(rows, 16, 11, device=device, dtype=torch.int32),
+            "semantic_range": (0, columns - 2),
+        }
+    out = torch.empty(rows, dtype=torch.long, device=device)
+    for _ in range(args.launches):
+        sample_tokens(logits, *params, slot=0 if args.main else 3, max_top_k=64, out=out, **extra)
+    torch.cuda.synchronize()
+    print("tokens", out.tolist()[:8], flush=True)
+
+
+if __name__ == "__main__":
+    main()
