@@ -88,13 +88,6 @@ class GemmConfig:
     # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
     # Same scales, same arithmetic: the same bits either way.
     scales_ahead: bool = False
-    # The Gluon kernel: how many K steps ahead its scales are loaded (1 or 2). Under Nsight Compute
-    # the M = 64 GEMMs' top stall (27-31% of warp samples, run 102) is the multiply of the two
-    # scales waiting for loads issued one step earlier: a step there is shorter than an L2 round
-    # trip. Two steps ahead carries two sets; same values, same bits. The Triton kernel keeps one:
-    # carried two steps, its loop lost Triton's software pipeline (2 async copies instead of 8,
-    # 9 barriers per step; `scripts/inspect_gemm_sm90.py`), so there the field changes nothing.
-    scale_distance: int = 1
     # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`), swapped
     # tiles or not as `swap_ab` says, always TMA (`tma` unused); the same bits as this config with
     # tma and scales_ahead, which is what runs where Gluon cannot (CPU interpreter, other GPUs).
@@ -102,10 +95,6 @@ class GemmConfig:
     # With `gluon`: weight tiles (<= num_stages) each program copies before the PDL wait, so that
     # much of the weight stream overlaps the kernel before the GEMM.
     tiles_before_wait: int = 0
-
-    def __post_init__(self) -> None:
-        if self.scale_distance not in (1, 2):
-            raise ValueError(f"scale_distance must be 1 or 2, got {self.scale_distance}")
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -643,7 +632,7 @@ def _launch(
             block_m=config.block_m, block_n=config.block_n, split_k=config.split_k,
             swapped=config.swap_ab, num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
             num_warps=config.num_warps, bf16_partials=config.bf16_partials,
-            leave_partials=leave_partials, launch=pdl_launch(), scale_distance=config.scale_distance,
+            leave_partials=leave_partials, launch=pdl_launch(),
         )  # fmt: skip
         return _result(out, workspace, config, m, n, leave_partials)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)

@@ -15,10 +15,6 @@ How many is a trade, measured in the decode step (docs/performance.md runs 66-68
 ahead shorten the GEMM, but they fill the memory system while the kernel before it runs, and
 those kernels (the norm, attention) are chains of dependent loads whose latency then grows.
 
-Each step's two scales are loaded one step ahead, or two (`SCALE_DISTANCE`, `GemmConfig.
-scale_distance`: under Nsight Compute the multiply of the scales waited for loads issued one step
-earlier, run 102).
-
 Same tiles and arithmetic as the Triton kernel with `swap_ab=True, tma=True, scales_ahead=True`
 (weight rows are the wgmma's M side, each K step's product scaled by a_scale * w_scale and added
 in K order): the same bits. Hopper only (TMA, wgmma); `fp8_gemm._launch` runs that Triton config
@@ -63,7 +59,7 @@ def _fp8_gemm_prefetch_kernel(
     M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
     STEPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
     SWAPPED: gl.constexpr, LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr,
-    SCALE_DISTANCE: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+    USE_PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows of the tile
     BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows of the tile
@@ -108,8 +104,6 @@ def _fp8_gemm_prefetch_kernel(
         if i < STEPS and i < AHEAD:
             _copy_weights(w_desc, w_smem, ready, i, kb0 + i, off_n, TILE_BYTES)
     w_scale = gl.load(w_scale_row + kb0, mask=kb0 < k_blocks, other=0.0)
-    if SCALE_DISTANCE == 2:  # `GemmConfig.scale_distance`: the scales two steps ahead
-        w_scale_after = gl.load(w_scale_row + kb0 + 1, mask=kb0 + 1 < k_blocks, other=0.0)
     _gdc_wait_then_release(USE_PDL)
     # From here on the inputs may come from the previous kernel.
     for i in gl.static_range(STAGES):
@@ -122,12 +116,6 @@ def _fp8_gemm_prefetch_kernel(
     a_scale = gl.load(
         a_scale_ptr + offs_m * stride_asm + kb0 * stride_asg, mask=m_mask & (kb0 < k_blocks), other=0.0
     )
-    if SCALE_DISTANCE == 2:
-        a_scale_after = gl.load(
-            a_scale_ptr + offs_m * stride_asm + (kb0 + 1) * stride_asg,
-            mask=m_mask & (kb0 + 1 < k_blocks),
-            other=0.0,
-        )
 
     zero = gl.zeros(acc_shape, gl.float32, mma_layout)
     acc = gl.zeros(acc_shape, gl.float32, mma_layout)
@@ -154,21 +142,12 @@ def _fp8_gemm_prefetch_kernel(
             acc += part * (a_scale * w_scale)[None, :]
         else:
             acc += part * (a_scale * w_scale)[:, None]
-        # The next step's scales (SCALE_DISTANCE 2: the step after next's), loaded after this
-        # step's last use (as `scales_ahead`).
-        kb = kb0 + step + SCALE_DISTANCE
-        w_scale_loaded = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
-        a_scale_loaded = gl.load(
+        # The next step's scales, loaded after this step's last use (as `scales_ahead`).
+        kb = kb0 + step + 1
+        w_scale = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
+        a_scale = gl.load(
             a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask & (kb < k_blocks), other=0.0
         )
-        if SCALE_DISTANCE == 2:
-            w_scale = w_scale_after
-            a_scale = a_scale_after
-            w_scale_after = w_scale_loaded
-            a_scale_after = a_scale_loaded
-        else:
-            w_scale = w_scale_loaded
-            a_scale = a_scale_loaded
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -215,14 +194,13 @@ def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> Non
 
 def _kernel_constants(
     k: int, *, split_k: int, swapped: bool, num_stages: int, tiles_before_wait: int,
-    leave_partials: bool, bf16_partials: bool, scale_distance: int = 1,
+    leave_partials: bool, bf16_partials: bool,
 ) -> dict:  # fmt: skip
     """The kernel's compile-time constants for one launch shape (USE_PDL comes with the launch)."""
     return {
         "STEPS": triton.cdiv(triton.cdiv(k, BLOCK), split_k), "STAGES": num_stages,
         "AHEAD": tiles_before_wait, "SPLIT_K": split_k, "SWAPPED": swapped,
         "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
-        "SCALE_DISTANCE": scale_distance,
     }  # fmt: skip
 
 
@@ -252,7 +230,6 @@ def launch_prefetch_gemm(
     bf16_partials: bool,
     leave_partials: bool,
     launch: dict,
-    scale_distance: int = 1,
 ) -> None:
     """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     check_tile(block_m, block_n, swapped, num_warps)
@@ -261,7 +238,7 @@ def launch_prefetch_gemm(
         raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
-        leave_partials=leave_partials, bf16_partials=bf16_partials, scale_distance=scale_distance,
+        leave_partials=leave_partials, bf16_partials=bf16_partials,
     )  # fmt: skip
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _fp8_gemm_prefetch_kernel[grid](
@@ -274,7 +251,7 @@ def launch_prefetch_gemm(
 def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
     tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
-    num_warps: int = 4, swapped: bool = True, scale_distance: int = 1,
+    num_warps: int = 4, swapped: bool = True,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -285,7 +262,7 @@ def compile_for_hopper(
     kernel = _fp8_gemm_prefetch_kernel
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
-        leave_partials=leave_partials, bf16_partials=bf16_partials, scale_distance=scale_distance,
+        leave_partials=leave_partials, bf16_partials=bf16_partials,
     ) | {"USE_PDL": use_pdl, "num_warps": num_warps}  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
