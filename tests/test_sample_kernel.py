@@ -196,7 +196,7 @@ def test_row_one_past_a_power_of_two_splits_off_its_last_column(
 @triton.jit
 def _top_keys_kernel(
     x_ptr, ids_ptr, scratch_ptr, keys_ptr, sort_ptr, radix_ptr, columns,
-    BLOCK: tl.constexpr, K: tl.constexpr, HAS_IDS: tl.constexpr, UPPER_FIRST: tl.constexpr,
+    BLOCK: tl.constexpr, K: tl.constexpr, HAS_IDS: tl.constexpr,
 ):  # fmt: skip
     """The sampling kernel's keys for one row (padding as it pads), then both selections."""
     row = tl.program_id(0).to(tl.int64)
@@ -208,13 +208,11 @@ def _top_keys_kernel(
     tl.store(keys_ptr + row * BLOCK + cols, keys.to(tl.int64, bitcast=True))
     i = tl.arange(0, K)
     tl.store(sort_ptr + row * K + i, tl.topk(keys, K).to(tl.int64, bitcast=True))
-    radix = _select_top_keys(keys, scratch_ptr + row * (2 * K), BLOCK, K, 2 * K, UPPER_FIRST)
+    radix = _select_top_keys(keys, scratch_ptr + row * (2 * K), BLOCK, K, 2 * K)
     tl.store(radix_ptr + row * K + i, radix.to(tl.int64, bitcast=True))
 
 
-def top_keys(
-    x: torch.Tensor, k: int, ids: torch.Tensor | None = None, upper_first: bool = True
-) -> tuple[torch.Tensor, ...]:
+def top_keys(x: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(all keys [rows, BLOCK], tl.topk's [rows, k], the radix select's [rows, k]), int64 bits."""
     rows, columns = x.shape
     block = max(triton.next_power_of_2(columns), 2 * k)  # the radix path only runs with k < block
@@ -224,17 +222,7 @@ def top_keys(
     scratch = torch.empty(rows, 2 * k, dtype=torch.int64, device=DEVICE)
     ids_arg = ids.to(DEVICE) if ids is not None else keys
     _top_keys_kernel[(rows,)](
-        x,
-        ids_arg,
-        scratch,
-        keys,
-        sort,
-        radix,
-        columns,
-        BLOCK=block,
-        K=k,
-        HAS_IDS=ids is not None,
-        UPPER_FIRST=upper_first,
+        x, ids_arg, scratch, keys, sort, radix, columns, BLOCK=block, K=k, HAS_IDS=ids is not None
     )
     return keys.cpu(), sort.cpu(), radix.cpu()
 
@@ -282,7 +270,6 @@ def selection_rows(layout: str, gen: torch.Generator) -> tuple[torch.Tensor, tor
     raise AssertionError(layout)
 
 
-@pytest.mark.parametrize("upper_first", [True, False], ids=["upper-first", "64-bit"])
 @pytest.mark.parametrize("k", [2, 64])
 @pytest.mark.parametrize(
     "layout",
@@ -299,14 +286,13 @@ def selection_rows(layout: str, gen: torch.Generator) -> tuple[torch.Tensor, tor
         "s2-whole",
     ],
 )
-def test_radix_select_returns_the_keys_topk_returns(layout: str, k: int, upper_first: bool) -> None:
+def test_radix_select_returns_the_keys_topk_returns(layout: str, k: int) -> None:
     """Bit for bit the K keys `tl.topk` extracts (the sampling kernel's "sort" path) and the K
     largest by torch, in every layout that stresses a step: the digit choice, ties at the K-th
-    value resolved in the id bits, padding (also repeated padding keys), -inf, a constant row;
-    with the value passes in 32 bits first (`UPPER_FIRST`) and all in 64."""
+    value resolved in the id bits, padding (also repeated padding keys), -inf, a constant row."""
     gen = torch.Generator().manual_seed(k + len(layout))
     x, ids = selection_rows(layout, gen)
-    keys, sort, radix = top_keys(x, k, ids, upper_first)
+    keys, sort, radix = top_keys(x, k, ids)
     want = largest_unsigned(keys, k)
     assert torch.equal(sort, want)
     assert torch.equal(radix, want)

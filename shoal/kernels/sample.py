@@ -48,7 +48,7 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 MAX_COLUMNS = 16384
 RAS_TEMPERATURE = 1.0  # exactly representable in bf16
 RAS_TOP_P = float(torch.tensor(0.9).to(torch.bfloat16).float())  # 0.8984375, the reference's bf16
-SELECTS = ("sort", "radix", "radix64")
+SELECTS = ("sort", "radix")
 DEFAULT_SELECT = "radix"
 # The radix select's digit: 5 bits, 32 bins. On the H200 a 32-bin histogram costs less than a
 # 256-bin one by more than the extra passes cost (measured with 16 to 256 bins).
@@ -128,23 +128,7 @@ def _crossing(digit_a, above_a, within_a, digit_b, above_b, within_b):
 
 
 @triton.jit
-def _radix_pass(digit, member, need, bins):
-    """One pass of the radix select (`_select_top_keys`): the digit where the count of members at
-    or above it crosses `need`. Returns (the members left, need, count)."""
-    at_or_above = tl.cumsum(tl.histogram(digit, RADIX_BINS, mask=member), 0, reverse=True)
-    crossing = at_or_above >= need  # the bins up to the K-th largest member's
-    chosen, above, within = tl.reduce(
-        (tl.where(crossing, bins, -1), tl.where(crossing, 0, at_or_above),
-         tl.where(crossing, at_or_above, 0x7FFFFFFF)),
-        0, _crossing,
-    )  # fmt: skip
-    return member & (digit == chosen), need - above, within - above
-
-
-@triton.jit
-def _select_top_keys(
-    keys, scratch_ptr, BLOCK_V: tl.constexpr, K: tl.constexpr, W: tl.constexpr, UPPER_FIRST: tl.constexpr
-):
+def _select_top_keys(keys, scratch_ptr, BLOCK_V: tl.constexpr, K: tl.constexpr, W: tl.constexpr):
     """The K largest of `keys` uint64 [BLOCK_V], descending: what `tl.topk(keys, K)` returns,
     without a sort network over the tile (whose stages each cost over all BLOCK_V keys).
 
@@ -157,49 +141,33 @@ def _select_top_keys(
     Per pass: a histogram, a scan over its bins and two reductions, all block-wide. It stops once
     at most W - K members are left (random rows: after 2 to 4 passes; no row needs more than 14),
     every member is needed, or all members are equal.
-
-    UPPER_FIRST: the passes run on the keys' upper 32 bits (the value's order-preserving image)
-    while the members' values differ, in 32-bit arithmetic, and on the whole 64-bit keys only for
-    what is left (ties in value, resolved in the id bits). Under Nsight Compute the two passes of a
-    codebook row were 45% of the kernel's instructions, most of them 64-bit compares, selects and
-    shifts done in pairs of 32-bit ones (docs/performance.md run 102). The same K keys come out
-    either way: each pass keeps the invariant above, whatever its digit.
-
     The keys above the members' minimum (fewer than W) go to this row's `scratch_ptr` [W] at their
     exclusive-cumsum positions (Triton cannot scatter in registers), are read back, the rest
     filled with copies of that minimum (several are taken only when keys repeat: padding with
     `token_ids`), and `tl.topk` extracts the K largest of these W (measured cheaper than ranking
     them by a [W, W] comparison)."""
+    lo, hi = tl.reduce((keys, keys), 0, _minmax)
     member = keys == keys
     need = tl.full([], K, tl.int32)
     count = tl.full([], BLOCK_V, tl.int32)  # members
     bins = tl.arange(0, RADIX_BINS)
     passes = tl.full([], 0, tl.int32)  # at most 14 (see above); the bound only rules out a hang
-    if UPPER_FIRST:
-        upper = (keys >> 32).to(tl.uint32)
-        lo32, hi32 = tl.reduce((upper, upper), 0, _minmax)
-        while (need < count) & (count > W - K) & (lo32 != hi32) & (passes < 64):
-            passes += 1
-            # highest differing bit, from the float32 exponent (rounding up by one bit is harmless)
-            high = ((lo32 ^ hi32).to(tl.float32).to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127
-            shift = tl.maximum(high - (RADIX_BITS - 1), 0).to(tl.uint32)
-            digit = ((upper >> shift) & (RADIX_BINS - 1)).to(tl.int32)
-            member, need, count = _radix_pass(digit, member, need, bins)
-            lo32, hi32 = tl.reduce(
-                (tl.where(member, upper, 0xFFFFFFFF), tl.where(member, upper, 0)), 0, _minmax
-            )
-        lo, hi = tl.reduce(
-            (tl.where(member, keys, 0xFFFFFFFFFFFFFFFF), tl.where(member, keys, 0)), 0, _minmax
-        )
-    else:
-        lo, hi = tl.reduce((keys, keys), 0, _minmax)
     while (need < count) & (count > W - K) & (lo != hi) & (passes < 64):
         passes += 1
         # highest differing bit, from the float64 exponent (rounding up by one bit is harmless)
         high = ((lo ^ hi).to(tl.float64).to(tl.uint64, bitcast=True) >> 52).to(tl.int32) - 1023
         shift = tl.maximum(high - (RADIX_BITS - 1), 0).to(tl.uint64)
         digit = ((keys >> shift) & (RADIX_BINS - 1)).to(tl.int32)
-        member, need, count = _radix_pass(digit, member, need, bins)
+        at_or_above = tl.cumsum(tl.histogram(digit, RADIX_BINS, mask=member), 0, reverse=True)
+        crossing = at_or_above >= need  # the bins up to the K-th largest member's
+        chosen, above, within = tl.reduce(
+            (tl.where(crossing, bins, -1), tl.where(crossing, 0, at_or_above),
+             tl.where(crossing, at_or_above, 0x7FFFFFFF)),
+            0, _crossing,
+        )  # fmt: skip
+        need -= above
+        count = within - above
+        member = member & (digit == chosen)
         lo, hi = tl.reduce(
             (tl.where(member, keys, 0xFFFFFFFFFFFFFFFF), tl.where(member, keys, 0)), 0, _minmax
         )
@@ -224,8 +192,7 @@ def _sample_kernel(
     window_ptr, scratch_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
     stride_logits, stride_wb, stride_ww, stride_out, window_width,
     BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
-    RADIX: tl.constexpr, UPPER_FIRST: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    RADIX: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program per row. Every load is issued before the first reduction: before the PDL wait
     the column ids, the row's parameters and its RAS window (`sample_tokens`' contract), after it
@@ -262,7 +229,7 @@ def _sample_kernel(
     if K == BLOCK_V:
         keys = tl.sort(keys, descending=True)
     elif RADIX:
-        keys = _select_top_keys(keys, scratch_ptr + row * (2 * K), BLOCK_V, K, 2 * K, UPPER_FIRST)
+        keys = _select_top_keys(keys, scratch_ptr + row * (2 * K), BLOCK_V, K, 2 * K)
     else:
         keys = tl.topk(keys, K)
     if EXTRA_LAST:
@@ -346,7 +313,7 @@ def sample_tokens(
     )
     if extra_last:
         block_v = columns - 1
-    radix = select in ("radix", "radix64") and k < block_v  # k == block_v sorts the whole tile either way
+    radix = select == "radix" and k < block_v  # k == block_v sorts the whole tile either way
     scratch = torch.empty(rows, 2 * k, dtype=torch.int64, device=logits.device) if radix else seed
     begin, end = semantic_range if semantic_range is not None else (0, -1)
     _sample_kernel[(rows,)](
@@ -356,7 +323,7 @@ def sample_tokens(
         window.stride(0) if window is not None else 0, window.stride(1) if window is not None else 0,
         out.stride(0), window.shape[1] if window is not None else 0,
         BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
-        EXTRA_LAST=extra_last, RADIX=radix, UPPER_FIRST=select == "radix",
+        EXTRA_LAST=extra_last, RADIX=radix,
         HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None, num_warps=num_warps,
         **pdl_launch(),
     )  # fmt: skip
