@@ -88,6 +88,14 @@ class GemmConfig:
     # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
     # Same scales, same arithmetic: the same bits either way.
     scales_ahead: bool = False
+    # Pre-quantized activations (Triton kernel, `scales_ahead`): each program prefetches the cache
+    # lines of all its K steps' scales, the weight scales' before the PDL wait (constants of the
+    # step), the activation scales' after it, so that the scale loads of the loop hit L1 instead of
+    # waiting out a round trip to L2 or DRAM. Under Nsight Compute the M = 64 GEMMs' top stall
+    # (28-31% of warp samples, docs/performance.md run 102) is the multiply of a step's scales
+    # waiting on their loads; the weight scales (12 KB for gate+up) fall out of L2 between layers.
+    # No value changes: the same bits.
+    prefetch_scales: bool = False
     # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`), swapped
     # tiles or not as `swap_ab` says, always TMA (`tma` unused); the same bits as this config with
     # tma and scales_ahead, which is what runs where Gluon cannot (CPU interpreter, other GPUs).
@@ -346,6 +354,15 @@ def _workspace_for(device: torch.device, m: int, n: int, k: int, config: GemmCon
 
 
 @triton.jit
+def prefetch_lines(ptrs):
+    """Bring the cache line of every address into L1 (PTX `prefetch.global.L1`): loads of them that
+    follow hit there. Nothing comes back; the dummy output only carries the side effect."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU: tl.constexpr):
     """[BLOCK_M, BLOCK_K] fp32 activations; with SWIGLU, silu(gate) * up of a [M, 2K] input."""
     rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
@@ -398,6 +415,7 @@ def _fp8_gemm_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Grid (m tiles, n tiles, splits): the M tiles of one weight tile run back to back (L2 reuse).
@@ -419,9 +437,15 @@ def _fp8_gemm_kernel(
     step_ok = (steps < STEPS_PER_SPLIT) & (step_kb < k_blocks)
     w_scale_row = w_scale_ptr + ((pid_n * BLOCK_N) // BLOCK_K_) * stride_wsn
     w_scales = tl.load(w_scale_row + step_kb * stride_wsk, mask=step_ok, other=0.0)
+    if PREFETCH_SCALES:
+        prefetch_lines(w_scale_row + tl.minimum(step_kb, k_blocks - 1) * stride_wsk)
     # Everything above reads constants of the step (weights, their scales); from here on the
     # inputs may come from the previous kernel.
     wait_for_inputs(USE_PDL)
+    if PREFETCH_SCALES:
+        rows = tl.minimum(offs_m, M - 1)[:, None]
+        groups = tl.minimum(step_kb, k_blocks - 1)[None, :]
+        prefetch_lines(a_scale_ptr + rows * stride_asm + groups * stride_asg)
     if ACT_MODE == 1:
         if PRELOAD_A_SCALES:
             a_scales = tl.load(
@@ -573,6 +597,10 @@ def kernel_constants(mode: int, swiglu: bool, k: int, config: GemmConfig, leave_
         "FP8_MAX_": FP8_MAX,
         "MIN_SCALE_": MIN_SCALE,
         "USE_TMA": config.tma and mode == ACT_FP8,
+        # inline PTX: not in the interpreter (a prefetch changes no value, so nothing to emulate)
+        "PREFETCH_SCALES": (
+            config.prefetch_scales and config.scales_ahead and mode == ACT_FP8 and not _INTERPRETED
+        ),
     }
 
 
