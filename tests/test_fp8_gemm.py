@@ -74,37 +74,6 @@ def test_rejects_block_n_that_does_not_divide_128() -> None:
         gemm.fp8_linear(x, w_q, w_s, False, config=gemm.GemmConfig(16, 256, 1))
 
 
-_PREFETCH_PROBE = """
-import sys
-sys.path.insert(0, "scripts")
-from inspect_gemm_sm90 import compile_split_k
-from shoal.kernels.fp8_gemm import GemmConfig
-for flag in (False, True):
-    config = GemmConfig(64, 64, 1, 4, 4, tma=True, scales_ahead=True, prefetch_scales=flag)
-    ptx = compile_split_k(2560, config).asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    before, after = ptx[:wait], ptx[wait:]
-    print(before.count("prefetch.global.L1"), after.count("prefetch.global.L1"), ptx.count("cp.async.bulk"))
-"""
-
-
-def test_prefetch_scales_puts_the_prefetches_around_the_wait() -> None:
-    """`prefetch_scales` (inline PTX, so checked in the sm_90 build, compiled here without a GPU):
-    the weight scales' lines are prefetched before the PDL wait, the activation scales' after it,
-    and the loop's TMA copies are the same as without."""
-    import subprocess
-    import sys
-
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", _PREFETCH_PROBE], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    plain, prefetching = (tuple(map(int, line.split())) for line in result.stdout.strip().splitlines()[-2:])
-    assert plain[:2] == (0, 0)
-    assert prefetching[0] >= 1 and prefetching[1] >= 1 and prefetching[2] == plain[2]
-
-
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["ab", "swap-ab"])
 @pytest.mark.parametrize("quantize_input", [False, True], ids=["w8a16", "w8a8-inline"])
 @pytest.mark.parametrize("swiglu_input", [False, True], ids=["plain", "swiglu"])
@@ -392,7 +361,7 @@ def test_scales_ahead_gives_the_same_bits(config: gemm.GemmConfig, m: int, n: in
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 2, 16, 64])
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 128])
 def test_scales_ahead_at_s2_shapes_gives_the_tuned_configs_bits(m: int) -> None:
     """The tuned table's configs with and without `scales_ahead` on the GPU: the same bits, as a
     graph too."""
@@ -411,5 +380,3 @@ def test_scales_ahead_at_s2_shapes_gives_the_tuned_configs_bits(m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, base), (name, m, config)
-        prefetching = replace(ahead, prefetch_scales=True)  # the Triton kernel's (M = 64 here)
-        assert torch.equal(gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=prefetching, workspace=workspace), base)

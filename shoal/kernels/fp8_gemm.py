@@ -88,14 +88,6 @@ class GemmConfig:
     # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
     # Same scales, same arithmetic: the same bits either way.
     scales_ahead: bool = False
-    # Pre-quantized activations (Triton kernel, `scales_ahead`): each program prefetches the cache
-    # lines of all its K steps' scales, the weight scales' before the PDL wait (constants of the
-    # step), the activation scales' after it, so that the scale loads of the loop hit L1 instead of
-    # waiting out a round trip to L2 or DRAM. Under Nsight Compute the M = 64 GEMMs' top stall
-    # (28-31% of warp samples, docs/performance.md run 102) is the multiply of a step's scales
-    # waiting on their loads; the weight scales (12 KB for gate+up) fall out of L2 between layers.
-    # No value changes: the same bits.
-    prefetch_scales: bool = False
     # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`), swapped
     # tiles or not as `swap_ab` says, always TMA (`tma` unused); the same bits as this config with
     # tma and scales_ahead, which is what runs where Gluon cannot (CPU interpreter, other GPUs).
@@ -198,19 +190,20 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
-    # gate passes with them (run 50).
+    # gate passes with them (run 50). M = 128 (the fast transformer's pass 0 at batch 33-64) takes
+    # `scales_ahead` as M = 64 does: batch-64 step 0.997x, every sample below the base's (run 106).
     # qkv 10.2 us (run 11: 11.3; bf16 cuBLAS 11.2)
     (6144, 2560, 64): _G(64, 32, 2, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
-    (6144, 2560, 128): _G(64, 64, 2, 4, 4, tma=True),  # qkv 11.9 us (bf16 11.3)
+    (6144, 2560, 128): _G(64, 64, 2, 4, 4, tma=True, scales_ahead=True),  # qkv 11.9 us (bf16 11.3)
     # o 9.8 us (run 11: 10.8; bf16 9.8)
     (2560, 4096, 64): _G(64, 32, 4, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
-    (2560, 4096, 128): _G(64, 64, 4, 4, 4, tma=True),  # o 12.1 us (bf16 10.6)
+    (2560, 4096, 128): _G(64, 64, 4, 4, 4, tma=True, scales_ahead=True),  # o 12.1 us (bf16 10.6)
     # gate_up 16.5 us (run 11: 18.2; bf16 31.0)
     (19456, 2560, 64): _G(64, 64, 1, 4, 4, tma=True, scales_ahead=True),
-    (19456, 2560, 128): _G(64, 64, 1, 4, 4, tma=True),  # gate_up 24.1 us (run 11: 29.2; bf16 30.1)
+    (19456, 2560, 128): _G(64, 64, 1, 4, 4, tma=True, scales_ahead=True),  # gate_up 24.1 us (bf16 30.1)
     # down 16.0 us (TMA no faster alone; bf16 18.6); through TMA the batch-64 step 0.985x (run 99)
     (2560, 9728, 64): _G(64, 64, 7, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
-    (2560, 9728, 128): _G(64, 64, 4, 4, 4, tma=True),  # down 17.7 us (run 11: 20.1; bf16 21.3)
+    (2560, 9728, 128): _G(64, 64, 4, 4, 4, tma=True, scales_ahead=True),  # down 17.7 us (bf16 21.3)
 }
 
 
@@ -354,15 +347,6 @@ def _workspace_for(device: torch.device, m: int, n: int, k: int, config: GemmCon
 
 
 @triton.jit
-def prefetch_lines(ptrs):
-    """Bring the cache line of every address into L1 (PTX `prefetch.global.L1`): loads of them that
-    follow hit there. Nothing comes back; the dummy output only carries the side effect."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, SWIGLU: tl.constexpr):
     """[BLOCK_M, BLOCK_K] fp32 activations; with SWIGLU, silu(gate) * up of a [M, 2K] input."""
     rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
@@ -415,7 +399,6 @@ def _fp8_gemm_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
     USE_TMA: tl.constexpr,
-    PREFETCH_SCALES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Grid (m tiles, n tiles, splits): the M tiles of one weight tile run back to back (L2 reuse).
@@ -437,15 +420,9 @@ def _fp8_gemm_kernel(
     step_ok = (steps < STEPS_PER_SPLIT) & (step_kb < k_blocks)
     w_scale_row = w_scale_ptr + ((pid_n * BLOCK_N) // BLOCK_K_) * stride_wsn
     w_scales = tl.load(w_scale_row + step_kb * stride_wsk, mask=step_ok, other=0.0)
-    if PREFETCH_SCALES:
-        prefetch_lines(w_scale_row + tl.minimum(step_kb, k_blocks - 1) * stride_wsk)
     # Everything above reads constants of the step (weights, their scales); from here on the
     # inputs may come from the previous kernel.
     wait_for_inputs(USE_PDL)
-    if PREFETCH_SCALES:
-        rows = tl.minimum(offs_m, M - 1)[:, None]
-        groups = tl.minimum(step_kb, k_blocks - 1)[None, :]
-        prefetch_lines(a_scale_ptr + rows * stride_asm + groups * stride_asg)
     if ACT_MODE == 1:
         if PRELOAD_A_SCALES:
             a_scales = tl.load(
@@ -597,10 +574,6 @@ def kernel_constants(mode: int, swiglu: bool, k: int, config: GemmConfig, leave_
         "FP8_MAX_": FP8_MAX,
         "MIN_SCALE_": MIN_SCALE,
         "USE_TMA": config.tma and mode == ACT_FP8,
-        # inline PTX: not in the interpreter (a prefetch changes no value, so nothing to emulate)
-        "PREFETCH_SCALES": (
-            config.prefetch_scales and config.scales_ahead and mode == ACT_FP8 and not _INTERPRETED
-        ),
     }
 
 
