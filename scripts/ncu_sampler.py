@@ -18,6 +18,7 @@ import argparse
 
 import torch
 
+from shoal.bench.profile import sampler_case
 from shoal.kernels.sample import sample_tokens
 
 
@@ -28,26 +29,9 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
-    device = torch.device("cuda")
-    columns = 4097 if args.main else 4096
     # Peaked like a trained model's logits rather than flat: a few large values over a wide spread.
-    logits = (3.0 * torch.randn(args.rows, columns, device=device)).to(torch.bfloat16)
-    rows = args.rows
-    params = (
-        torch.full((rows,), 0.8, device=device),
-        torch.full((rows,), 0.8, device=device),
-        torch.full((rows,), 30, device=device, dtype=torch.long),
-        torch.arange(rows, device=device, dtype=torch.long),
-        torch.full((rows,), 5, device=device, dtype=torch.long),
-    )
-    extra = {}
-    if args.main:
-        extra = {
-            "token_ids": torch.arange(columns, device=device, dtype=torch.int32),
-            "window": torch.zeros(rows, 16, 11, device=device, dtype=torch.int32),
-            "semantic_range": (0, columns - 2),
-        }
-    out = torch.empty(rows, dtype=torch.long, device=device)
+    logits, params, extra = sampler_case(args.rows, args.main, "cuda", scale=3.0)
+    out = torch.empty(args.rows, dtype=torch.long, device="cuda")
     for _ in range(args.launches):
         sample_tokens(logits, *params, slot=0 if args.main else 3, max_top_k=64, out=out, **extra)
     torch.cuda.synchronize()

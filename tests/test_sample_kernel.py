@@ -335,3 +335,20 @@ def test_select_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("SHOAL_SAMPLE_SELECT", "bitonic")
     with pytest.raises(ValueError, match="SHOAL_SAMPLE_SELECT"):
         sample_tokens(logits, *params, slot=2, max_top_k=16)
+
+
+@pytest.mark.parametrize("main", [False, True], ids=["codebook", "s2-main"])
+def test_the_benchmarks_sampler_inputs_draw_like_the_reference(main: bool) -> None:
+    """`bench.profile.sampler_case` (the inputs `shoal bench profile --sample-kernel` and
+    `scripts/ncu_sampler.py` time): the kernel takes them as the step passes them, and a codebook
+    row draws what the reference draws; the main row draws a semantic id or `<|im_end|>`."""
+    from shoal.bench.profile import sampler_case
+
+    torch.manual_seed(3)
+    logits, params, extra = sampler_case(2, main, DEVICE, scale=3.0)
+    out = torch.full((2,), -1, dtype=torch.long, device=DEVICE)
+    sample_tokens(logits, *params, slot=0 if main else 3, max_top_k=64, out=out, **extra)
+    if main:
+        assert ((out >= 0) & (out < logits.shape[1])).all()
+    else:
+        assert torch.equal(out, sample_reference(logits.float(), *params, slot=3))

@@ -136,6 +136,31 @@ def profile_step(core, batch: int, context: int, replays: int = 5) -> list[Kerne
     return one_replay(kernel_events(trace), replays)
 
 
+def sampler_case(rows: int, main: bool, device: str, scale: float = 1.0):
+    """Inputs of one `sample_tokens` call as the decode step makes it: (bf16 logits [rows,
+    4,096] or S2's main row [rows, 4,097] times `scale`, the five per-row parameters, and for
+    the main row its token ids, RAS window and semantic range)."""
+    import torch
+
+    columns = 4097 if main else 4096
+    logits = (scale * torch.randn(rows, columns, device=device)).to(torch.bfloat16)
+    params = (
+        torch.full((rows,), 0.8, device=device),
+        torch.full((rows,), 0.8, device=device),
+        torch.full((rows,), 30, device=device, dtype=torch.long),
+        torch.arange(rows, device=device, dtype=torch.long),
+        torch.full((rows,), 5, device=device, dtype=torch.long),
+    )
+    extra = {}
+    if main:
+        extra = {
+            "token_ids": torch.arange(columns, device=device, dtype=torch.int32),
+            "window": torch.zeros(rows, 16, 11, device=device, dtype=torch.int32),
+            "semantic_range": (0, columns - 2),
+        }
+    return logits, params, extra
+
+
 def sample_kernel_table() -> None:
     """The sampling kernel alone (CUDA-graph replays) at the decode step's shapes: codebook rows
     (4,096 columns) and S2's main row (4,097, with token ids and RAS), batch 1 and 64, `max_top_k`
@@ -150,22 +175,8 @@ def sample_kernel_table() -> None:
 
     device = "cuda"
     for rows, columns in ((1, 4096), (1, 4097), (64, 4096), (64, 4097)):
-        logits = torch.randn(rows, columns, device=device).to(torch.bfloat16)
-        params = (
-            torch.full((rows,), 0.8, device=device),
-            torch.full((rows,), 0.8, device=device),
-            torch.full((rows,), 30, device=device, dtype=torch.long),
-            torch.arange(rows, device=device, dtype=torch.long),
-            torch.full((rows,), 5, device=device, dtype=torch.long),
-        )
         main = columns == 4097
-        extra = {}
-        if main:
-            extra = {
-                "token_ids": torch.arange(columns, device=device, dtype=torch.int32),
-                "window": torch.zeros(rows, 16, 11, device=device, dtype=torch.int32),
-                "semantic_range": (0, columns - 2),
-            }
+        logits, params, extra = sampler_case(rows, main, device)
         out = torch.empty(rows, dtype=torch.long, device=device)
         times = {}
         for select in SELECTS:
