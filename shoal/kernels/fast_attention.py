@@ -140,14 +140,16 @@ def _fast_rope_attention_kernel(
     q_sin = tl.load(trig + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
     # The page: every key this program reads from it was written by an earlier pass's launch, at
     # least two kernels back, so it is complete before this program starts (module docstring);
-    # the keys of this launch's own tokens are put into the tiles from registers below.
+    # the keys of this launch's own tokens are put into the tiles from registers below. Read at
+    # L2 (".cg"), the point of coherence: no SM's L1 can hold a line of it from before the write,
+    # whatever the wait would have invalidated.
     offs_d = tl.arange(0, HEAD_DIM)
     keys_at = tl.arange(0, BLOCK_N)
     in_page = keys_at < PAGE
     page = row * stride_page + kv_head * stride_head
     tile = page + keys_at[:, None] * stride_pos + offs_d[None, :]
-    keys = tl.load(k_pages_ptr + tile, mask=in_page[:, None], other=0.0)
-    values = tl.load(v_pages_ptr + tile, mask=in_page[:, None], other=0.0)
+    keys = tl.load(k_pages_ptr + tile, mask=in_page[:, None], other=0.0, cache_modifier=".cg")
+    values = tl.load(v_pages_ptr + tile, mask=in_page[:, None], other=0.0, cache_modifier=".cg")
     wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
 
     # This row's new keys: normalized and rotated exactly as `_qk_norm_rope_kv_kernel` does, stored,

@@ -6,10 +6,11 @@ gap of a few microseconds each time (docs/performance.md: most of the distance t
 On Hopper a kernel launched with the PDL attribute (`launch_pdl=True`; graph capture keeps it as a
 programmatic edge) may be scheduled while its predecessor is still running. The contract:
 
-- every kernel so launched calls `wait_for_inputs` before it reads anything an earlier kernel
+- every kernel so launched calls `wait_for_inputs` before it reads anything the kernel before it
   writes (griddepcontrol.wait: blocks until the predecessor has finished and its writes are
   visible); reads of weights and other constants of the step (docs/engine.md lists them: also
-  the step's host-uploaded metadata) may come before it;
+  the step's host-uploaded metadata) may come before it, and so may reads, at L2, of what a kernel
+  at least two launches back wrote (by the next rule it has finished when this kernel starts);
 - `wait_for_inputs` then lets the kernel after it launch (griddepcontrol.launch_dependents).
   Triggering after the wait, never before, keeps at most one kernel waiting behind a running one.
 
