@@ -134,11 +134,11 @@ def _decode_rope_attention_kernel(
         v = load_summing_partials(qkv_ptr, v_at, offs_d < HEAD_DIM, stride_qkv_s, PARTS, EMULATE)
         v = v.to(v_ptr.dtype.element_ty)
         k0, k1 = _rms_scale(k0, k1, k_w0, k_w1, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
-        f0 = k0.to(tl.float32)
-        f1 = k1.to(tl.float32)
+        kf0 = k0.to(tl.float32)  # names of their own: the branch may not retype q's f0/f1
+        kf1 = k1.to(tl.float32)
         k_type = k_ptr.dtype.element_ty
-        k0 = cast_rne(f0 * cos - f1 * sin, k_type, EMULATE)
-        k1 = cast_rne(f1 * cos + f0 * sin, k_type, EMULATE)
+        k0 = cast_rne(kf0 * cos - kf1 * sin, k_type, EMULATE)
+        k1 = cast_rne(kf1 * cos + kf0 * sin, k_type, EMULATE)
         place = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kv_head * stride_kh
         stored = slot >= 0
         tl.store(k_ptr + place + 2 * offs_h, k0, mask=stored & everywhere)
