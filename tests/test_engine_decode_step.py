@@ -116,29 +116,22 @@ def decoding_core(golden_dir, count: int):
 
 
 @pytest.mark.parametrize(
-    "capped,fused_fast,head_kernel,fused_slow",
-    [
-        (True, False, False, False), (False, False, False, False), (True, True, False, False),
-        (True, False, True, False), (True, False, False, True),
-    ],
-    ids=["capped", "full", "fused-fast", "head-kernel", "fused-slow"],
-)  # fmt: skip
+    "capped,fused_fast,head_kernel",
+    [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
+    ids=["capped", "full", "fused-fast", "head-kernel"],
+)
 def test_kernel_step_equals_torch_step(
-    golden_dir, capped: bool, fused_fast: bool, head_kernel: bool, fused_slow: bool,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    golden_dir, capped: bool, fused_fast: bool, head_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`fused-fast`: the fast transformer through `kernels/fast_attention.py` (one launch per layer);
-    `head-kernel`: every output head on `kernels/output_head.py` (batch 1 only by default);
-    `fused-slow`: the slow layers through `kernels/decode_rope_attention.py`."""
+    `head-kernel`: every output head on `kernels/output_head.py` (batch 1 only by default)."""
     monkeypatch.setenv("SHOAL_FUSED_FAST_ATTENTION", "1" if fused_fast else "0")
     monkeypatch.setenv("SHOAL_HEAD_KERNEL", "1" if head_kernel else "0")
-    monkeypatch.setenv("SHOAL_FUSED_SLOW_ATTENTION", "1" if fused_slow else "0")
     core, requests = decoding_core(golden_dir, 3)
     runner = core.runner
     kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
     assert kernel_step.fuses_fast_attention(len(requests)) == fused_fast
     assert (kernel_step.head_kernel_max_rows > 0) == head_kernel
-    assert kernel_step.fused_slow_attention == fused_slow
     torch_step = runner.step
     fields = runner.host.fill(requests)
     n = len(requests)

@@ -37,7 +37,6 @@ STEP_SWITCHES = frozenset(
         "two_launch_fast_to",
         "norm_split_max_rows",
         "norm_slice_groups",
-        "fused_slow_attention",
     }
 )
 

@@ -177,10 +177,6 @@ class DecodeStep:
         switch = env_switch("SHOAL_HEAD_KERNEL", ("auto", "0", "1"))
         limits = {"auto": HEAD_KERNEL_MAX_ROWS, "0": 0, "1": 2 * max_batch}
         self.head_kernel_max_rows = limits[switch] if use_kernels else 0
-        # The slow layers' QK-norm/RoPE/KV write inside the decode attention
-        # (`kernels/decode_rope_attention.py`; bf16 caches only). `SHOAL_FUSED_SLOW_ATTENTION=0|1`.
-        switch = env_switch("SHOAL_FUSED_SLOW_ATTENTION", ("0", "1"))
-        self.fused_slow_attention = use_kernels and switch == "1"
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -288,28 +284,12 @@ class DecodeStep:
             buffers.tokens, model.embeddings.weight, model.codebook_embeddings.weight, mc.codebook_size,
             mc.semantic_begin_id, mc.semantic_end_id, mc.scale_codebook_embeddings,
         )  # fmt: skip
-        rope_attend = None
-        if self.fused_slow_attention and self.kv.layer(0).k_scales is None:
-            from shoal.kernels.decode_rope_attention import decode_rope_attention
-
-            def rope_attend(i, qkv, out_fp8):
-                attn, pools = model.layers[i].attention, self.kv.layer(i)
-                return decode_rope_attention(
-                    qkv, buffers.positions, buffers.slots, model.rope, pools.k, pools.v,
-                    buffers.block_tables, buffers.kv_lens, attn.n_head, attn.n_local_heads,
-                    attn.q_norm.weight if attn.qk_norm else None,
-                    attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
-                    out_fp8=out_fp8,
-                )  # fmt: skip
-
-            rope_attend.takes_partials = True
         return self._layers(
             model.layers, residual, model.norm.weight, buffers.positions, model.rope,
             self.kv.layer, buffers.slots,
             lambda q, pools, out_fp8: paged_decode_attention(
                 q, pools.k, pools.v, buffers.block_tables, buffers.kv_lens, out_fp8=out_fp8, **pools.scales
             ),
-            rope_attend,
         )  # fmt: skip
 
     def prefill(self, tokens: Tensor, positions: Tensor, slots: Tensor, meta: tuple) -> tuple[Tensor, Tensor]:
@@ -339,9 +319,7 @@ class DecodeStep:
         (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `pages(i)` gives
         layer i's `LayerKV`; `attend(q, pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair
         it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
-        `attend` by one call (the fast transformer's `kernels/fast_attention.py`, the slow one's
-        `kernels/decode_rope_attention.py`, which also takes the qkv GEMM's split-K partials:
-        `rope_attend.takes_partials`)."""
+        `attend` by one call (the fast transformer's `kernels/fast_attention.py`)."""
         from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
 
@@ -379,8 +357,7 @@ class DecodeStep:
             if fp8 is None:
                 qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
             else:  # partials (when unreduced) go to the QK-norm/RoPE kernel right after
-                takes_partials = rope_attend is None or getattr(rope_attend, "takes_partials", False)
-                qkv = fp8.qkv(layer, normed, unreduced=self.rope_reduces_partials and takes_partials)
+                qkv = fp8.qkv(layer, normed, unreduced=self.rope_reduces_partials and rope_attend is None)
             head_dim = qkv.shape[1] // (attn.n_head + 2 * attn.n_local_heads)
             target = fp8_target(layer, "out") if head_dim == GROUP else None  # a head per group
             if rope_attend is not None:

@@ -313,24 +313,6 @@ def _attend_split(
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi, stride_kp, stride_kt,
         stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
     )  # fmt: skip
-    finish_split(
-        acc, m_i, l_i, token, head, row_ok, seq, kv_head, split, out_ptr, part_out_ptr, part_lse_ptr,
-        counter_ptr, q8_ptr, scale_ptr, num_q_heads, num_slots, num_splits, stride_ot, stride_oh,
-        stride_q8, stride_st, stride_sh, GROUP, BLOCK_G, HEAD_DIM, WRITE_PARTIAL, FUSED_MERGE, BLOCK_S,
-        QUANT_OUT,
-    )  # fmt: skip
-
-
-@triton.jit
-def finish_split(
-    acc, m_i, l_i, token, head, row_ok, seq, kv_head, split, out_ptr, part_out_ptr, part_lse_ptr,
-    counter_ptr, q8_ptr, scale_ptr, num_q_heads, num_slots, num_splits, stride_ot, stride_oh,
-    stride_q8, stride_st, stride_sh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, QUANT_OUT: tl.constexpr,
-):  # fmt: skip
-    """A decode split's accumulated (acc, m, l): finished rows, or its partial (and with
-    FUSED_MERGE, the merge by the last split of the (sequence, kv head) to arrive)."""
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
         stride_ot, stride_oh, num_q_heads, num_slots, q8_ptr, scale_ptr, stride_q8, stride_st,
