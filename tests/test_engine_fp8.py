@@ -222,8 +222,12 @@ def test_triton_projections_equal_reference(planted, golden_dir, variant: str, w
                 table[(n, ff.w1.in_features, m)] = variant
     triton = Fp8Projections(model, backend="triton", table=table)
     reference = Fp8Projections(model, backend="reference", table=table)
-    # bf16 output rounding (and, for bf16 weights, their rounding) is all that may differ
-    rtol = 2e-2 if variant == "bf16" else 2**-7 + 1e-4  # one bf16 ulp
+    # bf16 output rounding (and, for bf16 weights, their rounding) is all that may differ: one
+    # bf16 ulp for a projection. The MLP chains two: its gate/up output is rounded to bf16 in both
+    # paths, from fp32 sums in different orders, so an element of it may sit one ulp apart, and the
+    # down projection carries that into its output: two ulps there (in a fresh install of
+    # 2026-12-01 one element of the fast layer's 3-row MLP lands two apart).
+    ulps = {"qkv": 1, "mlp": 2}
     for block in (model.layers[0], model.fast_layers[-1]):
         for m in (1, 3):
             x = _bf16_exact((m, block.attention.wqkv.in_features), m)
@@ -231,9 +235,9 @@ def test_triton_projections_equal_reference(planted, golden_dir, variant: str, w
                 got, want = getattr(triton, op)(block, x), getattr(reference, op)(block, x)
                 assert got.dtype == x.dtype and got.shape == want.shape
                 if variant == "bf16":
-                    assert ((got - want).norm() / want.norm()) < rtol, op
+                    assert ((got - want).norm() / want.norm()) < 2e-2, op
                 else:
-                    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-5)
+                    torch.testing.assert_close(got, want, rtol=ulps[op] * 2**-7 + 1e-4, atol=1e-5)
 
 
 def test_prefill_variant_runs_the_w8a8_kernel_off_the_gpu(planted) -> None:
