@@ -108,6 +108,7 @@ def main() -> None:
     opcodes = Counter(
         re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0] for line in loop
     )
+    registers = resource_usage(cubin)["REG"]
     ttgir = compiled.asm["ttgir"]
     pipelined = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy")
     print(config)
@@ -119,8 +120,27 @@ def main() -> None:
         f"{opcodes['QGMMA'] + opcodes['HGMMA'] + opcodes['HMMA']} MMA instructions, "
         f"{copies_of_fresh_loads(loop)} copies of values loaded in the same iteration; "
         f"async copies in the TTGIR: {pipelined} ({'pipelined' if pipelined else 'NOT pipelined'}); "
-        f"{compiled.metadata.shared} B shared memory"
+        f"{compiled.metadata.shared} B shared memory, {registers} registers per thread; "
+        f"{programs_per_sm(registers, config.num_warps, compiled.metadata.shared)} programs per SM"
     )
+
+
+def resource_usage(cubin: Path) -> dict[str, int]:
+    """The kernel's `cuobjdump --dump-resource-usage` counts (REG, STACK, SHARED, LOCAL, ...)."""
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    out = subprocess.run(
+        [str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    return {key: int(value) for key, value in re.findall(r"(\w+):(\d+)", out.split("Resource usage:")[-1])}
+
+
+def programs_per_sm(registers: int, warps: int, shared: int) -> int:
+    """Resident programs per H100/H200 SM by its 64K registers, 228 KB of shared memory (1 KB of
+    it reserved per program) and 64 warps: what decides whether a grid runs in one wave (run 112:
+    168 registers instead of 128 cost a 4-warp kernel one program per SM)."""
+    by_registers = 65536 // (max(registers, 1) * 32 * warps)
+    by_shared = (228 * 1024) // (shared + 1024)
+    return min(by_registers, by_shared, 64 // warps)
 
 
 if __name__ == "__main__":
