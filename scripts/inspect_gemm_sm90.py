@@ -95,7 +95,8 @@ def main() -> None:
             args.m, args.n, args.k, block_m=config.block_m, block_n=config.block_n,
             split_k=config.split_k, swapped=config.swap_ab, num_stages=config.num_stages,
             tiles_before_wait=config.tiles_before_wait, leave_partials=config.split_k > 1,
-            bf16_partials=config.bf16_partials,
+            bf16_partials=config.bf16_partials, tma_scales=config.tma_scales,
+            scales_first=config.scales_first,
         )  # fmt: skip
     else:
         compiled = compile_split_k(args.k, config)

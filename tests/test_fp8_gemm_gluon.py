@@ -71,9 +71,55 @@ def test_weight_copies_come_before_the_pdl_wait() -> None:
 
 
 def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
-    return replace(config, gluon=False, tma=True, scales_ahead=True)
+    return replace(config, gluon=False, tma=True, scales_ahead=True, tma_scales=False, scales_first=False)
 
 
+def test_scale_copies_read_the_group_major_buffer_as_a_flat_vector() -> None:
+    """`tma_scales` reads group kb of row r at kb * M + r of the flat buffer; a buffer laid out
+    otherwise, or not 16-byte aligned, is refused (its launch loads the scales by pointer)."""
+    from shoal.kernels.fp8_gemm_gluon import flat_scales
+
+    scales = quant.new_activation_scales(6, 512, "cpu")
+    scales.copy_(torch.arange(24, dtype=torch.float32).view(6, 4))
+    flat = flat_scales(scales)
+    assert flat is not None and flat.data_ptr() == scales.data_ptr()
+    assert all(flat[kb * 6 + r] == scales[r, kb] for r in range(6) for kb in range(4))
+    assert flat_scales(quant.new_activation_scales(1, 512, "cpu")) is not None
+    assert flat_scales(torch.zeros(6, 4)) is None  # row-major
+    assert flat_scales(quant.new_activation_scales(7, 512, "cpu")[1:]) is None  # strides (1, 7)
+    offset = torch.zeros(4 * 8 + 1)[1:].view(4, 8).t()  # group-major, 4 bytes past alignment
+    assert flat_scales(offset) is None
+
+
+def test_scale_copies_ride_the_ring() -> None:
+    """The sm_90 build with `tma_scales` (compiled here): one 1-D bulk copy per stage for the
+    scales beside the two tile copies, and no activation-scale pointer load left in the loop."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    probe = (
+        "from shoal.kernels.fp8_gemm_gluon import compile_for_hopper\n"
+        "for flag in (False, True):\n"
+        "    ptx = compile_for_hopper(64, 2560, 4096, block_m=64, block_n=32, split_k=4, num_stages=4,\n"
+        "        swapped=False, tiles_before_wait=1, leave_partials=True, tma_scales=flag).asm['ptx']\n"
+        "    print(ptx.count('cp.async.bulk.tensor.1d'), ptx.count('cp.async.bulk.tensor.2d'),\n"
+        "          ptx.count('ld.global'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (plain_1d, plain_2d, plain_loads), (ring_1d, ring_2d, ring_loads) = (
+        tuple(int(x) for x in line.split()) for line in result.stdout.strip().splitlines()[-2:]
+    )
+    assert plain_1d == 0 and ring_2d == plain_2d
+    assert ring_1d == ring_2d // 2  # one scale copy per activation tile copy
+    assert ring_loads < plain_loads  # the activation scales' pointer loads are gone
+
+
+@pytest.mark.parametrize(
+    "tma_scales,scales_first",
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["scale-loads", "tma-scales", "scales-first", "tma-scales-first"],
+)
 @pytest.mark.parametrize("swapped", [True, False], ids=["swapped", "unswapped"])
 @pytest.mark.parametrize(
     "split,bf16_partials,unreduced",
@@ -81,17 +127,18 @@ def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
     ids=["nosplit", "partials", "bf16-partials", "reduced"],
 )
 def test_same_bits_as_the_equivalent_triton_config(
-    split: int, bf16_partials: bool, unreduced: bool, swapped: bool
+    split: int, bf16_partials: bool, unreduced: bool, swapped: bool, tma_scales: bool, scales_first: bool
 ) -> None:
     """Ragged M, N and K (rows past M and N and columns past K zero-filled by TMA, a last split
-    that runs past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits."""
+    that runs past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits. With
+    `tma_scales` the last M tile's rows past M read the next group's scales (never stored)."""
     m, n, k = (5, 160, 400) if swapped else (70, 96, 400)
     w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     block_m, block_n = (16, 64) if swapped else (64, 32)
     config = gemm.GemmConfig(
         block_m, block_n, split, 4, 2, swap_ab=swapped, bf16_partials=bf16_partials, gluon=True,
-        tiles_before_wait=1,
+        tiles_before_wait=1, tma_scales=tma_scales, scales_first=scales_first,
     )  # fmt: skip
     got = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, unreduced=unreduced)
     got = got.parts.clone() if isinstance(got, gemm.SplitKPartials) else got

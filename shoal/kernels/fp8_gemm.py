@@ -95,6 +95,12 @@ class GemmConfig:
     # With `gluon`: weight tiles (<= num_stages) each program copies before the PDL wait, so that
     # much of the weight stream overlaps the kernel before the GEMM.
     tiles_before_wait: int = 0
+    # With `gluon`: each K step's activation scales come through the TMA ring with its tiles
+    # (`kernels/fp8_gemm_gluon.py`), `num_stages` steps ahead instead of one. The same bits.
+    tma_scales: bool = False
+    # With `gluon`: load the next step's scales right after the MMAs, before the refill copies
+    # (the order of the Triton kernel's sm_90 loop), instead of after the accumulate. Same bits.
+    scales_first: bool = False
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -633,7 +639,8 @@ def _launch(
             block_m=config.block_m, block_n=config.block_n, split_k=config.split_k,
             swapped=config.swap_ab, num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
             num_warps=config.num_warps, bf16_partials=config.bf16_partials,
-            leave_partials=leave_partials, launch=pdl_launch(),
+            leave_partials=leave_partials, launch=pdl_launch(), tma_scales=config.tma_scales,
+            scales_first=config.scales_first,
         )  # fmt: skip
         return _result(out, workspace, config, m, n, leave_partials)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)

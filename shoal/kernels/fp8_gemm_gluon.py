@@ -11,6 +11,13 @@ first `tiles_before_wait` weight tiles (and loads the first block scale) *before
 part of the weight stream overlaps the previous kernel; the rest of the ring, the activation tiles
 and their scales come after it.
 
+With `TMA_SCALES` each step's activation scales ride the ring too: one more copy per stage, of the
+step's group out of the group-major scale buffer read as a flat vector (group kb of row r at
+kb * M + r), so they arrive `STAGES` steps ahead instead of one pointer load ahead. At M = 64 a K
+step is shorter than a load's round trip to L2 under the weight stream, and the multiply of a
+step's scales was the top stall (docs/performance.md run 102). A tile's rows past M read the next
+group's scales; those rows are never stored.
+
 How many is a trade, measured in the decode step (docs/performance.md runs 66-68): copies issued
 ahead shorten the GEMM, but they fill the memory system while the kernel before it runs, and
 those kernels (the norm, attention) are chains of dependent loads whose latency then grows.
@@ -54,16 +61,42 @@ def _copy_weights(w_desc, w_smem, ready, slot, kb, off_n, tile_bytes: gl.constex
 
 
 @gluon.jit
+def _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, slot, kb, off_m, M, TMA_SCALES: gl.constexpr):
+    """Step kb's activation tile (and with TMA_SCALES its scales) into `slot`."""
+    tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(slot), a_smem.index(slot))
+    if TMA_SCALES:
+        tma.async_copy_global_to_shared(s_desc, [kb * M + off_m], ready.index(slot), s_smem.index(slot))
+
+
+@gluon.jit
+def _next_scales(
+    w_scale_row, a_scale_ptr, offs_m, m_mask, kb, k_blocks, stride_asm, stride_asg, a_scale,
+    TMA_SCALES: gl.constexpr,
+):  # fmt: skip
+    """Step kb's weight scale and (unless they ride the ring) activation scales."""
+    w_scale = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
+    if not TMA_SCALES:
+        a_scale = gl.load(
+            a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask & (kb < k_blocks), other=0.0
+        )
+    return w_scale, a_scale
+
+
+@gluon.jit
 def _fp8_gemm_prefetch_kernel(
-    w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr,
+    w_desc, a_desc, s_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
     STEPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
     SWAPPED: gl.constexpr, LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr,
-    USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+    TMA_SCALES: gl.constexpr, SCALES_FIRST: gl.constexpr, USE_PDL: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows of the tile
     BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows of the tile
-    TILE_BYTES: gl.constexpr = w_desc.block_type.nbytes + a_desc.block_type.nbytes
+    SB: gl.constexpr = s_desc.block_type.shape[0] if TMA_SCALES else BM  # >= BM, 32 at least
+    TILE_BYTES: gl.constexpr = (
+        w_desc.block_type.nbytes + a_desc.block_type.nbytes + (SB * 4 if TMA_SCALES else 0)
+    )
     # Grid (m tiles, n tiles, splits), as the Triton kernel's: one weight tile's M tiles run together.
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -77,7 +110,8 @@ def _fp8_gemm_prefetch_kernel(
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 32]
         )
-        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, mma_layout))
+        scale_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        offs_m = off_m + gl.arange(0, BM, layout=scale_layout)
         offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
         rows_m = offs_m[None, :]
         rows_n = offs_n[:, None]
@@ -86,7 +120,8 @@ def _fp8_gemm_prefetch_kernel(
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32]
         )
-        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+        scale_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        offs_m = off_m + gl.arange(0, BM, layout=scale_layout)
         offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
         rows_m = offs_m[:, None]
         rows_n = offs_n[None, :]
@@ -96,6 +131,10 @@ def _fp8_gemm_prefetch_kernel(
 
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BLOCK_K], w_desc.layout)
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BLOCK_K], a_desc.layout)
+    if TMA_SCALES:
+        s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, SB], s_desc.layout)
+    else:
+        s_smem = a_smem  # unused
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
@@ -110,18 +149,24 @@ def _fp8_gemm_prefetch_kernel(
         if i < STEPS:
             if i >= AHEAD:
                 _copy_weights(w_desc, w_smem, ready, i, kb0 + i, off_n, TILE_BYTES)
-            tma.async_copy_global_to_shared(
-                a_desc, [off_m, (kb0 + i) * BLOCK_K], ready.index(i), a_smem.index(i)
-            )
-    a_scale = gl.load(
-        a_scale_ptr + offs_m * stride_asm + kb0 * stride_asg, mask=m_mask & (kb0 < k_blocks), other=0.0
-    )
+            _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, i, kb0 + i, off_m, M, TMA_SCALES)
+    a_scale = w_scale  # a placeholder when the scales ride the ring
+    if not TMA_SCALES:
+        a_scale = gl.load(
+            a_scale_ptr + offs_m * stride_asm + kb0 * stride_asg, mask=m_mask & (kb0 < k_blocks), other=0.0
+        )
 
     zero = gl.zeros(acc_shape, gl.float32, mma_layout)
     acc = gl.zeros(acc_shape, gl.float32, mma_layout)
     for step in range(STEPS):
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        if TMA_SCALES:
+            # Multiplied here, so every warp has read the slot's scales before the MMA below,
+            # whose completion lets the slot be refilled.
+            scale = s_smem.index(slot).slice(0, BM).load(scale_layout) * w_scale
+        else:
+            scale = a_scale * w_scale
         if SWAPPED:
             part = warpgroup_mma(
                 w_smem.index(slot), a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
@@ -131,23 +176,28 @@ def _fp8_gemm_prefetch_kernel(
                 a_smem.index(slot), w_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
             )
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        if SCALES_FIRST:
+            # The next step's scales (this step's product is taken), then the refill: the order
+            # of Triton's sm_90 loop, whose scale loads so leave a refill earlier
+            # (docs/performance.md run 115).
+            w_scale, a_scale = _next_scales(
+                w_scale_row, a_scale_ptr, offs_m, m_mask, kb0 + step + 1, k_blocks, stride_asm,
+                stride_asg, a_scale, TMA_SCALES,
+            )  # fmt: skip
         following = step + STAGES  # into the slot this step has finished reading
         if following < STEPS:
             kb = kb0 + following
             _copy_weights(w_desc, w_smem, ready, slot, kb, off_n, TILE_BYTES)
-            tma.async_copy_global_to_shared(
-                a_desc, [off_m, kb * BLOCK_K], ready.index(slot), a_smem.index(slot)
-            )
+            _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, slot, kb, off_m, M, TMA_SCALES)
         if SWAPPED:
-            acc += part * (a_scale * w_scale)[None, :]
+            acc += part * scale[None, :]
         else:
-            acc += part * (a_scale * w_scale)[:, None]
-        # The next step's scales, loaded after this step's last use (as `scales_ahead`).
-        kb = kb0 + step + 1
-        w_scale = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
-        a_scale = gl.load(
-            a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask & (kb < k_blocks), other=0.0
-        )
+            acc += part * scale[:, None]
+        if not SCALES_FIRST:
+            w_scale, a_scale = _next_scales(
+                w_scale_row, a_scale_ptr, offs_m, m_mask, kb0 + step + 1, k_blocks, stride_asm,
+                stride_asg, a_scale, TMA_SCALES,
+            )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -194,13 +244,14 @@ def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> Non
 
 def _kernel_constants(
     k: int, *, split_k: int, swapped: bool, num_stages: int, tiles_before_wait: int,
-    leave_partials: bool, bf16_partials: bool,
+    leave_partials: bool, bf16_partials: bool, tma_scales: bool, scales_first: bool = False,
 ) -> dict:  # fmt: skip
     """The kernel's compile-time constants for one launch shape (USE_PDL comes with the launch)."""
     return {
         "STEPS": triton.cdiv(triton.cdiv(k, BLOCK), split_k), "STAGES": num_stages,
         "AHEAD": tiles_before_wait, "SPLIT_K": split_k, "SWAPPED": swapped,
         "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
+        "TMA_SCALES": tma_scales, "SCALES_FIRST": scales_first,
     }  # fmt: skip
 
 
@@ -209,6 +260,33 @@ def _descriptor(tensor: torch.Tensor, rows: int):
 
     layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK], gl.float8e4nv)
     return TensorDescriptor.from_tensor(tensor, [rows, BLOCK], layout)
+
+
+# The flat scale vector's copies: BM fp32 values, unswizzled.
+_SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def flat_scales(a_scale: torch.Tensor) -> torch.Tensor | None:
+    """The group-major activation scales [M, groups] as the flat vector the kernel's scale copies
+    read (group kb of row r at kb * M + r), or None where the buffer is not laid out so or not
+    16-byte aligned (TMA's rule): such launches load their scales by pointer."""
+    m, groups = a_scale.shape
+    if (
+        (m > 1 and a_scale.stride(0) != 1)
+        or (groups > 1 and a_scale.stride(1) != m)
+        or a_scale.data_ptr() % 16
+    ):
+        return None
+    return a_scale.t().reshape(-1)
+
+
+def _scale_descriptor(flat: torch.Tensor, rows: int):
+    """Boxes of at least 32 floats: each stage's copy lands 128-byte aligned in shared memory (a
+    16-row tile's 64-byte boxes faulted, docs/performance.md run 110); the rows past the tile's
+    are not read."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(flat, [max(rows, 32)], _SCALE_LAYOUT)
 
 
 def launch_prefetch_gemm(
@@ -230,19 +308,24 @@ def launch_prefetch_gemm(
     bf16_partials: bool,
     leave_partials: bool,
     launch: dict,
+    tma_scales: bool = False,
+    scales_first: bool = False,
 ) -> None:
     """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     check_tile(block_m, block_n, swapped, num_warps)
     (m, k), n = a.shape, w_q.shape[0]
     if k % 16:
         raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
+    flat = flat_scales(a_scale) if tma_scales else None
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
-        leave_partials=leave_partials, bf16_partials=bf16_partials,
+        leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=flat is not None,
+        scales_first=scales_first,
     )  # fmt: skip
+    s_desc = _scale_descriptor(flat, block_m) if flat is not None else a_scale  # else unused
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _fp8_gemm_prefetch_kernel[grid](
-        _descriptor(w_q, block_n), _descriptor(a, block_m), w_scale, a_scale, out, partials, counters,
+        _descriptor(w_q, block_n), _descriptor(a, block_m), s_desc, w_scale, a_scale, out, partials, counters,
         m, n, triton.cdiv(k, BLOCK), w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
         **constants, num_warps=num_warps, **launch,
     )  # fmt: skip
@@ -251,7 +334,7 @@ def launch_prefetch_gemm(
 def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
     tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
-    num_warps: int = 4, swapped: bool = True,
+    num_warps: int = 4, swapped: bool = True, tma_scales: bool = False, scales_first: bool = False,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -262,13 +345,16 @@ def compile_for_hopper(
     kernel = _fp8_gemm_prefetch_kernel
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
-        leave_partials=leave_partials, bf16_partials=bf16_partials,
+        leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=tma_scales,
+        scales_first=scales_first,
     ) | {"USE_PDL": use_pdl, "num_warps": num_warps}  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
     signature = {name: "constexpr" if name in constants else "i32" for name in kernel.arg_names}
+    scales = torch.empty(triton.cdiv(k, BLOCK) * m, dtype=torch.float32, device="meta")
     signature.update(
         w_desc=mangle_type(_descriptor(w, block_n)), a_desc=mangle_type(_descriptor(a, block_m)),
+        s_desc=mangle_type(_scale_descriptor(scales, block_m)) if tma_scales else "*fp32",
         w_scale_ptr="*fp32", a_scale_ptr="*fp32", out_ptr="*bf16",
         partial_ptr="*bf16" if bf16_partials else "*fp32", counter_ptr="*i32",
     )  # fmt: skip
