@@ -76,19 +76,21 @@ def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
 
 def test_scale_copies_read_the_group_major_buffer_as_a_flat_vector() -> None:
     """`tma_scales` reads group kb of row r at kb * M + r of the flat buffer; a buffer laid out
-    otherwise, or not 16-byte aligned, is refused (its launch loads the scales by pointer)."""
+    otherwise, not 16-byte aligned or shorter than one copy, is refused (its launch loads the
+    scales by pointer)."""
     from shoal.kernels.fp8_gemm_gluon import flat_scales
 
-    scales = quant.new_activation_scales(6, 512, "cpu")
-    scales.copy_(torch.arange(24, dtype=torch.float32).view(6, 4))
-    flat = flat_scales(scales)
+    scales = quant.new_activation_scales(9, 512, "cpu")
+    scales.copy_(torch.arange(36, dtype=torch.float32).view(9, 4))
+    flat = flat_scales(scales, 16)
     assert flat is not None and flat.data_ptr() == scales.data_ptr()
-    assert all(flat[kb * 6 + r] == scales[r, kb] for r in range(6) for kb in range(4))
-    assert flat_scales(quant.new_activation_scales(1, 512, "cpu")) is not None
-    assert flat_scales(torch.zeros(6, 4)) is None  # row-major
-    assert flat_scales(quant.new_activation_scales(7, 512, "cpu")[1:]) is None  # strides (1, 7)
-    offset = torch.zeros(4 * 8 + 1)[1:].view(4, 8).t()  # group-major, 4 bytes past alignment
-    assert flat_scales(offset) is None
+    assert all(flat[kb * 9 + r] == scales[r, kb] for r in range(9) for kb in range(4))
+    assert flat_scales(quant.new_activation_scales(1, 4096, "cpu"), 16) is not None  # 32 groups
+    assert flat_scales(quant.new_activation_scales(1, 2560, "cpu"), 16) is None  # 20 < one copy
+    assert flat_scales(torch.zeros(9, 4), 16) is None  # row-major
+    assert flat_scales(quant.new_activation_scales(10, 512, "cpu")[1:], 16) is None  # strides (1, 10)
+    offset = torch.zeros(4 * 9 + 1)[1:].view(4, 9).t()  # group-major, 4 bytes past alignment
+    assert flat_scales(offset, 16) is None
 
 
 def test_scale_copies_ride_the_ring() -> None:
@@ -132,7 +134,7 @@ def test_same_bits_as_the_equivalent_triton_config(
     """Ragged M, N and K (rows past M and N and columns past K zero-filled by TMA, a last split
     that runs past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits. With
     `tma_scales` the last M tile's rows past M read the next group's scales (never stored)."""
-    m, n, k = (5, 160, 400) if swapped else (70, 96, 400)
+    m, n, k = (9, 160, 400) if swapped else (70, 96, 400)  # 9 x 4 groups: one scale copy fits
     w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     block_m, block_n = (16, 64) if swapped else (64, 32)

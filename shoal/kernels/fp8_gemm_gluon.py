@@ -266,27 +266,33 @@ def _descriptor(tensor: torch.Tensor, rows: int):
 _SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def flat_scales(a_scale: torch.Tensor) -> torch.Tensor | None:
+def scale_box(block_m: int) -> int:
+    """Floats per scale copy: the tile's rows, at least 32, so that each stage's copy lands
+    128-byte aligned in shared memory (a 16-row tile's 64-byte boxes faulted, docs/performance.md
+    run 110); the rows past the tile's are not read."""
+    return max(block_m, 32)
+
+
+def flat_scales(a_scale: torch.Tensor, block_m: int) -> torch.Tensor | None:
     """The group-major activation scales [M, groups] as the flat vector the kernel's scale copies
-    read (group kb of row r at kb * M + r), or None where the buffer is not laid out so or not
-    16-byte aligned (TMA's rule): such launches load their scales by pointer."""
+    read (group kb of row r at kb * M + r), or None where the buffer is not laid out so, not
+    16-byte aligned (TMA's rule) or shorter than one copy (a box longer than the tensor faults,
+    run 116: M = 1 with 20 groups): such launches load their scales by pointer."""
     m, groups = a_scale.shape
     if (
         (m > 1 and a_scale.stride(0) != 1)
         or (groups > 1 and a_scale.stride(1) != m)
         or a_scale.data_ptr() % 16
+        or m * groups < scale_box(block_m)
     ):
         return None
     return a_scale.t().reshape(-1)
 
 
-def _scale_descriptor(flat: torch.Tensor, rows: int):
-    """Boxes of at least 32 floats: each stage's copy lands 128-byte aligned in shared memory (a
-    16-row tile's 64-byte boxes faulted, docs/performance.md run 110); the rows past the tile's
-    are not read."""
+def _scale_descriptor(flat: torch.Tensor, block_m: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(flat, [max(rows, 32)], _SCALE_LAYOUT)
+    return TensorDescriptor.from_tensor(flat, [scale_box(block_m)], _SCALE_LAYOUT)
 
 
 def launch_prefetch_gemm(
@@ -316,7 +322,7 @@ def launch_prefetch_gemm(
     (m, k), n = a.shape, w_q.shape[0]
     if k % 16:
         raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
-    flat = flat_scales(a_scale) if tma_scales else None
+    flat = flat_scales(a_scale, block_m) if tma_scales else None
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=flat is not None,
