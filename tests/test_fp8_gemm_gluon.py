@@ -76,20 +76,22 @@ def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
 
 def test_scale_copies_read_the_group_major_buffer_as_a_flat_vector() -> None:
     """`tma_scales` reads group kb of row r at kb * M + r of the flat buffer; a buffer laid out
-    otherwise, not 16-byte aligned or shorter than one copy, is refused (its launch loads the
-    scales by pointer)."""
+    otherwise, not 16-byte aligned, with M not a multiple of 4 (a copy must start on 16 bytes) or
+    shorter than one copy, is refused (its launch loads the scales by pointer)."""
     from shoal.kernels.fp8_gemm_gluon import flat_scales
 
-    scales = quant.new_activation_scales(9, 512, "cpu")
-    scales.copy_(torch.arange(36, dtype=torch.float32).view(9, 4))
+    scales = quant.new_activation_scales(8, 512, "cpu")
+    scales.copy_(torch.arange(32, dtype=torch.float32).view(8, 4))
     flat = flat_scales(scales, 16)
     assert flat is not None and flat.data_ptr() == scales.data_ptr()
-    assert all(flat[kb * 9 + r] == scales[r, kb] for r in range(9) for kb in range(4))
-    assert flat_scales(quant.new_activation_scales(1, 4096, "cpu"), 16) is not None  # 32 groups
-    assert flat_scales(quant.new_activation_scales(1, 2560, "cpu"), 16) is None  # 20 < one copy
-    assert flat_scales(torch.zeros(9, 4), 16) is None  # row-major
-    assert flat_scales(quant.new_activation_scales(10, 512, "cpu")[1:], 16) is None  # strides (1, 10)
-    offset = torch.zeros(4 * 9 + 1)[1:].view(4, 9).t()  # group-major, 4 bytes past alignment
+    assert all(flat[kb * 8 + r] == scales[r, kb] for r in range(8) for kb in range(4))
+    assert flat_scales(quant.new_activation_scales(16, 2560, "cpu"), 16) is not None
+    for m in (1, 5, 9):  # copies would start off 16 bytes
+        assert flat_scales(quant.new_activation_scales(m, 4096, "cpu"), 16) is None
+    assert flat_scales(quant.new_activation_scales(4, 512, "cpu"), 16) is None  # 16 < one copy
+    assert flat_scales(torch.zeros(8, 4), 16) is None  # row-major
+    assert flat_scales(quant.new_activation_scales(9, 512, "cpu")[1:], 16) is None  # strides (1, 9)
+    offset = torch.zeros(4 * 8 + 1)[1:].view(4, 8).t()  # group-major, 4 bytes past alignment
     assert flat_scales(offset, 16) is None
 
 
@@ -134,7 +136,7 @@ def test_same_bits_as_the_equivalent_triton_config(
     """Ragged M, N and K (rows past M and N and columns past K zero-filled by TMA, a last split
     that runs past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits. With
     `tma_scales` the last M tile's rows past M read the next group's scales (never stored)."""
-    m, n, k = (9, 160, 400) if swapped else (70, 96, 400)  # 9 x 4 groups: one scale copy fits
+    m, n, k = (12, 160, 400) if swapped else (68, 96, 400)  # M % 4 == 0: scale copies can run
     w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
     block_m, block_n = (16, 64) if swapped else (64, 32)
@@ -147,6 +149,18 @@ def test_same_bits_as_the_equivalent_triton_config(
     want = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=_equivalent(config), unreduced=unreduced)
     want = want.parts if isinstance(want, gemm.SplitKPartials) else want
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_scale_copies_fall_back_to_scale_loads_where_a_copy_cannot_start(m: int) -> None:
+    """`tma_scales` at M not a multiple of 4 (the engine's odd batches): the launch loads its
+    scales by pointer instead (run 117's fault) and gives the same bits."""
+    n, k = 128, 4096
+    w_q, w_s = fp8_weight(n, k)
+    x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    config = gemm.GemmConfig(16, 64, 4, 4, 3, swap_ab=True, gluon=True, tiles_before_wait=2, tma_scales=True)
+    got = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config)
+    assert torch.equal(got, gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=_equivalent(config)))
 
 
 def test_other_activation_modes_run_the_config_without_it() -> None:

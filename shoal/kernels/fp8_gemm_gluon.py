@@ -275,12 +275,14 @@ def scale_box(block_m: int) -> int:
 
 def flat_scales(a_scale: torch.Tensor, block_m: int) -> torch.Tensor | None:
     """The group-major activation scales [M, groups] as the flat vector the kernel's scale copies
-    read (group kb of row r at kb * M + r), or None where the buffer is not laid out so, not
-    16-byte aligned (TMA's rule) or shorter than one copy (a box longer than the tensor faults,
-    run 116: M = 1 with 20 groups): such launches load their scales by pointer."""
+    read (group kb of row r at kb * M + r), or None where a copy could not be made: a buffer not
+    laid out so or not 16-byte aligned, M not a multiple of 4 (a copy's start, kb * M + the tile's
+    first row, must fall on 16 bytes: M = 1, 5 and 9 faulted in runs 116-117, 16 and 64 did not),
+    or fewer scales than one copy. Such launches load their scales by pointer."""
     m, groups = a_scale.shape
     if (
-        (m > 1 and a_scale.stride(0) != 1)
+        m % 4
+        or a_scale.stride(0) != 1
         or (groups > 1 and a_scale.stride(1) != m)
         or a_scale.data_ptr() % 16
         or m * groups < scale_box(block_m)
