@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 set -uo pipefail
-export SHOAL_COMMIT=b275d37 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SHOAL_SHARED=$PWD/.gpu_shared
+export SHOAL_COMMIT=c321b47 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SHOAL_SHARED=$PWD/.gpu_shared
 S=$OUT/summary.txt
 t0=$SECONDS
 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/test_fp8_gemm_gluon.py > $OUT/tests.log 2>&1

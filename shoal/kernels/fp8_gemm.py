@@ -148,6 +148,12 @@ def _GS(  # noqa: N802
     )  # fmt: skip
 
 
+# M = 16 and 32 (batches 9-32, and the fast transformer's pass 0 at batch 5-16): the activation
+# scales ride the TMA ring and the next weight scale is loaded before the refill
+# (`tma_scales`, `scales_first`; M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while
+# batch 4 (M = 4 and 8) lost 2.5% and batch 1 is unchanged (docs/performance.md runs 116-117).
+_RING_SCALES = {"tma_scales": True, "scales_first": True}
+
 TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # M <= 16: the Gluon kernel (`gluon`), swapped 64-row weight tiles through TMA, one weight tile
     # per program copied before the PDL wait (docs/performance.md runs 66-68, `shoal bench ab`):
@@ -170,29 +176,29 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (6144, 2560, 2): _GS(16, 64, 3, 3),
     (6144, 2560, 4): _GS(16, 64, 3, 3),
     (6144, 2560, 8): _GS(16, 64, 3, 4, tiles_before_wait=2),
-    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=3),
+    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=3, **_RING_SCALES),
     (2560, 4096, 2): _GS(16, 64, 7, 3),
     (2560, 4096, 4): _GS(16, 64, 7, 3),
     (2560, 4096, 8): _GS(16, 64, 4, 4, tiles_before_wait=2),
-    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=3),
+    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=3, **_RING_SCALES),
     (19456, 2560, 2): _GS(16, 64, 1, 3),
     (19456, 2560, 4): _GS(16, 64, 1, 3),
     (19456, 2560, 8): _GS(16, 64, 1, 4, tiles_before_wait=2),
-    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3),
+    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3, **_RING_SCALES),
     (2560, 9728, 2): _GS(16, 64, 7, 3),
     (2560, 9728, 4): _GS(16, 64, 7, 3),
     (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
-    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=3),
+    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=3, **_RING_SCALES),
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
     # M = 32 (batches 17-32, and the fast transformer's first pass at batch 9-16): `default_config`'s
     # splits on the Gluon kernel, 32 x 64 tiles, 3 stages, one tile ahead: batch-32 step 0.842x,
     # batch 16 0.990x (run 70; the heuristic's unswapped pointer-load tiles before).
-    (6144, 2560, 32): _GS(32, 64, 3, 3),
-    (2560, 4096, 32): _GS(32, 64, 7, 3),
-    (19456, 2560, 32): _GS(32, 64, 2, 3),
-    (2560, 9728, 32): _GS(32, 64, 7, 3),
+    (6144, 2560, 32): _GS(32, 64, 3, 3, **_RING_SCALES),
+    (2560, 4096, 32): _GS(32, 64, 7, 3, **_RING_SCALES),
+    (19456, 2560, 32): _GS(32, 64, 2, 3, **_RING_SCALES),
+    (2560, 9728, 32): _GS(32, 64, 7, 3, **_RING_SCALES),
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
