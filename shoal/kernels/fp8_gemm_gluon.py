@@ -11,16 +11,19 @@ first `tiles_before_wait` weight tiles (and loads the first block scale) *before
 part of the weight stream overlaps the previous kernel; the rest of the ring, the activation tiles
 and their scales come after it.
 
-With `TMA_SCALES` each step's activation scales ride the ring too: one more copy per stage, of the
-step's group out of the group-major scale buffer read as a flat vector (group kb of row r at
-kb * M + r), so they arrive `STAGES` steps ahead instead of one pointer load ahead. At M = 64 a K
-step is shorter than a load's round trip to L2 under the weight stream, and the multiply of a
-step's scales was the top stall (docs/performance.md run 102). A tile's rows past M read the next
-group's scales; those rows are never stored.
-
 How many is a trade, measured in the decode step (docs/performance.md runs 66-68): copies issued
 ahead shorten the GEMM, but they fill the memory system while the kernel before it runs, and
 those kernels (the norm, attention) are chains of dependent loads whose latency then grows.
+
+With `TMA_SCALES` each step's activation scales ride the ring too: one more copy per stage, of the
+step's group out of the group-major scale buffer read as a flat vector (group kb of row r at
+kb * M + r), so they arrive `STAGES` steps ahead instead of one pointer load ahead; the multiply
+of a step's scales waiting on those loads is the GEMMs' top stall under Nsight Compute
+(docs/performance.md runs 102, 110, 115). A copy is at least 32 floats (128-byte aligned stages)
+and must start on 16 bytes, so only M % 4 == 0 with at least one copy of scales takes them
+(`flat_scales`); a tile's rows past M read the next group's scales, which are never stored. The
+tuned table uses them at M = 16 and 32 (batch-16 step 0.974x, runs 116-117); at M = 4 and 8 they
+lost 2.5%, and at M = 64 the Triton kernel stays ahead of this one even with them.
 
 Same tiles and arithmetic as the Triton kernel with `swap_ab=True, tma=True, scales_ahead=True`
 (weight rows are the wgmma's M side, each K step's product scaled by a_scale * w_scale and added
