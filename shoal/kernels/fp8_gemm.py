@@ -96,7 +96,8 @@ class GemmConfig:
     # much of the weight stream overlaps the kernel before the GEMM.
     tiles_before_wait: int = 0
     # With `gluon`: each K step's activation scales come through the TMA ring with its tiles
-    # (`kernels/fp8_gemm_gluon.py`), `num_stages` steps ahead instead of one. The same bits.
+    # (`kernels/fp8_gemm_gluon.py`), `num_stages` steps ahead instead of one; launches with M not
+    # a multiple of 4 load them by pointer (`fp8_gemm_gluon.flat_scales`). The same bits.
     tma_scales: bool = False
     # With `gluon`: load the next step's scales right after the MMAs, before the refill copies
     # (the order of the Triton kernel's sm_90 loop), instead of after the accumulate. Same bits.

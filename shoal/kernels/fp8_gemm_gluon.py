@@ -265,14 +265,15 @@ def _descriptor(tensor: torch.Tensor, rows: int):
     return TensorDescriptor.from_tensor(tensor, [rows, BLOCK], layout)
 
 
-# The flat scale vector's copies: BM fp32 values, unswizzled.
+# The flat scale vector's copies: `scale_box` fp32 values, unswizzled.
 _SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
 def scale_box(block_m: int) -> int:
     """Floats per scale copy: the tile's rows, at least 32, so that each stage's copy lands
-    128-byte aligned in shared memory (a 16-row tile's 64-byte boxes faulted, docs/performance.md
-    run 110); the rows past the tile's are not read."""
+    128-byte aligned in shared memory; the rows past the tile's are not read. (Run 110's faults
+    were first put down to the 16-row tile's 64-byte stages; run 117 found unaligned copy starts
+    instead. The wider box is what was measured, so it stays.)"""
     return max(block_m, 32)
 
 
