@@ -96,7 +96,6 @@ def main() -> None:
             split_k=config.split_k, swapped=config.swap_ab, num_stages=config.num_stages,
             tiles_before_wait=config.tiles_before_wait, leave_partials=config.split_k > 1,
             bf16_partials=config.bf16_partials, tma_scales=config.tma_scales,
-            scales_first=config.scales_first,
         )  # fmt: skip
     else:
         compiled = compile_split_k(args.k, config)

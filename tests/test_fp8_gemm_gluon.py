@@ -71,7 +71,7 @@ def test_weight_copies_come_before_the_pdl_wait() -> None:
 
 
 def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
-    return replace(config, gluon=False, tma=True, scales_ahead=True, tma_scales=False, scales_first=False)
+    return replace(config, gluon=False, tma=True, scales_ahead=True, tma_scales=False)
 
 
 def test_scale_copies_read_the_group_major_buffer_as_a_flat_vector() -> None:
@@ -119,11 +119,7 @@ def test_scale_copies_ride_the_ring() -> None:
     assert ring_loads < plain_loads  # the activation scales' pointer loads are gone
 
 
-@pytest.mark.parametrize(
-    "tma_scales,scales_first",
-    [(False, False), (True, False), (False, True), (True, True)],
-    ids=["scale-loads", "tma-scales", "scales-first", "tma-scales-first"],
-)
+@pytest.mark.parametrize("tma_scales", [False, True], ids=["scale-loads", "tma-scales"])
 @pytest.mark.parametrize("swapped", [True, False], ids=["swapped", "unswapped"])
 @pytest.mark.parametrize(
     "split,bf16_partials,unreduced",
@@ -131,7 +127,7 @@ def test_scale_copies_ride_the_ring() -> None:
     ids=["nosplit", "partials", "bf16-partials", "reduced"],
 )
 def test_same_bits_as_the_equivalent_triton_config(
-    split: int, bf16_partials: bool, unreduced: bool, swapped: bool, tma_scales: bool, scales_first: bool
+    split: int, bf16_partials: bool, unreduced: bool, swapped: bool, tma_scales: bool
 ) -> None:
     """Ragged M, N and K (rows past M and N and columns past K zero-filled by TMA, a last split
     that runs past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits. With
@@ -142,7 +138,7 @@ def test_same_bits_as_the_equivalent_triton_config(
     block_m, block_n = (16, 64) if swapped else (64, 32)
     config = gemm.GemmConfig(
         block_m, block_n, split, 4, 2, swap_ab=swapped, bf16_partials=bf16_partials, gluon=True,
-        tiles_before_wait=1, tma_scales=tma_scales, scales_first=scales_first,
+        tiles_before_wait=1, tma_scales=tma_scales,
     )  # fmt: skip
     got = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, unreduced=unreduced)
     got = got.parts.clone() if isinstance(got, gemm.SplitKPartials) else got

@@ -96,12 +96,11 @@ class GemmConfig:
     # much of the weight stream overlaps the kernel before the GEMM.
     tiles_before_wait: int = 0
     # With `gluon`: each K step's activation scales come through the TMA ring with its tiles
-    # (`kernels/fp8_gemm_gluon.py`), `num_stages` steps ahead instead of one; launches with M not
-    # a multiple of 4 load them by pointer (`fp8_gemm_gluon.flat_scales`). The same bits.
+    # (`kernels/fp8_gemm_gluon.py`), `num_stages` steps ahead instead of one, and the next weight
+    # scale is loaded right after the MMAs, before the refill copies (the Triton kernel's order);
+    # launches with M not a multiple of 4 load the activation scales by pointer
+    # (`fp8_gemm_gluon.flat_scales`). The same bits.
     tma_scales: bool = False
-    # With `gluon`: load the next step's scales right after the MMAs, before the refill copies
-    # (the order of the Triton kernel's sm_90 loop), instead of after the accumulate. Same bits.
-    scales_first: bool = False
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -150,11 +149,9 @@ def _GS(  # noqa: N802
 
 
 # M = 16 and 32 (batches 9-32, and the fast transformer's pass 0 at batch 5-16): the activation
-# scales ride the TMA ring and the next weight scale is loaded before the refill
-# (`tma_scales`, `scales_first`; M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while
-# batch 4 (M = 4 and 8) lost 2.5% and batch 1 is unchanged (docs/performance.md runs 116-117).
-_RING_SCALES = {"tma_scales": True, "scales_first": True}
-
+# scales ride the TMA ring and the next weight scale is loaded before the refill (`tma_scales`;
+# M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while batch 4 (M = 4 and 8) lost 2.5%
+# and batch 1 is unchanged (docs/performance.md runs 116-117).
 TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # M <= 16: the Gluon kernel (`gluon`), swapped 64-row weight tiles through TMA, one weight tile
     # per program copied before the PDL wait (docs/performance.md runs 66-68, `shoal bench ab`):
@@ -177,29 +174,29 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (6144, 2560, 2): _GS(16, 64, 3, 3),
     (6144, 2560, 4): _GS(16, 64, 3, 3),
     (6144, 2560, 8): _GS(16, 64, 3, 4, tiles_before_wait=2),
-    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=3, **_RING_SCALES),
+    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
     (2560, 4096, 2): _GS(16, 64, 7, 3),
     (2560, 4096, 4): _GS(16, 64, 7, 3),
     (2560, 4096, 8): _GS(16, 64, 4, 4, tiles_before_wait=2),
-    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=3, **_RING_SCALES),
+    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
     (19456, 2560, 2): _GS(16, 64, 1, 3),
     (19456, 2560, 4): _GS(16, 64, 1, 3),
     (19456, 2560, 8): _GS(16, 64, 1, 4, tiles_before_wait=2),
-    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3, **_RING_SCALES),
+    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3, tma_scales=True),
     (2560, 9728, 2): _GS(16, 64, 7, 3),
     (2560, 9728, 4): _GS(16, 64, 7, 3),
     (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
-    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=3, **_RING_SCALES),
+    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
     # M = 32 (batches 17-32, and the fast transformer's first pass at batch 9-16): `default_config`'s
     # splits on the Gluon kernel, 32 x 64 tiles, 3 stages, one tile ahead: batch-32 step 0.842x,
     # batch 16 0.990x (run 70; the heuristic's unswapped pointer-load tiles before).
-    (6144, 2560, 32): _GS(32, 64, 3, 3, **_RING_SCALES),
-    (2560, 4096, 32): _GS(32, 64, 7, 3, **_RING_SCALES),
-    (19456, 2560, 32): _GS(32, 64, 2, 3, **_RING_SCALES),
-    (2560, 9728, 32): _GS(32, 64, 7, 3, **_RING_SCALES),
+    (6144, 2560, 32): _GS(32, 64, 3, 3, tma_scales=True),
+    (2560, 4096, 32): _GS(32, 64, 7, 3, tma_scales=True),
+    (19456, 2560, 32): _GS(32, 64, 2, 3, tma_scales=True),
+    (2560, 9728, 32): _GS(32, 64, 7, 3, tma_scales=True),
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
@@ -647,7 +644,6 @@ def _launch(
             swapped=config.swap_ab, num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
             num_warps=config.num_warps, bf16_partials=config.bf16_partials,
             leave_partials=leave_partials, launch=pdl_launch(), tma_scales=config.tma_scales,
-            scales_first=config.scales_first,
         )  # fmt: skip
         return _result(out, workspace, config, m, n, leave_partials)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)

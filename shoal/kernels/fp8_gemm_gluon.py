@@ -182,7 +182,8 @@ def _fp8_gemm_prefetch_kernel(
         if SCALES_FIRST:
             # The next step's scales (this step's product is taken), then the refill: the order
             # of Triton's sm_90 loop, whose scale loads so leave a refill earlier
-            # (docs/performance.md run 115).
+            # (docs/performance.md run 115). Taken with the scale copies (requested: also where a
+            # launch falls back to loads); on its own it lost (run 116).
             w_scale, a_scale = _next_scales(
                 w_scale_row, a_scale_ptr, offs_m, m_mask, kb0 + step + 1, k_blocks, stride_asm,
                 stride_asg, a_scale, TMA_SCALES,
@@ -247,7 +248,7 @@ def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> Non
 
 def _kernel_constants(
     k: int, *, split_k: int, swapped: bool, num_stages: int, tiles_before_wait: int,
-    leave_partials: bool, bf16_partials: bool, tma_scales: bool, scales_first: bool = False,
+    leave_partials: bool, bf16_partials: bool, tma_scales: bool, scales_first: bool,
 ) -> dict:  # fmt: skip
     """The kernel's compile-time constants for one launch shape (USE_PDL comes with the launch)."""
     return {
@@ -321,7 +322,6 @@ def launch_prefetch_gemm(
     leave_partials: bool,
     launch: dict,
     tma_scales: bool = False,
-    scales_first: bool = False,
 ) -> None:
     """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     check_tile(block_m, block_n, swapped, num_warps)
@@ -332,7 +332,7 @@ def launch_prefetch_gemm(
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=flat is not None,
-        scales_first=scales_first,
+        scales_first=tma_scales,
     )  # fmt: skip
     s_desc = _scale_descriptor(flat, block_m) if flat is not None else a_scale  # else unused
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
@@ -346,7 +346,7 @@ def launch_prefetch_gemm(
 def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
     tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
-    num_warps: int = 4, swapped: bool = True, tma_scales: bool = False, scales_first: bool = False,
+    num_warps: int = 4, swapped: bool = True, tma_scales: bool = False,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -358,7 +358,7 @@ def compile_for_hopper(
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=tma_scales,
-        scales_first=scales_first,
+        scales_first=tma_scales,
     ) | {"USE_PDL": use_pdl, "num_warps": num_warps}  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
