@@ -96,6 +96,7 @@ def main() -> None:
             split_k=config.split_k, swapped=config.swap_ab, num_stages=config.num_stages,
             tiles_before_wait=config.tiles_before_wait, leave_partials=config.split_k > 1,
             bf16_partials=config.bf16_partials, tma_scales=config.tma_scales,
+            vector_stores=config.vector_stores,
         )  # fmt: skip
     else:
         compiled = compile_split_k(args.k, config)

@@ -71,7 +71,7 @@ def test_weight_copies_come_before_the_pdl_wait() -> None:
 
 
 def _equivalent(config: gemm.GemmConfig) -> gemm.GemmConfig:
-    return replace(config, gluon=False, tma=True, scales_ahead=True, tma_scales=False)
+    return replace(config, gluon=False, tma=True, scales_ahead=True, tma_scales=False, vector_stores=False)
 
 
 def test_scale_copies_read_the_group_major_buffer_as_a_flat_vector() -> None:
@@ -119,6 +119,39 @@ def test_scale_copies_ride_the_ring() -> None:
     assert ring_loads < plain_loads  # the activation scales' pointer loads are gone
 
 
+def test_vector_stores_write_sixteen_bytes_per_instruction() -> None:
+    """The sm_90 build with `vector_stores` (compiled here, with the launcher's 16-divisibility
+    specialization): the tile's global stores are all 16 bytes wide, where the accumulator's
+    layout stores 2 (bf16, swapped) or 4 bytes (bf16 pairs, unswapped) per instruction."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    probe = (
+        "import re\n"
+        "from shoal.kernels.fp8_gemm_gluon import compile_for_hopper\n"
+        "for m, n, k, bm, bn, swapped in ((16, 2560, 9728, 16, 64, True), (64, 2560, 9728, 64, 32, False)):\n"
+        "    for flag in (False, True):\n"
+        "        ptx = compile_for_hopper(m, n, k, block_m=bm, block_n=bn, split_k=7, num_stages=4,\n"
+        "            swapped=swapped, tiles_before_wait=1, leave_partials=True, bf16_partials=True,\n"
+        "            vector_stores=flag).asm['ptx']\n"
+        "        print(' '.join(sorted(set(re.findall(r'st\\.global(?:\\.\\w+)*', ptx)))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    swapped, swapped_vector, unswapped, unswapped_vector = result.stdout.strip().splitlines()[-4:]
+    assert swapped == "st.global.b16" and unswapped == "st.global.b32"
+    assert swapped_vector == unswapped_vector == "st.global.v4.b32"
+
+
+# The output layout's conversion only exists in the Gluon kernel, which runs on Hopper alone;
+# elsewhere both cases would run the same Triton substitute.
+_VECTOR_STORES = [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(not gemm._gluon_runs(torch.device(DEVICE)), reason="Hopper only")),
+]
+
+
+@pytest.mark.parametrize("vector_stores", _VECTOR_STORES, ids=["mma-layout-stores", "vector-stores"])
 @pytest.mark.parametrize("tma_scales", [False, True], ids=["scale-loads", "tma-scales"])
 @pytest.mark.parametrize("swapped", [True, False], ids=["swapped", "unswapped"])
 @pytest.mark.parametrize(
@@ -127,7 +160,7 @@ def test_scale_copies_ride_the_ring() -> None:
     ids=["nosplit", "partials", "bf16-partials", "reduced"],
 )
 def test_same_bits_as_the_equivalent_triton_config(
-    split: int, bf16_partials: bool, unreduced: bool, swapped: bool, tma_scales: bool
+    split: int, bf16_partials: bool, unreduced: bool, swapped: bool, tma_scales: bool, vector_stores: bool
 ) -> None:
     """Ragged M, N and K (rows past M and N and columns past K zero-filled by TMA, a last split
     that runs past K): on Hopper the Gluon kernel, elsewhere its substitute; the same bits. With
@@ -138,7 +171,7 @@ def test_same_bits_as_the_equivalent_triton_config(
     block_m, block_n = (16, 64) if swapped else (64, 32)
     config = gemm.GemmConfig(
         block_m, block_n, split, 4, 2, swap_ab=swapped, bf16_partials=bf16_partials, gluon=True,
-        tiles_before_wait=1, tma_scales=tma_scales,
+        tiles_before_wait=1, tma_scales=tma_scales, vector_stores=vector_stores,
     )  # fmt: skip
     got = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config, unreduced=unreduced)
     got = got.parts.clone() if isinstance(got, gemm.SplitKPartials) else got

@@ -101,6 +101,10 @@ class GemmConfig:
     # launches with M not a multiple of 4 load the activation scales by pointer
     # (`fp8_gemm_gluon.flat_scales`). The same bits.
     tma_scales: bool = False
+    # With `gluon`: the output tile (or split-K partials) converted through shared memory to a
+    # layout of 16 contiguous bytes per thread before its store, instead of stored from the
+    # wgmma accumulator's layout (2-4 bytes per store instruction). The same bits.
+    vector_stores: bool = False
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -644,6 +648,7 @@ def _launch(
             swapped=config.swap_ab, num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
             num_warps=config.num_warps, bf16_partials=config.bf16_partials,
             leave_partials=leave_partials, launch=pdl_launch(), tma_scales=config.tma_scales,
+            vector_stores=config.vector_stores,
         )  # fmt: skip
         return _result(out, workspace, config, m, n, leave_partials)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)

@@ -91,8 +91,8 @@ def _fp8_gemm_prefetch_kernel(
     M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
     STEPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
     SWAPPED: gl.constexpr, LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr,
-    TMA_SCALES: gl.constexpr, SCALES_FIRST: gl.constexpr, USE_PDL: gl.constexpr,
-    num_warps: gl.constexpr,
+    TMA_SCALES: gl.constexpr, SCALES_FIRST: gl.constexpr, VECTOR_STORES: gl.constexpr,
+    STORE_BYTES: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows of the tile
     BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows of the tile
@@ -205,6 +205,14 @@ def _fp8_gemm_prefetch_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
+    if VECTOR_STORES:
+        # Through shared memory into a layout whose threads hold 16 contiguous output bytes; the
+        # accumulator's own layout stores 2-4 bytes per instruction (docs/performance.md).
+        store_layout: gl.constexpr = _row_contiguous(acc_shape, SWAPPED, STORE_BYTES, num_warps)
+        acc = gl.convert_layout(acc, store_layout)
+        rows_m, rows_n = _tile_rows(off_m, off_n, BM, BN, SWAPPED, store_layout)
+    else:
+        store_layout: gl.constexpr = mma_layout
     mask = (rows_m < M) & (rows_n < N)
     tile_offsets = rows_m * N + rows_n
     out_ptrs = out_ptr + rows_m.to(gl.int64) * stride_om + rows_n
@@ -221,7 +229,7 @@ def _fp8_gemm_prefetch_kernel(
             tile = pid_m * gl.num_programs(1) + pid_n
             arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
-                total = gl.zeros(acc_shape, gl.float32, mma_layout)
+                total = gl.zeros(acc_shape, gl.float32, store_layout)
                 for s in range(SPLIT_K):
                     total += gl.load(
                         partial_ptr + s * split_stride + tile_offsets,
@@ -231,6 +239,34 @@ def _fp8_gemm_prefetch_kernel(
                     ).to(gl.float32)
                 gl.store(out_ptrs, total.to(gl.bfloat16), mask=mask)
                 gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.constexpr_function
+def _row_contiguous(shape, swapped, element_bytes, num_warps):
+    """A blocked layout of the [BN, BM] (swapped) or [BM, BN] tile in which each thread holds 16
+    bytes along the output's rows (N), the contiguous side of out[m, n]."""
+    along_n = 0 if swapped else 1
+    per_thread = [1, 1]
+    per_thread[along_n] = 16 // element_bytes
+    lanes = [1, 1]
+    lanes[along_n] = max(1, min(32, shape[along_n] // per_thread[along_n]))
+    lanes[1 - along_n] = 32 // lanes[along_n]
+    warps = [1, 1]
+    warps[1 - along_n] = num_warps
+    return gl.BlockedLayout(per_thread, lanes, warps, [along_n, 1 - along_n])
+
+
+@gluon.jit
+def _tile_rows(off_m, off_n, BM: gl.constexpr, BN: gl.constexpr, SWAPPED: gl.constexpr, layout: gl.constexpr):
+    """The tile's output rows (m) and columns (n) as broadcastable index tensors in `layout`."""
+    if SWAPPED:
+        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
+        return offs_m[None, :], offs_n[:, None]
+    else:
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        return offs_m[:, None], offs_n[None, :]
 
 
 def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> None:
@@ -248,14 +284,16 @@ def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> Non
 
 def _kernel_constants(
     k: int, *, split_k: int, swapped: bool, num_stages: int, tiles_before_wait: int,
-    leave_partials: bool, bf16_partials: bool, tma_scales: bool, scales_first: bool,
+    leave_partials: bool, bf16_partials: bool, tma_scales: bool, scales_first: bool, vector_stores: bool,
 ) -> dict:  # fmt: skip
     """The kernel's compile-time constants for one launch shape (USE_PDL comes with the launch)."""
     return {
         "STEPS": triton.cdiv(triton.cdiv(k, BLOCK), split_k), "STAGES": num_stages,
         "AHEAD": tiles_before_wait, "SPLIT_K": split_k, "SWAPPED": swapped,
         "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
-        "TMA_SCALES": tma_scales, "SCALES_FIRST": scales_first,
+        "TMA_SCALES": tma_scales, "SCALES_FIRST": scales_first, "VECTOR_STORES": vector_stores,
+        # the bytes of what the epilogue stores: fp32 partials, else bf16 (its layout's vector width)
+        "STORE_BYTES": 4 if split_k > 1 and not bf16_partials else 2,
     }  # fmt: skip
 
 
@@ -322,6 +360,7 @@ def launch_prefetch_gemm(
     leave_partials: bool,
     launch: dict,
     tma_scales: bool = False,
+    vector_stores: bool = False,
 ) -> None:
     """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     check_tile(block_m, block_n, swapped, num_warps)
@@ -332,7 +371,7 @@ def launch_prefetch_gemm(
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=flat is not None,
-        scales_first=tma_scales,
+        scales_first=tma_scales, vector_stores=vector_stores,
     )  # fmt: skip
     s_desc = _scale_descriptor(flat, block_m) if flat is not None else a_scale  # else unused
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
@@ -346,7 +385,7 @@ def launch_prefetch_gemm(
 def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
     tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
-    num_warps: int = 4, swapped: bool = True, tma_scales: bool = False,
+    num_warps: int = 4, swapped: bool = True, tma_scales: bool = False, vector_stores: bool = False,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -358,7 +397,7 @@ def compile_for_hopper(
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=tma_scales,
-        scales_first=tma_scales,
+        scales_first=tma_scales, vector_stores=vector_stores,
     ) | {"USE_PDL": use_pdl, "num_warps": num_warps}  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
@@ -372,5 +411,12 @@ def compile_for_hopper(
     )  # fmt: skip
     names = kernel.arg_names
     constexprs = {(names.index(name),): value for name, value in constants.items()}
-    source = GluonASTSource(kernel, signature, constexprs=constexprs)
+    # What the launcher specializes: pointers and integer arguments divisible by 16 (it decides
+    # whether a store can be vectorized, so a reading without it is not the GPU's build).
+    k_blocks = triton.cdiv(k, BLOCK)
+    values = {"M": m, "N": n, "k_blocks": k_blocks, "stride_wsn": k_blocks, "stride_asm": 1,
+              "stride_asg": m, "stride_om": n}  # fmt: skip
+    aligned = [i for i, name in enumerate(names) if name.endswith("_ptr") or values.get(name, 1) % 16 == 0]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps})
