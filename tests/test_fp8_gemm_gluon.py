@@ -145,10 +145,8 @@ def test_vector_stores_write_sixteen_bytes_per_instruction() -> None:
 
 # The output layout's conversion only exists in the Gluon kernel, which runs on Hopper alone;
 # elsewhere both cases would run the same Triton substitute.
-_VECTOR_STORES = [
-    False,
-    pytest.param(True, marks=pytest.mark.skipif(not gemm._gluon_runs(torch.device(DEVICE)), reason="Hopper only")),
-]
+_ON_HOPPER = gemm._gluon_runs(torch.device(DEVICE))
+_VECTOR_STORES = [False, pytest.param(True, marks=pytest.mark.skipif(not _ON_HOPPER, reason="Hopper only"))]
 
 
 @pytest.mark.parametrize("vector_stores", _VECTOR_STORES, ids=["mma-layout-stores", "vector-stores"])
