@@ -145,13 +145,26 @@ def _GS(  # noqa: N802
     block_m: int, block_n: int, split_k: int, num_stages: int, tiles_before_wait: int = 1, **fields
 ) -> GemmConfig:
     """A table entry on the Gluon kernel with swapped tiles (one weight tile before the wait unless
-    told otherwise)."""
+    told otherwise), storing 16 bytes at a time unless told otherwise."""
+    fields.setdefault("vector_stores", True)
     return GemmConfig(
         block_m, block_n, split_k, 4, num_stages, swap_ab=True, gluon=True,
         tiles_before_wait=tiles_before_wait, **fields,
     )  # fmt: skip
 
 
+def _GU(block_n: int, split_k: int, num_stages: int = 4, **fields) -> GemmConfig:  # noqa: N802
+    """A table entry on the Gluon kernel with unswapped tiles of 64 activation rows (the wgmma's M
+    side), one weight tile before the wait, the scale copies and 16-byte stores."""
+    return GemmConfig(
+        64, block_n, split_k, 4, num_stages, gluon=True, tiles_before_wait=1, tma_scales=True,
+        vector_stores=True, **fields,
+    )  # fmt: skip
+
+
+# Every Gluon entry but M = 1's stores its tile through a 16-byte store layout (`vector_stores`):
+# batch-16 step 0.969x; M = 64 moved onto the Gluon kernel with it and the scale copies, batch 64
+# 0.971x (the copies without it: 1.022x); at M = 1 no gain (1.002x; docs/performance.md run 120).
 # M = 16 and 32 (batches 9-32, and the fast transformer's pass 0 at batch 5-16): the activation
 # scales ride the TMA ring and the next weight scale is loaded before the refill (`tma_scales`;
 # M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while batch 4 (M = 4 and 8) lost 2.5%
@@ -167,10 +180,10 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # Other splits +-1 step: 1.001-1.022x; qkv at M = 8 split 6 instead of 3: 1.025x. Two tiles
     # ahead at M = 1 once the norms issued their loads in one round: 0.995x (run 80; one shape at a
     # time 0.997-1.001x, three for o 1.001x).
-    (6144, 2560, 1): _GS(16, 64, 3, 3, tiles_before_wait=2),  # qkv (split 3: run 72)
-    (2560, 4096, 1): _GS(16, 64, 7, 3, tiles_before_wait=2),  # o
-    (19456, 2560, 1): _GS(16, 64, 1, 3, tiles_before_wait=2),  # gate_up
-    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2),  # down
+    (6144, 2560, 1): _GS(16, 64, 3, 3, tiles_before_wait=2, vector_stores=False),  # qkv (split 3: run 72)
+    (2560, 4096, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # o
+    (19456, 2560, 1): _GS(16, 64, 1, 3, tiles_before_wait=2, vector_stores=False),  # gate_up
+    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
     # M = 8 with 2 tiles ahead: batch 8 0.996x (run 78); M = 16 with 2, then 3: batch 16 0.995x
@@ -206,17 +219,19 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
     # gate passes with them (run 50). M = 128 (the fast transformer's pass 0 at batch 33-64) takes
     # `scales_ahead` as M = 64 does: batch-64 step 0.997x, every sample below the base's (run 106).
+    # M = 64 runs these sweeps' tiles and splits on the Gluon kernel (`_GU`, run 120); the times
+    # quoted are the Triton kernel's.
     # qkv 10.2 us (run 11: 11.3; bf16 cuBLAS 11.2)
-    (6144, 2560, 64): _G(64, 32, 2, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
+    (6144, 2560, 64): _GU(32, 2, bf16_partials=True),
     (6144, 2560, 128): _G(64, 64, 2, 4, 4, tma=True, scales_ahead=True),  # qkv 11.9 us (bf16 11.3)
     # o 9.8 us (run 11: 10.8; bf16 9.8)
-    (2560, 4096, 64): _G(64, 32, 4, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
+    (2560, 4096, 64): _GU(32, 4, bf16_partials=True),
     (2560, 4096, 128): _G(64, 64, 4, 4, 4, tma=True, scales_ahead=True),  # o 12.1 us (bf16 10.6)
     # gate_up 16.5 us (run 11: 18.2; bf16 31.0)
-    (19456, 2560, 64): _G(64, 64, 1, 4, 4, tma=True, scales_ahead=True),
+    (19456, 2560, 64): _GU(64, 1),
     (19456, 2560, 128): _G(64, 64, 1, 4, 4, tma=True, scales_ahead=True),  # gate_up 24.1 us (bf16 30.1)
     # down 16.0 us (TMA no faster alone; bf16 18.6); through TMA the batch-64 step 0.985x (run 99)
-    (2560, 9728, 64): _G(64, 64, 7, 4, 4, tma=True, bf16_partials=True, scales_ahead=True),
+    (2560, 9728, 64): _GU(64, 7, bf16_partials=True),
     (2560, 9728, 128): _G(64, 64, 4, 4, 4, tma=True, scales_ahead=True),  # down 17.7 us (bf16 21.3)
 }
 
