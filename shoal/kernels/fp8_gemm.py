@@ -155,16 +155,17 @@ def _GS(  # noqa: N802
 
 def _GU(block_n: int, split_k: int, num_stages: int = 4, **fields) -> GemmConfig:  # noqa: N802
     """A table entry on the Gluon kernel with unswapped tiles of 64 activation rows (the wgmma's M
-    side), one weight tile before the wait, the scale copies and 16-byte stores."""
+    side), two weight tiles before the wait, the scale copies and 16-byte stores."""
     return GemmConfig(
-        64, block_n, split_k, 4, num_stages, gluon=True, tiles_before_wait=1, tma_scales=True,
+        64, block_n, split_k, 4, num_stages, gluon=True, tiles_before_wait=2, tma_scales=True,
         vector_stores=True, **fields,
     )  # fmt: skip
 
 
 # Every Gluon entry but M = 1's stores its tile through a 16-byte store layout (`vector_stores`):
-# batch-16 step 0.969x; M = 64 moved onto the Gluon kernel with it and the scale copies, batch 64
-# 0.971x (the copies without it: 1.022x); at M = 1 no gain (1.002x; docs/performance.md run 120).
+# batch-16 step 0.969x, batch 32 0.967x; M = 64 moved onto the Gluon kernel with it and the scale
+# copies, batch 64 0.971x (the copies without it: 1.022x), then two tiles before the wait 0.992x;
+# at M = 1-8 no gain (1.002x at batch 1, 0.998-0.999x at 4 and 8 either way; runs 120-121).
 # M = 16 and 32 (batches 9-32, and the fast transformer's pass 0 at batch 5-16): the activation
 # scales ride the TMA ring and the next weight scale is loaded before the refill (`tma_scales`;
 # M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while batch 4 (M = 4 and 8) lost 2.5%
