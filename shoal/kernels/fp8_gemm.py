@@ -166,6 +166,8 @@ def _GU(block_n: int, split_k: int, num_stages: int = 4, **fields) -> GemmConfig
 # batch-16 step 0.969x, batch 32 0.967x; M = 64 moved onto the Gluon kernel with it and the scale
 # copies, batch 64 0.971x (the copies without it: 1.022x), then two tiles before the wait 0.992x;
 # at M = 1-8 no gain (1.002x at batch 1, 0.998-0.999x at 4 and 8 either way; runs 120-121).
+# With them every larger split lost at M = 16-64 (1.003-1.077x, run 122) and every smaller one
+# but down's 5 at M = 16 (batch 16 0.993x; the others 1.001-1.012x, run 123).
 # M = 16 and 32 (batches 9-32, and the fast transformer's pass 0 at batch 5-16): the activation
 # scales ride the TMA ring and the next weight scale is loaded before the refill (`tma_scales`;
 # M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while batch 4 (M = 4 and 8) lost 2.5%
@@ -204,7 +206,7 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 2): _GS(16, 64, 7, 3),
     (2560, 9728, 4): _GS(16, 64, 7, 3),
     (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
-    (2560, 9728, 16): _GS(16, 64, 7, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
+    (2560, 9728, 16): _GS(16, 64, 5, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),  # run 123
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
