@@ -80,25 +80,6 @@ def test_decode_matches_reference(hq: int, hkv: int, num_splits: int, fused: boo
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, True), (4, False)], ids=["1", "3-fused", "4"])
-def test_pages_before_wait_give_the_same_bits(num_splits: int, fused: bool) -> None:
-    """`pages_before_wait`: the first key block's page-table entries come from before the PDL
-    wait, later blocks' from the loop; rows of 1 to 70 keys over 8-key pages (two pages per
-    16-key block), splits that start mid-row, and splits left empty by short rows."""
-    gen = torch.Generator().manual_seed(31 + num_splits)
-    seq_lens = [1, 9, 16, 33, 70]
-    k, v, tables = make_paged_cache(seq_lens, 2, 32, 8, gen)
-    q = torch.randn(len(seq_lens), 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    config = replace(SMALL, fused_merge=fused)
-    want = paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config)
-    got = paged_decode_attention(
-        q, k, v, tables, lens, num_splits=num_splits, config=replace(config, pages_before_wait=True)
-    )
-    assert torch.equal(got, want)
-    assert relative_error(got, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
-
-
 def test_split_rows_take_split_block_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """`split_block_n` is the block size of split launches only: the launch sees block_n 32 with
     three splits and 16 with one (recorded at the launcher), and the results are the reference's."""

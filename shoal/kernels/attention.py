@@ -86,10 +86,6 @@ class AttentionConfig:
     # Decode: keys per iteration instead of block_n when a row is split (num_splits > 1); 0 keeps
     # block_n. The split count follows the block table's width, so one batch bucket meets both.
     split_block_n: int = 0
-    # Decode: each program loads its first key block's page-table entries before the PDL wait
-    # (the block tables are step constants, like the lengths), so its first K/V loads after the
-    # wait need no page-table round trip.
-    pages_before_wait: bool = False
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -150,9 +146,9 @@ def _dot(a, b, UPCAST: tl.constexpr):
 @triton.jit
 def _attend_key_range(
     acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
-    stride_kp, stride_kt, stride_kh, scale_log2e, first_pages,
+    stride_kp, stride_kt, stride_kh, scale_log2e,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, KV_FP8: tl.constexpr, FIRST_PAGES: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row.
 
@@ -162,10 +158,7 @@ def _attend_key_range(
     instead of 8). Widening to bf16 instead (e4m3 -> fp32 -> bf16, exact, three conversions per
     two values and an fp32 tile in registers) was 3-10% slower per kernel (docs/performance.md
     run 77) and held 187 registers per thread (run 61). Each key's scale multiplies its score
-    column and each value's scale its probability column (l_i sums the unscaled probabilities).
-
-    FIRST_PAGES: `first_pages` [BLOCK_N] holds the first block's page-table entries (loaded
-    earlier by the caller); only later blocks read the table."""
+    column and each value's scale its probability column (l_i sums the unscaled probabilities)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FP8:
         q_op = q.to(tl.float16)
@@ -174,12 +167,7 @@ def _attend_key_range(
     for start in range(lo, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         valid = tok < hi
-        if FIRST_PAGES:
-            later = start != lo
-            page = tl.load(table_row_ptr + tok // PAGE, mask=valid & later, other=0)
-            page = tl.where(later, page, first_pages).to(tl.int64)
-        else:
-            page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
         base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -212,7 +200,7 @@ def _attend_fresh(
     q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
     stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, first_pages=None, FIRST_PAGES: tl.constexpr = False,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """(acc, m, l) of q's rows over keys [lo, hi), from the empty state."""
     acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
@@ -220,8 +208,8 @@ def _attend_fresh(
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     return _attend_key_range(
         acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head,
-        lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, first_pages, CAUSAL, BLOCK_N, PAGE,
-        HEAD_DIM, UPCAST, KV_FP8, FIRST_PAGES,
+        lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+        KV_FP8,
     )  # fmt: skip
 
 
@@ -316,7 +304,7 @@ def _attend_split(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr,
-    KV_FP8: tl.constexpr, first_pages, FIRST_PAGES: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
     the last split of the (sequence, kv head) to arrive)."""
@@ -324,7 +312,6 @@ def _attend_split(
         q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi, stride_kp, stride_kt,
         stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
-        first_pages, FIRST_PAGES,
     )  # fmt: skip
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
@@ -355,27 +342,17 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, FIRST_PAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
-    (decode only), the last of a (sequence, kv head)'s split programs to finish merges them.
-    FIRST_PAGES (decode without kv_start): the split's first key block's page-table entries are
-    read before the wait too, with the lo of the range computed below."""
+    (decode only), the last of a (sequence, kv head)'s split programs to finish merges them."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
-    first_pages = None
     if IS_DECODE:  # the step's lengths: read before the wait (`paged_decode_attention`'s contract)
         seq_len = tl.load(seq_lens_ptr + seq)
-        if FIRST_PAGES:  # [lo, hi) of this split as computed below for one query and kv_lo = 0
-            first_chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-            first_tok = split * first_chunk + tl.arange(0, BLOCK_N)
-            first_ok = first_tok < tl.minimum(split * first_chunk + first_chunk, seq_len)
-            first_pages = tl.load(
-                block_tables_ptr + seq.to(tl.int64) * stride_bt + first_tok // PAGE, mask=first_ok, other=0
-            )
         wait_for_inputs(USE_PDL)  # q and the pages were written just before
     else:
         wait_for_inputs(USE_PDL)
@@ -413,7 +390,7 @@ def _paged_attention_kernel(
             scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
             stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
             GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
-            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8, first_pages, FIRST_PAGES,
+            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8,
         )  # fmt: skip
 
 
@@ -575,7 +552,6 @@ def _launch_attention(
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
         QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
-        FIRST_PAGES=config.pages_before_wait and query_start_loc is None and kv_start is None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
 
@@ -619,10 +595,9 @@ def paged_decode_attention(
     `k_scales`/`v_scales`: the fp32 [num_pages, page_size, Hkv] scales of float8_e4m3fn pages
     (required then, refused otherwise; see the module docstring).
 
-    Under PDL (`kernels/pdl.py`) `seq_lens` (and with `config.pages_before_wait` the first
-    key block's entries of `block_tables`) is read before the wait for the previous kernel: no
-    kernel of the same graph or chain may write them (the engine uploads the step's lengths and
-    tables before the step; the fast passes' are constant)."""
+    Under PDL (`kernels/pdl.py`) `seq_lens` is read before the wait for the previous kernel: no
+    kernel of the same graph or chain may write it (the engine uploads the step's lengths before
+    the step; the fast passes' are constant)."""
     bs, hq, d = q.shape
     config = decode_config(bs, kv_fp8=k_scales is not None) if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale
