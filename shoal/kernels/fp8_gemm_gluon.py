@@ -22,8 +22,16 @@ of a step's scales waiting on those loads is the GEMMs' top stall under Nsight C
 (docs/performance.md runs 102, 110, 115). A copy is at least 32 floats (128-byte aligned stages)
 and must start on 16 bytes, so only M % 4 == 0 with at least one copy of scales takes them
 (`flat_scales`); a tile's rows past M read the next group's scales, which are never stored. The
-tuned table uses them at M = 16 and 32 (batch-16 step 0.974x, runs 116-117); at M = 4 and 8 they
-lost 2.5%, and at M = 64 the Triton kernel stays ahead of this one even with them.
+tuned table uses them at M = 16-64 (batch-16 step 0.974x, runs 116-117; batch 64 0.8%, run 121);
+at M = 4 and 8 they lost 2.5%.
+
+With `VECTOR_STORES` the finished tile (or split-K partial) goes through shared memory into a
+blocked layout of 16 contiguous output bytes per thread before it is stored. Straight from the
+wgmma layout a store instruction writes 2 bytes per thread (swapped tiles: consecutive output
+columns sit in different lanes) or 4 (unswapped bf16 pairs), each 32-byte sector in pieces; that
+epilogue, not the K loop, was what kept this kernel behind the Triton one at M = 64 (run 115's
+9.7-11.6% alone). With it the batch-16 step took 0.969x and batch 64, once M = 64 moved here,
+0.971x (docs/performance.md run 120).
 
 Same tiles and arithmetic as the Triton kernel with `swap_ab=True, tma=True, scales_ahead=True`
 (weight rows are the wgmma's M side, each K step's product scaled by a_scale * w_scale and added
