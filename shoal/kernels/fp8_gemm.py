@@ -167,7 +167,9 @@ def _GU(block_n: int, split_k: int, num_stages: int = 4, **fields) -> GemmConfig
 # copies, batch 64 0.971x (the copies without it: 1.022x), then two tiles before the wait 0.992x;
 # at M = 1-8 no gain (1.002x at batch 1, 0.998-0.999x at 4 and 8 either way; runs 120-121).
 # With them every larger split lost at M = 16-64 (1.003-1.077x, run 122) and every smaller one
-# but down's 5 at M = 16 (batch 16 0.993x; the others 1.001-1.012x, run 123).
+# but down's 5 at M = 16 (batch 16 0.993x; the others 1.001-1.012x, run 123). Two tiles before
+# the wait at M = 2-4 (batch 4 0.992x) and M = 32 (batch 32 0.996x, every sample below the base's;
+# three there 1.010x; run 129).
 # M = 16 and 32 (batches 9-32, and the fast transformer's pass 0 at batch 5-16): the activation
 # scales ride the TMA ring and the next weight scale is loaded before the refill (`tma_scales`;
 # M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while batch 4 (M = 4 and 8) lost 2.5%
@@ -191,20 +193,20 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
     # M = 8 with 2 tiles ahead: batch 8 0.996x (run 78); M = 16 with 2, then 3: batch 16 0.995x
     # (run 76), then 0.986x of that (run 82).
-    (6144, 2560, 2): _GS(16, 64, 3, 3),
-    (6144, 2560, 4): _GS(16, 64, 3, 3),
+    (6144, 2560, 2): _GS(16, 64, 3, 3, tiles_before_wait=2),
+    (6144, 2560, 4): _GS(16, 64, 3, 3, tiles_before_wait=2),
     (6144, 2560, 8): _GS(16, 64, 3, 4, tiles_before_wait=2),
     (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
-    (2560, 4096, 2): _GS(16, 64, 7, 3),
-    (2560, 4096, 4): _GS(16, 64, 7, 3),
+    (2560, 4096, 2): _GS(16, 64, 7, 3, tiles_before_wait=2),
+    (2560, 4096, 4): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 4096, 8): _GS(16, 64, 4, 4, tiles_before_wait=2),
     (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
-    (19456, 2560, 2): _GS(16, 64, 1, 3),
-    (19456, 2560, 4): _GS(16, 64, 1, 3),
+    (19456, 2560, 2): _GS(16, 64, 1, 3, tiles_before_wait=2),
+    (19456, 2560, 4): _GS(16, 64, 1, 3, tiles_before_wait=2),
     (19456, 2560, 8): _GS(16, 64, 1, 4, tiles_before_wait=2),
     (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3, tma_scales=True),
-    (2560, 9728, 2): _GS(16, 64, 7, 3),
-    (2560, 9728, 4): _GS(16, 64, 7, 3),
+    (2560, 9728, 2): _GS(16, 64, 7, 3, tiles_before_wait=2),
+    (2560, 9728, 4): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
     (2560, 9728, 16): _GS(16, 64, 5, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),  # run 123
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
@@ -215,10 +217,10 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # batch 16 0.990x (run 70; the heuristic's unswapped pointer-load tiles before).
     # bf16 partials (half the bytes of fp32's): batch-32 step 0.948x, batch 16 0.997x; the
     # correctness gate passes with bf16 partials everywhere (run 126).
-    (6144, 2560, 32): _GS(32, 64, 3, 3, bf16_partials=True, tma_scales=True),
-    (2560, 4096, 32): _GS(32, 64, 7, 3, bf16_partials=True, tma_scales=True),
-    (19456, 2560, 32): _GS(32, 64, 2, 3, bf16_partials=True, tma_scales=True),
-    (2560, 9728, 32): _GS(32, 64, 7, 3, bf16_partials=True, tma_scales=True),
+    (6144, 2560, 32): _GS(32, 64, 3, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
+    (2560, 4096, 32): _GS(32, 64, 7, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
+    (19456, 2560, 32): _GS(32, 64, 2, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
+    (2560, 9728, 32): _GS(32, 64, 7, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
