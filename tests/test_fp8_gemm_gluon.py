@@ -95,10 +95,19 @@ def test_scale_copies_read_the_group_major_buffer_as_a_flat_vector() -> None:
     assert flat_scales(offset, 16) is None
 
 
+def _sm90_probe(code: str) -> list[str]:
+    """The output lines of `code` run in a fresh interpreter without TRITON_INTERPRET, where
+    `compile_for_hopper` builds the real sm_90 kernel (no GPU needed)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    command = [sys.executable, "-c", code]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()
+
+
 def test_scale_copies_ride_the_ring() -> None:
     """The sm_90 build with `tma_scales` (compiled here): one 1-D bulk copy per stage for the
     scales beside the two tile copies, and no activation-scale pointer load left in the loop."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     probe = (
         "from shoal.kernels.fp8_gemm_gluon import compile_for_hopper\n"
         "for flag in (False, True):\n"
@@ -107,12 +116,8 @@ def test_scale_copies_ride_the_ring() -> None:
         "    print(ptx.count('cp.async.bulk.tensor.1d'), ptx.count('cp.async.bulk.tensor.2d'),\n"
         "          ptx.count('ld.global'))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
     (plain_1d, plain_2d, plain_loads), (ring_1d, ring_2d, ring_loads) = (
-        tuple(int(x) for x in line.split()) for line in result.stdout.strip().splitlines()[-2:]
+        tuple(int(x) for x in line.split()) for line in _sm90_probe(probe)[-2:]
     )
     assert plain_1d == 0 and ring_2d == plain_2d
     assert ring_1d == ring_2d // 2  # one scale copy per activation tile copy
@@ -123,7 +128,6 @@ def test_vector_stores_write_sixteen_bytes_per_instruction() -> None:
     """The sm_90 build with `vector_stores` (compiled here, with the launcher's 16-divisibility
     specialization): the tile's global stores are all 16 bytes wide, where the accumulator's
     layout stores 2 (bf16, swapped) or 4 bytes (bf16 pairs, unswapped) per instruction."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     probe = (
         "import re\n"
         "from shoal.kernels.fp8_gemm_gluon import compile_for_hopper\n"
@@ -134,11 +138,7 @@ def test_vector_stores_write_sixteen_bytes_per_instruction() -> None:
         "            vector_stores=flag).asm['ptx']\n"
         "        print(' '.join(sorted(set(re.findall(r'st\\.global(?:\\.\\w+)*', ptx)))))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    swapped, swapped_vector, unswapped, unswapped_vector = result.stdout.strip().splitlines()[-4:]
+    swapped, swapped_vector, unswapped, unswapped_vector = _sm90_probe(probe)[-4:]
     assert swapped == "st.global.b16" and unswapped == "st.global.b32"
     assert swapped_vector == unswapped_vector == "st.global.v4.b32"
 
