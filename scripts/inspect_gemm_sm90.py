@@ -3,7 +3,9 @@ its steady K loop costs per 128-column step: instructions, CTA barriers, shuffle
 round trips, MMAs, and whether Triton software-pipelined the loads. No device time needed.
 
 Found this way (docs/performance.md, after runs 51 and 54): a stream-K loop that Triton did not
-pipeline at all, and the 7 barriers per step that `GemmConfig.scales_ahead` cuts to 4.
+pipeline at all, and the 7 barriers per step that `GemmConfig.scales_ahead` cuts to 4. It also
+prints the width of every global store in the kernel: the Gluon kernel's output stores of 2-4
+bytes straight from the wgmma layout were what it lost to Triton by at M = 64 (runs 119-120).
 
 Usage: python scripts/inspect_gemm_sm90.py N K M [--config 'GemmConfig(16, 64, 7, 4, 4, tma=True)'] [--sass]
 (default config: the tuned table's for (N, K, M), pre-quantized activations).
@@ -68,6 +70,19 @@ def steady_loop(sass: list[str]) -> list[str]:
     return best or []
 
 
+_STORE_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def store_widths(sass: list[str]) -> Counter:
+    """Bytes per thread of each global store instruction in the kernel -> how many there are."""
+    widths: Counter = Counter()
+    for line in sass:
+        if m := re.search(r"\bSTG((?:\.\w+)*) ", line):
+            suffixes = [part for part in m.group(1).split(".") if part]
+            widths[max([_STORE_BYTES.get(part, 4) for part in suffixes if part != "E"] or [4])] += 1
+    return widths
+
+
 def copies_of_fresh_loads(loop: list[str]) -> int:
     """Register copies, inside the loop, of a value the same iteration loaded from global memory.
     Such a copy (ptxas's answer to a loop-carried load whose old value is still live) waits out
@@ -110,6 +125,8 @@ def main() -> None:
         re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0] for line in loop
     )
     registers = resource_usage(cubin)["REG"]
+    widths = sorted(store_widths(sass.splitlines()).items())
+    stores = ", ".join(f"{count} x {width} B" for width, count in widths)
     ttgir = compiled.asm["ttgir"]
     pipelined = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy")
     print(config)
@@ -121,6 +138,7 @@ def main() -> None:
         f"{opcodes['QGMMA'] + opcodes['HGMMA'] + opcodes['HMMA']} MMA instructions, "
         f"{copies_of_fresh_loads(loop)} copies of values loaded in the same iteration; "
         f"async copies in the TTGIR: {pipelined} ({'pipelined' if pipelined else 'NOT pipelined'}); "
+        f"global stores {stores or 'none'}; "
         f"{compiled.metadata.shared} B shared memory, {registers} registers per thread; "
         f"{programs_per_sm(registers, config.num_warps, compiled.metadata.shared)} programs per SM"
     )

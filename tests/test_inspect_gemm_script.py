@@ -31,10 +31,24 @@ def test_programs_per_sm() -> None:
     assert script.programs_per_sm(16, 4, 0) == 16  # warps decide
 
 
+def test_store_widths() -> None:
+    """Bytes per thread of each global store, read from SASS lines (predicated or not)."""
+    script = load_script()
+    sass = [
+        "        /*0410*/  @P3 STG.E.128 desc[UR16][R2.64], R36 ;",
+        "        /*0420*/  STG.E.128 desc[UR16][R12.64], R4 ;",
+        "        /*0430*/  @!P0 STG.E.U16 desc[UR4][R2.64], R5 ;",
+        "        /*0440*/  STG.E desc[UR4][R2.64], R5 ;",
+        "        /*0450*/  STG.E.64 desc[UR4][R2.64], R6 ;",
+        "        /*0460*/  STS.128 [R3+UR8], R20 ;",
+    ]
+    assert script.store_widths(sass) == {16: 2, 2: 1, 4: 1, 8: 1}
+
+
 def test_reports_the_registers_of_an_sm90_build() -> None:
     """The script end to end on the M = 64 gate+up entry (compiled for sm_90 in a process without
-    the interpreter, as the Gluon PTX tests do): its loop is pipelined and the registers and
-    programs per SM come from the cubin."""
+    the interpreter, as the Gluon PTX tests do): its loop is pipelined, its stores are 16 bytes
+    wide, and the registers and programs per SM come from the cubin."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     command = [sys.executable, str(SCRIPT), "19456", "2560", "64"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
@@ -42,4 +56,5 @@ def test_reports_the_registers_of_an_sm90_build() -> None:
     report = result.stdout.strip().splitlines()[-1]
     registers = int(re.search(r"(\d+) registers per thread", report).group(1))
     assert 32 <= registers <= 255 and "(pipelined)" in report
+    assert re.search(r"global stores \d+ x 16 B;", report)  # the table's vector stores
     assert re.search(r"; [1-9]\d* programs per SM$", report)
