@@ -122,21 +122,14 @@ def _fp8_gemm_prefetch_kernel(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 32]
         )
         scale_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        offs_m = off_m + gl.arange(0, BM, layout=scale_layout)
-        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
-        rows_m = offs_m[None, :]
-        rows_n = offs_n[:, None]
         acc_shape: gl.constexpr = (BN, BM)
     else:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32]
         )
         scale_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        offs_m = off_m + gl.arange(0, BM, layout=scale_layout)
-        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-        rows_m = offs_m[:, None]
-        rows_n = offs_n[None, :]
         acc_shape: gl.constexpr = (BM, BN)
+    offs_m = off_m + gl.arange(0, BM, layout=scale_layout)
     m_mask = offs_m < M
     w_scale_row = w_scale_ptr + (off_n // BLOCK_K) * stride_wsn
 
@@ -218,9 +211,9 @@ def _fp8_gemm_prefetch_kernel(
         # accumulator's own layout stores 2-4 bytes per instruction (docs/performance.md).
         store_layout: gl.constexpr = _row_contiguous(acc_shape, SWAPPED, STORE_BYTES, num_warps)
         acc = gl.convert_layout(acc, store_layout)
-        rows_m, rows_n = _tile_rows(off_m, off_n, BM, BN, SWAPPED, store_layout)
     else:
         store_layout: gl.constexpr = mma_layout
+    rows_m, rows_n = _tile_rows(off_m, off_n, BM, BN, SWAPPED, store_layout)
     mask = (rows_m < M) & (rows_n < N)
     tile_offsets = rows_m * N + rows_n
     out_ptrs = out_ptr + rows_m.to(gl.int64) * stride_om + rows_n
