@@ -37,6 +37,7 @@ STEP_SWITCHES = frozenset(
         "two_launch_fast_to",
         "norm_split_max_rows",
         "norm_slice_groups",
+        "norm_max_registers",
     }
 )
 

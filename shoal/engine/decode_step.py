@@ -153,6 +153,8 @@ class DecodeStep:
         self.norm_split_max_rows = {"auto": NORM_SPLIT_MAX_ROWS, "0": 0, "1": max_batch * 2}[switch]
         groups = os.environ.get("SHOAL_NORM_SLICE_GROUPS")
         self.norm_slice_groups = None if groups is None else int(groups)  # None: by rows
+        # The norms' register limit: None `kernels.norm_rope.NORM_MAX_REGISTERS`, 0 ptxas's choice.
+        self.norm_max_registers: int | None = None
         self.fuse_attention_quant = os.environ.get("SHOAL_FUSE_ATTN_QUANT", "1") != "0"
         # FP8 projections leave their split-K partials to the kernel that reads their output
         # (`kernels.fp8_gemm.SplitKPartials`): the GEMM skips its arrival atomic and reduction,
@@ -320,7 +322,7 @@ class DecodeStep:
         layer i's `LayerKV`; `attend(q, pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair
         it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
         `attend` by one call (the fast transformer's `kernels/fast_attention.py`)."""
-        from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm
+        from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
 
         eps = self.config.norm_eps
@@ -335,22 +337,26 @@ class DecodeStep:
 
         slice_groups = self.norm_slice_groups_for(tokens)
         spare = torch.empty_like(residual) if slice_groups else None
+        registers = NORM_MAX_REGISTERS if self.norm_max_registers is None else self.norm_max_registers or None
 
         def add_and_norm(x, weight, out_fp8):
             """residual += x, then the norm; with a split row the sum goes to `spare` (swapped)."""
             nonlocal residual, spare
             if not slice_groups:
-                return rms_norm(x, weight, eps, residual=residual, out_fp8=out_fp8)[0]
+                normed, _ = rms_norm(
+                    x, weight, eps, residual=residual, out_fp8=out_fp8, max_registers=registers
+                )
+                return normed
             normed, summed = rms_norm(
                 x, weight, eps, residual=residual, out_fp8=out_fp8, residual_out=spare,
-                slice_groups=slice_groups,
+                slice_groups=slice_groups, max_registers=registers,
             )  # fmt: skip
             residual, spare = summed, residual
             return normed
 
         normed, _ = rms_norm(
             residual, layers[0].attention_norm.weight, eps, out_fp8=fp8_target(layers[0], "qkv"),
-            slice_groups=slice_groups or None,
+            slice_groups=slice_groups or None, max_registers=registers,
         )  # fmt: skip
         for i, layer in enumerate(layers):
             attn = layer.attention

@@ -323,6 +323,16 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * stride_o + offs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
 
+# Decode-sized norms build with a register limit: without one, ptxas keeps the build under about 100
+# registers and interleaves the loads of the split-K partials with the sums that consume them, so
+# the loads issued after the first sum wait for its data; the sm_90 build of the batch-1 norm
+# (7 fp32 partials) went to memory in 3 dependent rounds, with bf16 partials in 7, the batch-16
+# one (5 bf16 partials) in 7. With the limit stated (255: at most one program per SM at 8 warps,
+# and these launches have 5 to 48 programs) every load is issued before the first use: one round
+# (`scripts/inspect_norm_sm90.py`, docs/performance.md run 133).
+NORM_MAX_REGISTERS = 255
+
+
 def rms_norm(
     x: Tensor | SplitKPartials,
     weight: Tensor,
@@ -333,6 +343,7 @@ def rms_norm(
     out_fp8: tuple[Tensor, Tensor] | None = None,
     residual_out: Tensor | None = None,
     slice_groups: int | None = None,
+    max_registers: int | None = None,
 ) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | None]:
     """RMSNorm over the last dim of x [M, dim]. With `residual`, computes h = x + residual,
     stores h into `residual_out` (default: `residual`, in place; the next block's residual
@@ -351,7 +362,10 @@ def rms_norm(
 
     x may be a split-K FP8 GEMM's `SplitKPartials`: the norm sums them while loading (bf16
     result, the same bits as normalizing the GEMM's reduced output), so the GEMM skips its own
-    reduction."""
+    reduction.
+
+    `max_registers`: the build's register limit (None: ptxas's own choice); decode-sized launches
+    want `NORM_MAX_REGISTERS`. Same bits either way."""
     x, count, stride_xs, x_dtype = _consumer_input(x)
     rows, dim = x.shape
     if x.stride(1) != 1 or weight.stride(0) != 1:
@@ -389,6 +403,6 @@ def rms_norm(
         GROUPS=groups, SLICE_GROUPS=slice_groups, PARTS=count, HAS_RESIDUAL=residual is not None,
         EMULATE=interpreting(),
         QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
-        num_warps=num_warps, **pdl_launch(),
+        num_warps=num_warps, **({"maxnreg": max_registers} if max_registers else {}), **pdl_launch(),
     )  # fmt: skip
     return (out_fp8 if out_fp8 is not None else out), residual_out
