@@ -91,7 +91,7 @@ def load_rounds(sass: list[str], start: str = "ACQBULK", stop: str = "SHFL") -> 
         if pending and pending.intersection(sources):
             rounds.append(count)
             pending, count = set(), 0
-        if opcode.startswith("LDG"):
+        if re.fullmatch(r"LDG(\.\w+)*", opcode) and registers:  # not LDGSTS (cp.async)
             width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
             pending.update(range(registers[0], registers[0] + width))
             count += 1
