@@ -181,17 +181,18 @@ def test_bf16_partials_round_each_split_once(inline: bool) -> None:
 
 
 def test_bf16_partials_everywhere_marks_split_configs_only_while_active() -> None:
+    """M = 128's entries (the Triton kernel, fp32 partials; every Gluon entry stores bf16 ones)."""
     split, whole = (
-        gemm.pick_config(2560, 9728, 8, fp8_activations=True),
-        gemm.pick_config(19456, 2560, 8, fp8_activations=True),
+        gemm.pick_config(2560, 9728, 128, fp8_activations=True),
+        gemm.pick_config(19456, 2560, 128, fp8_activations=True),
     )
     assert split.split_k > 1 and whole.split_k == 1 and not split.bf16_partials
     with gemm.bf16_partials_everywhere():
-        assert gemm.pick_config(2560, 9728, 8, fp8_activations=True) == replace(split, bf16_partials=True)
+        assert gemm.pick_config(2560, 9728, 128, fp8_activations=True) == replace(split, bf16_partials=True)
         assert (
-            gemm.pick_config(19456, 2560, 8, fp8_activations=True) == whole
+            gemm.pick_config(19456, 2560, 128, fp8_activations=True) == whole
         )  # nothing to store without a split
-    assert gemm.pick_config(2560, 9728, 8, fp8_activations=True) == split
+    assert gemm.pick_config(2560, 9728, 128, fp8_activations=True) == split
 
 
 def test_rejects_transposed_or_restrided_scales() -> None:

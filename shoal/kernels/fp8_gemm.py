@@ -145,8 +145,9 @@ def _GS(  # noqa: N802
     block_m: int, block_n: int, split_k: int, num_stages: int, tiles_before_wait: int = 1, **fields
 ) -> GemmConfig:
     """A table entry on the Gluon kernel with swapped tiles (one weight tile before the wait unless
-    told otherwise), storing 16 bytes at a time unless told otherwise."""
+    told otherwise), storing 16 bytes at a time and split-K partials in bf16 unless told otherwise."""
     fields.setdefault("vector_stores", True)
+    fields.setdefault("bf16_partials", True)
     return GemmConfig(
         block_m, block_n, split_k, 4, num_stages, swap_ab=True, gluon=True,
         tiles_before_wait=tiles_before_wait, **fields,
@@ -186,11 +187,12 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # ahead at M = 1 once the norms issued their loads in one round: 0.995x (run 80; one shape at a
     # time 0.997-1.001x, three for o 1.001x).
     (6144, 2560, 1): _GS(16, 64, 3, 3, tiles_before_wait=2, vector_stores=False),  # qkv (split 3: run 72)
-    # o and down store bf16 partials for the norm after them: batch-1 step 0.994x once the norm
-    # loads them in one round (its register limit, run 133; they lost 2.7% before, runs 89, 132).
-    (2560, 4096, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False, bf16_partials=True),  # o
+    # bf16 partials (`_GS`'s default) at M = 1: o and down, batch-1 step 0.994x once the norm
+    # loads them in one round (its register limit, run 133; they lost 2.7% before, runs 89 and
+    # 132), qkv 0.998x more; at M = 2-8 batch 4 0.991x, batch 8 0.984x (run 134).
+    (2560, 4096, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # o
     (19456, 2560, 1): _GS(16, 64, 1, 3, tiles_before_wait=2, vector_stores=False),  # gate_up
-    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False, bf16_partials=True),  # down
+    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
     # M = 8 with 2 tiles ahead: batch 8 0.996x (run 78); M = 16 with 2, then 3: batch 16 0.995x
@@ -198,11 +200,11 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (6144, 2560, 2): _GS(16, 64, 3, 3, tiles_before_wait=2),
     (6144, 2560, 4): _GS(16, 64, 3, 3, tiles_before_wait=2),
     (6144, 2560, 8): _GS(16, 64, 3, 4, tiles_before_wait=2),
-    (6144, 2560, 16): _GS(16, 64, 3, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
+    (6144, 2560, 16): _GS(16, 64, 3, 4, tiles_before_wait=3, tma_scales=True),
     (2560, 4096, 2): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 4096, 4): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 4096, 8): _GS(16, 64, 4, 4, tiles_before_wait=2),
-    (2560, 4096, 16): _GS(16, 64, 4, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),
+    (2560, 4096, 16): _GS(16, 64, 4, 4, tiles_before_wait=3, tma_scales=True),
     (19456, 2560, 2): _GS(16, 64, 1, 3, tiles_before_wait=2),
     (19456, 2560, 4): _GS(16, 64, 1, 3, tiles_before_wait=2),
     (19456, 2560, 8): _GS(16, 64, 1, 4, tiles_before_wait=2),
@@ -210,7 +212,7 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (2560, 9728, 2): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 9728, 4): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
-    (2560, 9728, 16): _GS(16, 64, 5, 4, bf16_partials=True, tiles_before_wait=3, tma_scales=True),  # run 123
+    (2560, 9728, 16): _GS(16, 64, 5, 4, tiles_before_wait=3, tma_scales=True),  # run 123
     # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
     # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
     # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
@@ -219,10 +221,10 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # batch 16 0.990x (run 70; the heuristic's unswapped pointer-load tiles before).
     # bf16 partials (half the bytes of fp32's): batch-32 step 0.948x, batch 16 0.997x; the
     # correctness gate passes with bf16 partials everywhere (run 126).
-    (6144, 2560, 32): _GS(32, 64, 3, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
-    (2560, 4096, 32): _GS(32, 64, 7, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
-    (19456, 2560, 32): _GS(32, 64, 2, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
-    (2560, 9728, 32): _GS(32, 64, 7, 3, bf16_partials=True, tma_scales=True, tiles_before_wait=2),
+    (6144, 2560, 32): _GS(32, 64, 3, 3, tma_scales=True, tiles_before_wait=2),
+    (2560, 4096, 32): _GS(32, 64, 7, 3, tma_scales=True, tiles_before_wait=2),
+    (19456, 2560, 32): _GS(32, 64, 2, 3, tma_scales=True, tiles_before_wait=2),
+    (2560, 9728, 32): _GS(32, 64, 7, 3, tma_scales=True, tiles_before_wait=2),
     # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
     # run 18 with TMA candidates).
     # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
