@@ -151,22 +151,35 @@ def _fast_rope_attention_kernel(
     keys = tl.load(k_pages_ptr + tile, mask=in_page[:, None], other=0.0, cache_modifier=".cg")
     values = tl.load(v_pages_ptr + tile, mask=in_page[:, None], other=0.0, cache_modifier=".cg")
     wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
+    # The qkv loads before any use: each new token's k (as (even, odd) pairs, split in registers:
+    # 4-byte loads, not two strided 2-byte ones) and v, then the query rows. Loaded where they
+    # were used, each came after the layout changes of the one before: the sm_90 build of one
+    # token per row went to memory in 3 dependent rounds, of two tokens in 7; here in 2 and 3
+    # (each load's own layout change still follows it; docs/performance.md run 135).
+    pair = tl.arange(0, 2)
+    k_pairs = ()
+    v_rows = ()
+    for t in tl.static_range(TOKENS):
+        src = qkv_ptr + (row * TOKENS + t) * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
+        k_pairs = k_pairs + (tl.load(src + (2 * offs_h)[:, None] + pair[None, :]),)
+        v_rows = v_rows + (tl.load(src + NUM_KV_HEADS * HEAD_DIM + offs_d),)
+    q_pairs = tl.load(
+        qkv_ptr + (token_r * stride_qkv + head_r * HEAD_DIM)[:, None, None] + (2 * offs_h)[None, :, None]
+        + pair[None, None, :], mask=row_ok[:, None, None], other=0.0,
+    )  # fmt: skip
 
     # This row's new keys: normalized and rotated exactly as `_qk_norm_rope_kv_kernel` does, stored,
     # and put into the tiles in place of whatever the page held at their positions.
     last = tl.full([], -1, tl.int32)
     for t in tl.static_range(TOKENS):
-        token = row * TOKENS + t
         if t == 0:
             position, cos, sin = position_0, cos_0, sin_0
         else:
             position, cos, sin = position_1, cos_1, sin_1
         valid = (position >= 0) & (position < position_limit)
         at = tl.where(valid, position, 0).to(tl.int64)
-        src = qkv_ptr + token * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-        x0 = tl.load(src + 2 * offs_h)
-        x1 = tl.load(src + 2 * offs_h + 1)
-        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + offs_d).to(v_pages_ptr.dtype.element_ty)
+        x0, x1 = tl.split(k_pairs[t])
+        v = v_rows[t].to(v_pages_ptr.dtype.element_ty)
         x0, x1 = _rms_scale(x0, x1, k_w0, k_w1, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
         f0 = x0.to(tl.float32)
         f1 = x1.to(tl.float32)
@@ -174,11 +187,11 @@ def _fast_rope_attention_kernel(
         k0 = cast_rne(f0 * cos - f1 * sin, k_type, EMULATE)
         k1 = cast_rne(f1 * cos + f0 * sin, k_type, EMULATE)
         dest = page + at * stride_pos
-        tl.store(k_pages_ptr + dest + 2 * offs_h, k0, mask=valid)
-        tl.store(k_pages_ptr + dest + 2 * offs_h + 1, k1, mask=valid)
+        k = tl.interleave(k0, k1)
+        tl.store(k_pages_ptr + dest + offs_d, k, mask=valid)
         tl.store(v_pages_ptr + dest + offs_d, v, mask=valid)
         here = (keys_at == position)[:, None]
-        keys = tl.where(here, tl.interleave(k0, k1)[None, :], keys)
+        keys = tl.where(here, k[None, :], keys)
         values = tl.where(here, v[None, :], values)
         last = tl.maximum(last, position)
     # Keys past the row's last position may hold anything (an older frame, a padding row's
@@ -188,9 +201,7 @@ def _fast_rope_attention_kernel(
     # Queries: rows (token, head in group), rotated as `_qk_norm_rope_kv_kernel` rotates q heads.
     cos = q_cos
     sin = q_sin
-    src = qkv_ptr + (token_r * stride_qkv + head_r * HEAD_DIM)[:, None] + 2 * offs_h[None, :]
-    x0 = tl.load(src, mask=row_ok[:, None], other=0.0)
-    x1 = tl.load(src + 1, mask=row_ok[:, None], other=0.0)
+    x0, x1 = tl.split(q_pairs)
     if HAS_Q_NORM:
         x0, x1 = _q_norm_rows(
             x0, x1, qkv_ptr, row * TOKENS, stride_qkv, kv_head, q_w0, q_w1, offs_h, eps,
