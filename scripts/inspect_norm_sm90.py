@@ -58,18 +58,20 @@ def compile_decode_norm(parts: int, partials: str, slice_groups: int, warps: int
     return triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
 
 
-def sass_lines(compiled) -> list[str]:
-    """The build's instructions, one per line, without addresses."""
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+def _run_on_cubin(compiled, tool: str, *flags: str) -> str:
+    """The output of one of Triton's bundled CUDA tools (nvdisasm, cuobjdump) on the build's cubin."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run(
-            [str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
+        command = [str(Path(triton.__file__).parent / "backends/nvidia/bin" / tool), *flags, str(cubin)]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def sass_lines(compiled) -> list[str]:
+    """The build's instructions, one per line, without addresses."""
     return [
         re.sub(r"/\*[0-9a-f]+\*/", "", line).strip()
-        for line in sass.splitlines()
+        for line in _run_on_cubin(compiled, "nvdisasm", "-c").splitlines()
         if re.search(r"/\*[0-9a-f]{4}\*/", line)
     ]
 
@@ -100,14 +102,8 @@ def load_rounds(sass: list[str], start: str = "ACQBULK", stop: str = "SHFL") -> 
 
 def registers_of(compiled) -> int:
     """Registers per thread, from the cubin (`cuobjdump --dump-resource-usage`)."""
-    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        text = subprocess.run(
-            [str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-    return int(re.search(r"REG:(\d+)", text).group(1))
+    usage = _run_on_cubin(compiled, "cuobjdump", "--dump-resource-usage")
+    return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def main() -> None:

@@ -184,14 +184,15 @@ def test_kernel_step_never_writes_what_its_kernels_read_before_the_pdl_wait(gold
         assert torch.equal(old, new)
 
 
-@pytest.mark.parametrize("select", ["sort", "radix"])
+@pytest.mark.parametrize("select,chunks", [("sort", None), ("radix", None), ("radix", 4)])
 def test_kernel_step_with_wide_rows_equals_torch_step(
-    tmp_path, select: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path, select: str, chunks: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tiny S2 model with 256 codes per codebook: the main row (256 semantic ids + `<|im_end|>`,
     one column past a power of two) and the codebook rows are wider than the 64 candidates the
     capped kernel extracts, so the step reaches the split last column and the top-k selection
-    (`select`) that the golden model's 64-column rows skip (they sort the whole tile)."""
+    (`select`) that the golden model's 64-column rows skip (they sort the whole tile); with
+    `chunks` the step's `sample_chunks` switch spreads each sampled row over that many programs."""
     from shoal.models.writer import tiny_config, write_checkpoint
 
     monkeypatch.setenv("SHOAL_SAMPLE_SELECT", select)
@@ -210,6 +211,7 @@ def test_kernel_step_with_wide_rows_equals_torch_step(
         core.step()
     runner = core.runner
     kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
+    kernel_step.sample_chunks = chunks
     assert kernel_step.column_ids.numel() == 257
     fields = runner.host.fill(requests)
     results = []

@@ -3,28 +3,15 @@ memory, and a real sm_90 build read through `cuobjdump` (no GPU needed)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inspect_gemm_sm90.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("inspect_gemm_sm90", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from script_testing import load_script, run_compiled
 
 
 def test_programs_per_sm() -> None:
     """Run 112's case: a 4-warp program at 128 registers fits four per SM, at 168 three; shared
     memory and the 64-warp limit bound it too."""
-    script = load_script()
+    script = load_script("inspect_gemm_sm90")
     assert script.programs_per_sm(128, 4, 39168) == 4
     assert script.programs_per_sm(168, 4, 39168) == 3
     assert script.programs_per_sm(79, 4, 65568) == 3  # the M = 64 GEMM: shared memory decides
@@ -33,7 +20,7 @@ def test_programs_per_sm() -> None:
 
 def test_store_widths() -> None:
     """Bytes per thread of each global store, read from SASS lines (predicated or not)."""
-    script = load_script()
+    script = load_script("inspect_gemm_sm90")
     sass = [
         "        /*0410*/  @P3 STG.E.128 desc[UR16][R2.64], R36 ;",
         "        /*0420*/  STG.E.128 desc[UR16][R12.64], R4 ;",
@@ -49,9 +36,7 @@ def test_reports_the_registers_of_an_sm90_build() -> None:
     """The script end to end on the M = 64 gate+up entry (compiled for sm_90 in a process without
     the interpreter, as the Gluon PTX tests do): its loop is pipelined, its stores are 16 bytes
     wide, and the registers and programs per SM come from the cubin."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    command = [sys.executable, str(SCRIPT), "19456", "2560", "64"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    result = run_compiled("inspect_gemm_sm90", "19456", "2560", "64")
     assert result.returncode == 0, result.stderr[-3000:]
     report = result.stdout.strip().splitlines()[-1]
     registers = int(re.search(r"(\d+) registers per thread", report).group(1))

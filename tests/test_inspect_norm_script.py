@@ -3,31 +3,17 @@ sm_90 builds of the decode step's norm (compiled here, no GPU needed)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inspect_norm_sm90.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("inspect_norm_sm90", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from script_testing import load_script, run_compiled
 
 
 def test_a_round_ends_where_a_loaded_register_is_read() -> None:
     """Two loads, a use of the first (it waits: round one ends), one more load, its use; the loads
     before the PDL wait and after the first shuffle are not counted; a store's data register is a
     use, an address register of a later load is not."""
-    script = load_script()
+    script = load_script("inspect_norm_sm90")
     sass = [
         "@!P1 LDG.E R2, desc[UR10][R40.64] ;",
         "ACQBULK ;",
@@ -55,10 +41,7 @@ def test_a_round_ends_where_a_loaded_register_is_read() -> None:
 def test_decode_norms_load_in_one_round_with_the_register_limit(args: tuple[str, ...]) -> None:
     """The decode step's norm shapes, built as the step launches them (`NORM_MAX_REGISTERS`):
     every load of the partials, the residual and the slice is issued before the first use."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=600
-    )
+    result = run_compiled("inspect_norm_sm90", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     report = result.stdout.strip().splitlines()[-1]
     assert re.search(r"register limit 255: \d+ registers, 1 round\(s\) of loads \[\d+\]$", report), report

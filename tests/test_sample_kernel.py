@@ -13,10 +13,17 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from shoal.kernels import sample as sample_module  # noqa: E402
 from shoal.kernels.reference_attention import sample_reference  # noqa: E402
 from shoal.kernels.sample import (  # noqa: E402
+    CHUNKED_MAX_ROWS,
+    DEFAULT_CHUNKS,
+    DEFAULT_CHUNKS_MAX_ROWS,
+    _merge_sorted_runs,
+    _resolve_chunks,
     _select_top_keys,
     _sort_keys,
+    chunk_counters,
     counter_uniform,
     sample_tokens,
 )
@@ -352,3 +359,185 @@ def test_the_benchmarks_sampler_inputs_draw_like_the_reference(main: bool) -> No
         assert ((out >= 0) & (out < logits.shape[1])).all()
     else:
         assert torch.equal(out, sample_reference(logits.float(), *params, slot=3))
+
+
+# Chunked rows: P programs per row, the last to arrive merging (`chunks`) -------------------------
+
+
+@triton.jit
+def _merge_runs_kernel(keys_ptr, out_ptr, RUNS: tl.constexpr, K: tl.constexpr):
+    keys = tl.load(keys_ptr + tl.arange(0, RUNS * K)).to(tl.uint64, bitcast=True)
+    merged = _merge_sorted_runs(keys, RUNS, K)
+    tl.store(out_ptr + tl.arange(0, K), merged.to(tl.int64, bitcast=True))
+
+
+@pytest.mark.parametrize("runs,k", [(2, 2), (2, 64), (8, 8), (16, 4)])
+def test_merge_sorted_runs_returns_the_largest_keys(runs: int, k: int) -> None:
+    """The K largest of RUNS sorted runs (even runs ascending, odd descending, as the chunks store
+    them), descending, with repeated keys and keys past 2^63 (unsigned order)."""
+    gen = torch.Generator().manual_seed(runs * k)
+    flip = torch.tensor(-(2**63), dtype=torch.int64)
+    for _ in range(3):
+        keys = torch.randint(-(2**62), 2**62, (runs, k), generator=gen) * 2  # both halves of uint64
+        keys[:, ::3] = keys[0, 0]  # repeats across and within runs
+        ordered = torch.sort(keys ^ flip, dim=1).values ^ flip  # ascending as uint64
+        ordered[1::2] = ordered[1::2].flip(1)
+        out = torch.empty(k, dtype=torch.int64, device=DEVICE)
+        _merge_runs_kernel[(1,)](ordered.flatten().contiguous().to(DEVICE), out, RUNS=runs, K=k)
+        assert torch.equal(out.cpu(), largest_unsigned(keys.reshape(1, -1), k)[0])
+
+
+def chunk_case(shape: str, rows: int, k: int, values: str, gen: torch.Generator):
+    """(logits, params, sample_tokens keywords) of one chunked-kernel case: codebook rows of
+    `shape` columns ("codebook-4096"), or S2's main row shape ("main-4097": semantic ids then
+    `<|im_end|>`, with token ids, a RAS window and the semantic range). `values`: "fp32" (randn *
+    3), "bf16" (rounded), "bf16-ties" (8 values: ties at the K-th largest). Flat parameters (top_p
+    1, top_k = k, temperature 1 to 2.5) spread the draws over all K candidates, so a wrong or
+    misordered candidate shows in them."""
+    kind, columns = shape.split("-")
+    columns = int(columns)
+    if values == "bf16-ties":
+        logits = (torch.randint(-4, 4, (rows, columns), generator=gen) * 0.5).to(torch.bfloat16)
+    else:
+        logits = torch.randn(rows, columns, generator=gen) * 3
+        logits = logits.to(torch.bfloat16) if values == "bf16" else logits
+    params = random_params(rows, gen)
+    params[0] = sampling.round_to_bf16(torch.rand(rows, generator=gen) * 1.5 + 1.0).to(DEVICE)
+    params[1] = torch.ones(rows, device=DEVICE)
+    params[2] = torch.full((rows,), k, dtype=torch.long, device=DEVICE)
+    kwargs = {"slot": 3, "max_top_k": k}
+    if kind == "main":
+        begin = 150000
+        token_ids = (begin + torch.arange(columns)).to(torch.int32)
+        token_ids[-1] = 7  # `<|im_end|>`: outside the semantic range
+        top = logits.float().topk(4, dim=1).indices  # windows holding likely tokens: RAS replaces some
+        window = torch.randint(begin, begin + columns - 1, (rows, 4, 11), generator=gen, dtype=torch.int32)
+        window[:, :, 0] = (begin + top.clamp(max=columns - 2)).to(torch.int32)
+        kwargs = {
+            "slot": 0, "max_top_k": k, "token_ids": token_ids.to(DEVICE), "window": window.to(DEVICE),
+            "semantic_range": (begin, begin + columns - 2),
+        }  # fmt: skip
+    return logits.to(DEVICE), params, kwargs
+
+
+def assert_chunked_draws_equal(shape: str, rows: int, k: int, values: str, chunks: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(rows * k + len(shape) + len(values))
+    logits, params, kwargs = chunk_case(shape, rows, k, values, gen)
+    counters = chunk_counters(logits.device)
+    whole = sample_tokens(logits, *params, **kwargs, chunks=1)
+    frames = torch.full((rows, 3), -1, dtype=torch.int32, device=DEVICE)
+    for c in chunks:  # the last into a strided int32 `out`, as the step writes `frames[:, k]`
+        last = c == chunks[-1]
+        got = sample_tokens(logits, *params, **kwargs, chunks=c, out=frames[:, 1] if last else None)
+        got = frames[:, 1].long() if last else got
+        assert torch.equal(got, whole), f"chunks={c}"
+        assert not counters.any(), "every launch leaves the counters at 0"
+    assert (frames[:, ::2] == -1).all()
+    if rows > 1:
+        assert whole.unique().numel() > 1  # the draws do vary
+
+
+@pytest.mark.parametrize(
+    "shape,rows,k,values,chunks",
+    [
+        ("codebook-4096", 1, 64, "fp32", (8,)),
+        ("codebook-4096", 1, 8, "bf16-ties", (2, 4, 8)),
+        ("codebook-1024", 3, 8, "bf16", (4,)),
+        ("codebook-256", 16, 8, "bf16-ties", (8,)),
+        ("main-4097", 1, 64, "bf16-ties", (8,)),
+        ("main-4097", 3, 8, "fp32", (2,)),
+        ("main-257", 16, 16, "fp32", (4,)),
+    ],
+)
+def test_chunked_draws_equal_one_program_per_row(
+    shape: str, rows: int, k: int, values: str, chunks: tuple[int, ...]
+) -> None:
+    """Bit for bit the one-program kernel's draws (chunks=1), for codebook rows and S2's main row
+    (its last column inserted after the merge, RAS), with ties at the K-th value; the counters back
+    at 0 after every launch. Batches 3 and 16 run narrower rows here, as do most chunk counts (the
+    interpreter takes about a second per program of 4,096 columns); `test_chunked_full_shapes` runs
+    every count at the step's shapes and batches on the GPU."""
+    assert_chunked_draws_equal(shape, rows, k, values, chunks)
+
+
+@pytest.mark.gpu
+def test_chunked_full_shapes() -> None:
+    """Every chunk count at the step's shapes and batches, and inside a replayed CUDA graph."""
+    for shape in ("codebook-4096", "main-4097"):
+        for rows in (1, 3, 16, 64):
+            for k in (64, 8):
+                for values in ("fp32", "bf16", "bf16-ties"):
+                    assert_chunked_draws_equal(shape, rows, k, values, (2, 4, 8, 16))
+    gen = torch.Generator().manual_seed(5)
+    logits, params, kwargs = chunk_case("main-4097", 16, 64, "bf16", gen)
+    outs = torch.empty(3, 16, dtype=torch.long, device=DEVICE)
+
+    def step() -> None:
+        for i in range(3):
+            sample_tokens(logits, *params, **kwargs, chunks=8, out=outs[i])
+
+    from shoal.bench.timing import capture_graph
+
+    graph = capture_graph(step)
+    for _ in range(4):
+        fresh, fresh_params, _ = chunk_case("main-4097", 16, 64, "bf16", gen)
+        logits.copy_(fresh)
+        for param, value in zip(params, fresh_params, strict=True):
+            param.copy_(value)
+        graph.replay()
+        want = sample_tokens(logits, *params, **kwargs, chunks=1)
+        assert all(torch.equal(out, want) for out in outs)
+        assert not chunk_counters(logits.device).any()
+
+
+def test_chunks_default_environment_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SHOAL_SAMPLE_CHUNKS", raising=False)
+    assert _resolve_chunks(None, 1, 4096, 64, True) == DEFAULT_CHUNKS
+    assert _resolve_chunks(None, DEFAULT_CHUNKS_MAX_ROWS, 4096, 64, True) == DEFAULT_CHUNKS
+    assert _resolve_chunks(None, DEFAULT_CHUNKS_MAX_ROWS + 1, 4096, 64, True) == 1
+    assert _resolve_chunks(None, 1, 4096, 64, False) == 1  # not the radix path on a GPU
+    assert _resolve_chunks(None, 1, 256, 64, True) == (DEFAULT_CHUNKS if 256 // DEFAULT_CHUNKS >= 64 else 1)
+    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "4")
+    assert _resolve_chunks(None, 64, 4096, 64, False) == 4  # the override holds at any batch
+    assert _resolve_chunks(None, 1, 128, 64, True) == 1  # chunks narrower than k: one program
+    assert _resolve_chunks(None, CHUNKED_MAX_ROWS + 1, 4096, 64, True) == 1
+    assert _resolve_chunks(2, 1, 4096, 64, True) == 2  # an explicit value wins
+    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "1")
+    assert _resolve_chunks(None, 1, 4096, 64, True) == 1
+    for bad in ("3", "0", "eight"):
+        monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", bad)
+        with pytest.raises(ValueError, match="SHOAL_SAMPLE_CHUNKS"):
+            _resolve_chunks(None, 1, 4096, 64, True)
+
+
+class LaunchSpy:
+    """Stands in for a kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_chunks_from_the_environment_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SHOAL_SAMPLE_CHUNKS` picks the chunked kernel (at the call); explicit values the shape
+    cannot take raise."""
+    gen = torch.Generator().manual_seed(11)
+    logits, params, kwargs = chunk_case("main-257", 2, 16, "fp32", gen)
+    spy = LaunchSpy(sample_module._sample_chunked_kernel)
+    monkeypatch.setattr(sample_module, "_sample_chunked_kernel", spy)
+    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "4")
+    got = sample_tokens(logits, *params, **kwargs)
+    assert spy.grids == [(2, 4)]
+    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "1")
+    assert torch.equal(got, sample_tokens(logits, *params, **kwargs))
+    assert spy.grids == [(2, 4)]  # one program per row
+    monkeypatch.delenv("SHOAL_SAMPLE_CHUNKS")
+    for bad in (3, 0, -2, True, 2.0, 32):  # 32: chunks of 8 columns, narrower than k = 16
+        with pytest.raises(ValueError, match="chunks"):
+            sample_tokens(logits, *params, **kwargs, chunks=bad)
+    with pytest.raises(ValueError, match="chunks"):
+        sample_tokens(logits, *params, **{**kwargs, "max_top_k": None}, chunks=2)  # k = the whole tile
+    assert spy.grids == [(2, 4)]

@@ -167,7 +167,10 @@ def sample_kernel_table() -> None:
     64; every way to extract the top keys (`select`: "sort" = `tl.topk`, "radix" = the radix
     select), and for the main row each with its last column split off (`split_last_column`) and
     without (the 8,192 tile); the radix select also at 4 and 16 warps (`/4w`, `/16w`; 8 by
-    default: run 20 timed 4 to 32 warps for the sort, when it was the default, and 8 was fastest)."""
+    default: run 20 timed 4 to 32 warps for the sort, when it was the default, and 8 was fastest).
+    Those run one program per row (`chunks=1`); `radix/c4`, `/c8`, `/c16` (`radix+split/c8` for the
+    main row) spread each row over that many programs (`sample_tokens`' `chunks`, 8 warps; the
+    default at batch <= 16 is `DEFAULT_CHUNKS`), requested explicitly at both batches."""
     import torch
 
     from shoal.bench.timing import time_graph_ms
@@ -179,16 +182,22 @@ def sample_kernel_table() -> None:
         columns = logits.shape[1]
         out = torch.empty(rows, dtype=torch.long, device=device)
         times = {}
-        for select in SELECTS:
-            for split in (True, False) if main else (True,):  # a 4,096-column row has no column to split
-                for warps in (4, 8, 16) if select == "radix" and split else (8,):
-                    call = functools.partial(
-                        sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
-                        split_last_column=split, select=select, num_warps=warps, **extra,
-                    )  # fmt: skip
-                    label = f"{select}+{'split' if split else 'whole'}" if main else select
-                    label += f"/{warps}w" if warps != 8 else ""
-                    times[label] = 1000 * time_graph_ms(call, repeats=30)
+        variants = [
+            (select, split, warps, 1)
+            for select in SELECTS
+            for split in ((True, False) if main else (True,))  # a 4,096-column row has no column to split
+            for warps in ((4, 8, 16) if select == "radix" and split else (8,))
+        ]
+        variants += [("radix", True, 8, chunks) for chunks in (4, 8, 16)]
+        for select, split, warps, chunks in variants:
+            call = functools.partial(
+                sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
+                split_last_column=split, select=select, num_warps=warps, chunks=chunks, **extra,
+            )  # fmt: skip
+            label = f"{select}+{'split' if split else 'whole'}" if main else select
+            label += f"/{warps}w" if warps != 8 else ""
+            label += f"/c{chunks}" if chunks != 1 else ""
+            times[label] = 1000 * time_graph_ms(call, repeats=30)
         cells = "  ".join(f"{label} {t:6.1f}" for label, t in times.items())
         print(f"sample kernel rows={rows} columns={columns}: µs  {cells}")
 

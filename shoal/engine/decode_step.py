@@ -138,6 +138,13 @@ class DecodeStep:
             use_kernels and self.rules.constrain_to_semantic and self.rules.main_penalty == "none"
         )
         self.kernel_codebooks = use_kernels and not self.rules.penalize_codebooks
+        # Programs per sampled row (`kernels.sample.sample_tokens`' `chunks`; None: its default).
+        # The chunked kernel's counters are allocated here, never inside a graph capture.
+        self.sample_chunks: int | None = None
+        if (self.kernel_main or self.kernel_codebooks) and device.type == "cuda":
+            from shoal.kernels.sample import chunk_counters
+
+            chunk_counters(device)
         if use_kernels:
             self._init_fast_pages(max_batch)
         # FP8 projections (`quant/engine_fp8.py`) when the model holds Fp8Linear layers; the
@@ -490,6 +497,7 @@ class DecodeStep:
                 window=buffers.window if rules.use_ras else None,
                 semantic_range=(mc.semantic_begin_id, mc.semantic_end_id) if rules.use_ras else None,
                 max_top_k=self.max_top_k if capped else None, out=buffers.frames[:, 0],
+                chunks=self.sample_chunks if capped else None,
             )  # fmt: skip
             return
         logits = logits.float()
@@ -525,7 +533,7 @@ class DecodeStep:
             sample_tokens(
                 logits, buffers.temperature, buffers.top_p, buffers.top_k, buffers.seed,
                 buffers.frame_index, codebook_slot(k), max_top_k=self.max_top_k if capped else None,
-                out=buffers.frames[:, k + 1],
+                out=buffers.frames[:, k + 1], chunks=self.sample_chunks if capped else None,
             )  # fmt: skip
             return
         logits = logits.float()

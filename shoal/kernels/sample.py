@@ -29,6 +29,21 @@ Inside the decode step the kernel went from 33 to 13 µs per call and the FP8 st
 4.05 ms at batch 1 (6.91 -> 6.70 at 64; run 25), so "radix" is the default; `SHOAL_SAMPLE_SELECT`
 overrides it (same-run A/B).
 
+Chunked rows (`chunks`, `_sample_chunked_kernel`): the one program per row is one SM issuing a
+chain of block-wide steps (run 102: 4,280 instructions per warp at 4.9 cycles each, 10.6 µs in
+the step, 64% of it the top-k extraction over the 4,096-wide tile), which batch 1-16 runs
+10 times per step with the other 131 SMs idle. With chunks, P programs per row each take the top
+k of their BLOCK_V / P columns (`tl.topk`: over 512 keys cheaper than the radix select) and the
+last to arrive (a per-row counter) merges the P sorted runs (`_merge_sorted_runs`), re-reads the
+row for its max and normalizer (the one-program kernel's tile and reductions: the same bits) and
+draws: the same draws. Measured on the H200 (graphs of 20 calls, `max_top_k` 64, 8 warps): a
+codebook row 10.6 -> 5.8 µs with 8 chunks (4 chunks 7.2, 16 chunks 6.9), S2's main row 13.1 ->
+8.1; the same at batch 16 (10.7 -> 5.9, 13.3 -> 8.5); at batch 64 (512 programs) 10.8 -> 9.8.
+With the radix select in the chunks it was 8.0 / 10.6, and merging with `tl.topk` over the P * k
+candidates (sorting runs that arrive sorted) 8.5 / 11.4. `DEFAULT_CHUNKS` at batch <= 16 on a GPU
+with "radix" (the one-program kernel otherwise; 1 until timed in the decode step);
+`SHOAL_SAMPLE_CHUNKS` overrides.
+
 RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
 the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
 the high-temperature draw (slot `RAS_SLOT`) is taken.
@@ -54,6 +69,14 @@ DEFAULT_SELECT = "radix"
 # 256-bin one by more than the extra passes cost (measured with 16 to 256 bins).
 RADIX_BITS = tl.constexpr(5)
 RADIX_BINS = tl.constexpr(32)  # 2 ** RADIX_BITS
+# Chunked rows (`chunks`): the default for the radix path with `max_top_k` at small batches, and
+# the rows the per-device counters serve (a fixed buffer, never reallocated: graphs point at it).
+# 8 chunks measured best alone (module docstring); the default stays 1 until the decode step is
+# timed with them (`shoal bench ab --variant step:sample_chunks=8`).
+DEFAULT_CHUNKS = 1
+DEFAULT_CHUNKS_MAX_ROWS = 16
+CHUNKED_MAX_ROWS = 1024
+_CHUNK_COUNTERS: dict[torch.device, Tensor] = {}
 
 
 @triton.jit
@@ -187,51 +210,120 @@ def _select_top_keys(keys, scratch_ptr, BLOCK_V: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr, token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr,
-    window_ptr, scratch_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
-    stride_logits, stride_wb, stride_ww, stride_out, window_width,
-    BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
-    RADIX: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Program per row. Every load is issued before the first reduction: before the PDL wait
-    the column ids, the row's parameters and its RAS window (`sample_tokens`' contract), after it
-    the logits; nothing is left for a round trip to memory at the end of the kernel."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_V)
-    ok = cols < columns
+def _top_keys(keys, scratch_ptr, WIDTH: tl.constexpr, K: tl.constexpr, RADIX: tl.constexpr):
+    """The K largest of `keys` [WIDTH], descending: the whole tile sorted when K == WIDTH, else
+    the radix select (through `scratch_ptr` [2K]) or `tl.topk`."""
+    if K == WIDTH:
+        keys = tl.sort(keys, descending=True)
+    elif RADIX:
+        keys = _select_top_keys(keys, scratch_ptr, WIDTH, K, 2 * K)
+    else:
+        keys = tl.topk(keys, K)
+    return keys
+
+
+@triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.jit
+def _exchange(keys, flip, BIT: tl.constexpr, DIMS: tl.constexpr):
+    """One compare-and-swap stage of a bitonic network over `keys` [2] * DIMS (index bit BIT is
+    axis DIMS - 1 - BIT): the two keys whose indices differ in bit BIT end ascending where `flip` is
+    0, descending where 1 (`tl.topk`'s stage, on uint64 keys)."""
+    bits = keys.to(tl.int64, bitcast=True)
+    other = (bits ^ tl.xor_sum(bits, DIMS - 1 - BIT, keep_dims=True)).to(tl.uint64, bitcast=True)
+    right = tl.reshape(tl.arange(0, 2), [1] * (DIMS - 1 - BIT) + [2] + [1] * BIT)
+    return tl.where((keys > other) != (flip ^ right), other, keys)
+
+
+@triton.jit
+def _merge_sorted_runs(keys, RUNS: tl.constexpr, K: tl.constexpr):
+    """The K largest of RUNS sorted runs of K keys (`keys` [RUNS * K]: even runs ascending, odd
+    descending), descending. `tl.topk` after its runs are sorted: per round, the elementwise max of
+    two neighbouring runs is a bitonic run of the K largest of both, which log2(K) stages sort
+    (alternately, the last round descending); the runs arrive sorted, so its first log2(K) *
+    (log2(K) + 1) / 2 stages over all RUNS * K keys are skipped."""
+    LOG_K: tl.constexpr = _log2(K)
+    LOG_RUNS: tl.constexpr = _log2(RUNS)
+    h = tl.reshape(keys, [2] * (LOG_RUNS + LOG_K))
+    for r in tl.static_range(LOG_RUNS):
+        h = tl.max(h, LOG_RUNS - 1 - r)  # the bit above a run's index bits: pairs of runs
+        if r < LOG_RUNS - 1:
+            flip = tl.reshape(tl.arange(0, 2), [1] * (LOG_RUNS - 2 - r) + [2] + [1] * LOG_K)
+        else:
+            flip = 1
+        for i in tl.static_range(LOG_K):
+            h = _exchange(h, flip, LOG_K - 1 - i, LOG_RUNS - 1 - r + LOG_K)
+    return tl.reshape(h, [K])
+
+
+@triton.jit
+def _column_ids(token_ids_ptr, cols, ok, HAS_TOKEN_IDS: tl.constexpr):
+    """The vocabulary ids of columns `cols` (padding: 0x7FFFFFFF with `token_ids`)."""
+    ids = cols
     if HAS_TOKEN_IDS:
         ids = tl.load(token_ids_ptr + cols, mask=ok, other=0x7FFFFFFF)
-        if EXTRA_LAST:
-            id_last = tl.load(token_ids_ptr + BLOCK_V)
-    else:
-        ids = cols
-        id_last = tl.full([], BLOCK_V, tl.int32)
+    return ids
+
+
+@triton.jit
+def _row_inputs(
+    token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr, window_ptr, row,
+    stride_wb, stride_ww, window_width,
+    BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr,
+    RAS: tl.constexpr,
+):  # fmt: skip
+    """What a row reads before the PDL wait besides its column ids: the last column's id (with
+    `EXTRA_LAST`), the parameters and the RAS window (-1s without RAS)."""
+    id_last = tl.full([], BLOCK_V, tl.int32)
+    if HAS_TOKEN_IDS and EXTRA_LAST:
+        id_last = tl.load(token_ids_ptr + BLOCK_V)
     seed = tl.load(seed_ptr + row).to(tl.int64)
     frame = tl.load(frame_ptr + row).to(tl.int64)
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     top_k = tl.load(top_k_ptr + row).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
+    previous = tl.full([BLOCK_W], -1, tl.int32)
     if RAS:
-        w = tl.arange(0, BLOCK_W)
         previous = tl.load(window_ptr + row * stride_wb + w * stride_ww, mask=w < window_width, other=-1)
-    wait_for_inputs(USE_PDL)
-    x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    if EXTRA_LAST:  # the row's last column, outside the BLOCK_V = columns - 1 tile
-        x_last = tl.load(logits_ptr + row * stride_logits + BLOCK_V).to(tl.float32)
+    return id_last, seed, frame, temperature, top_p, top_k, previous
+
+
+@triton.jit
+def _row_logits(row_ptr, cols, ok, BLOCK_V: tl.constexpr, EXTRA_LAST: tl.constexpr):
+    """The row's tile, `cols` = arange(BLOCK_V) (-inf where not `ok`, past the row's columns), and
+    with `EXTRA_LAST` its last column, outside the BLOCK_V = columns - 1 tile (else -inf, unused)."""
+    x = tl.load(row_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    x_last = tl.full([], float("-inf"), tl.float32)
+    if EXTRA_LAST:
+        x_last = tl.load(row_ptr + BLOCK_V).to(tl.float32)
+    return x, x_last
+
+
+@triton.jit
+def _max_and_total(x, x_last, EXTRA_LAST: tl.constexpr):
+    """The row's max and sum of exp(x - max): the softmax's normalizer, over the whole tile."""
     top = tl.max(x, 0)
     if EXTRA_LAST:
         top = tl.maximum(top, x_last)
         total = tl.sum(tl.exp(x - top), 0) + tl.exp(x_last - top)
     else:
         total = tl.sum(tl.exp(x - top), 0)
-    keys = _sort_keys(x, ids)
-    if K == BLOCK_V:
-        keys = tl.sort(keys, descending=True)
-    elif RADIX:
-        keys = _select_top_keys(keys, scratch_ptr + row * (2 * K), BLOCK_V, K, 2 * K)
-    else:
-        keys = tl.topk(keys, K)
+    return top, total
+
+
+@triton.jit
+def _draw(
+    keys, x_last, id_last, top, total, temperature, top_p, top_k, seed, frame, previous, slot,
+    semantic_begin, semantic_end, ras_temperature, ras_top_p,
+    K: tl.constexpr, EXTRA_LAST: tl.constexpr, RAS: tl.constexpr,
+):  # fmt: skip
+    """The token drawn from the row's K largest keys (descending; the last column's key inserted
+    first with `EXTRA_LAST`): the race, and with RAS the high-temperature race's token instead
+    when the normal one repeats a semantic token of the window."""
     if EXTRA_LAST:
         keys = _insert_key(keys, _sort_keys(x_last, id_last), K)
     ordered = (keys >> 32).to(tl.uint32)
@@ -251,7 +343,95 @@ def _sample_kernel(
         repeated = tl.sum((previous == token).to(tl.int32), 0) > 0
         semantic = (token >= semantic_begin) & (token <= semantic_end)
         token = tl.where(repeated & semantic & (frame >= 1), high, token)
+    return token
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr,
+    window_ptr, scratch_ptr, out_ptr, slot, columns, semantic_begin, semantic_end, ras_temperature, ras_top_p,
+    stride_logits, stride_wb, stride_ww, stride_out, window_width,
+    BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
+    RADIX: tl.constexpr, HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program per row. Every load is issued before the first reduction: before the PDL wait
+    the column ids, the row's parameters and its RAS window (`sample_tokens`' contract), after it
+    the logits; nothing is left for a round trip to memory at the end of the kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    ok = cols < columns
+    ids = _column_ids(token_ids_ptr, cols, ok, HAS_TOKEN_IDS)
+    id_last, seed, frame, temperature, top_p, top_k, previous = _row_inputs(
+        token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr, window_ptr, row,
+        stride_wb, stride_ww, window_width, BLOCK_V, BLOCK_W, EXTRA_LAST, HAS_TOKEN_IDS, RAS,
+    )  # fmt: skip
+    wait_for_inputs(USE_PDL)
+    x, x_last = _row_logits(logits_ptr + row * stride_logits, cols, ok, BLOCK_V, EXTRA_LAST)
+    top, total = _max_and_total(x, x_last, EXTRA_LAST)
+    keys = _top_keys(_sort_keys(x, ids), scratch_ptr + row * (2 * K), BLOCK_V, K, RADIX)
+    token = _draw(
+        keys, x_last, id_last, top, total, temperature, top_p, top_k, seed, frame, previous, slot,
+        semantic_begin, semantic_end, ras_temperature, ras_top_p, K, EXTRA_LAST, RAS,
+    )  # fmt: skip
     tl.store(out_ptr + row * stride_out, token.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _sample_chunked_kernel(
+    logits_ptr, token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr,
+    window_ptr, candidates_ptr, counter_ptr, out_ptr, slot, columns, semantic_begin, semantic_end,
+    ras_temperature, ras_top_p, stride_logits, stride_wb, stride_ww, stride_out, window_width,
+    BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, EXTRA_LAST: tl.constexpr,
+    HAS_TOKEN_IDS: tl.constexpr, RAS: tl.constexpr, USE_PDL: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Program per (row, chunk of BLOCK_V // CHUNKS columns), drawing what `_sample_kernel`
+    draws. Each extracts its chunk's K largest keys (`tl.topk`: over at most a few hundred keys
+    cheaper than the radix select's barriers and scratch round trip) into its run of the row's
+    candidates [CHUNKS, K], then counts itself in at `counter_ptr[row]` (acq_rel, after a barrier:
+    every thread's stores precede the one thread's release). The last to arrive merges: the K
+    largest of the runs (`_merge_sorted_runs`) are the row's K largest, each being among its
+    chunk's; the row's max and normalizer come from the whole tile re-read and reduced exactly as
+    `_sample_kernel` does (the same bits); then the draw, and the counter back to 0 for the next
+    launch. Its loads (the candidates, written by other SMs, at L2; the row) go out together."""
+    CHUNK: tl.constexpr = BLOCK_V // CHUNKS
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < columns
+    ids = _column_ids(token_ids_ptr, cols, ok, HAS_TOKEN_IDS)
+    id_last, seed, frame, temperature, top_p, top_k, previous = _row_inputs(
+        token_ids_ptr, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, frame_ptr, window_ptr, row,
+        stride_wb, stride_ww, window_width, BLOCK_V, BLOCK_W, EXTRA_LAST, HAS_TOKEN_IDS, RAS,
+    )  # fmt: skip
+    wait_for_inputs(USE_PDL)
+    row_logits = logits_ptr + row * stride_logits
+    candidates = candidates_ptr + row * (CHUNKS * K)
+    x = tl.load(row_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    keys = _top_keys(_sort_keys(x, ids), candidates, CHUNK, K, False)
+    i = tl.arange(0, K)
+    # even chunks' keys ascending, odd ones' descending: the runs `_merge_sorted_runs` takes
+    tl.store(candidates + chunk * K + tl.where(chunk % 2 == 0, K - 1 - i, i), keys.to(tl.int64, bitcast=True))
+    tl.debug_barrier()
+    if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+        merged = tl.load(candidates + tl.arange(0, CHUNKS * K), cache_modifier=".cg")
+        row_cols = tl.arange(0, BLOCK_V)
+        row_ok = row_cols < columns
+        row_x, x_last = _row_logits(row_logits, row_cols, row_ok, BLOCK_V, EXTRA_LAST)
+        if HAS_TOKEN_IDS:
+            # `_sample_kernel` loads the row's ids beside its logits and the coalescing pass gives
+            # both loads the wider one's elements per thread, which sets the order of the sums
+            # below: the row's largest key (which the merge finds too) makes this load the same.
+            first = tl.max(_sort_keys(row_x, _column_ids(token_ids_ptr, row_cols, row_ok, HAS_TOKEN_IDS)), 0)
+        top, total = _max_and_total(row_x, x_last, EXTRA_LAST)
+        merged = _merge_sorted_runs(merged.to(tl.uint64, bitcast=True), CHUNKS, K)
+        if HAS_TOKEN_IDS:
+            merged = tl.where(i == 0, first, merged)
+        token = _draw(
+            merged, x_last, id_last, top, total, temperature, top_p, top_k, seed, frame, previous, slot,
+            semantic_begin, semantic_end, ras_temperature, ras_top_p, K, EXTRA_LAST, RAS,
+        )  # fmt: skip
+        tl.store(out_ptr + row * stride_out, token.to(out_ptr.dtype.element_ty))
+        tl.store(counter_ptr + row, 0)
 
 
 def sample_tokens(
@@ -270,6 +450,7 @@ def sample_tokens(
     num_warps: int = 8,
     split_last_column: bool = True,
     select: str | None = None,
+    chunks: int | None = None,
 ) -> Tensor:
     """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
     and stride, e.g. `frames[:, 0]`), default int64. `token_ids` int32 [V] maps columns to ids.
@@ -286,6 +467,14 @@ def sample_tokens(
     `torch.empty` per call: inside a capture that block comes from the graph's private pool and is
     reused in stream order like any temporary, so nothing is allocated at replay, and no cached
     workspace can be freed or regrown under a graph that still uses it.
+    `chunks`: programs per row (a power of two; chunks of at least k columns, so with `max_top_k`;
+    at most `CHUNKED_MAX_ROWS` rows), the same draws as 1 (the one-program kernel, `_sample_kernel`)
+    at the same `num_warps`. None reads `SHOAL_SAMPLE_CHUNKS` at each call (1: one program), else
+    `DEFAULT_CHUNKS` for at most `DEFAULT_CHUNKS_MAX_ROWS` rows on a GPU with "radix", else 1;
+    those fall back to 1 where the shape cannot take them, an explicit value raises a ValueError.
+    The chunked kernel's [B, chunks * k] int64 candidates come from `torch.empty` per call as the
+    radix scratch does; its per-row counters are one buffer per device (`chunk_counters`): chunked
+    launches on a device must not overlap, and the first may not be inside a graph capture.
 
     Under PDL (`kernels/pdl.py`) everything but the logits is read before the wait for the
     previous kernel: no kernel of the same graph or chain before this one may write `token_ids`,
@@ -314,20 +503,78 @@ def sample_tokens(
     if extra_last:
         block_v = columns - 1
     radix = select == "radix" and k < block_v  # k == block_v sorts the whole tile either way
-    scratch = torch.empty(rows, 2 * k, dtype=torch.int64, device=logits.device) if radix else seed
+    chunks = _resolve_chunks(chunks, rows, block_v, k, radix and logits.is_cuda)
     begin, end = semantic_range if semantic_range is not None else (0, -1)
-    _sample_kernel[(rows,)](
+    args = (
         logits, token_ids if token_ids is not None else seed, temperature, top_p, top_k, seed, frame,
-        window if window is not None else seed, scratch, out, slot, columns, begin, end,
-        RAS_TEMPERATURE, RAS_TOP_P, logits.stride(0),
+        window if window is not None else seed,
+    )  # fmt: skip
+    scalars = (
+        out, slot, columns, begin, end, RAS_TEMPERATURE, RAS_TOP_P, logits.stride(0),
         window.stride(0) if window is not None else 0, window.stride(1) if window is not None else 0,
         out.stride(0), window.shape[1] if window is not None else 0,
-        BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
-        EXTRA_LAST=extra_last, RADIX=radix,
-        HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None, num_warps=num_warps,
-        **pdl_launch(),
     )  # fmt: skip
+    meta = dict(
+        BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
+        EXTRA_LAST=extra_last, HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None,
+        num_warps=num_warps, **pdl_launch(),
+    )  # fmt: skip
+    if chunks == 1:
+        scratch = torch.empty(rows, 2 * k, dtype=torch.int64, device=logits.device) if radix else seed
+        _sample_kernel[(rows,)](*args, scratch, *scalars, RADIX=radix, **meta)
+    else:
+        candidates = torch.empty(rows, chunks * k, dtype=torch.int64, device=logits.device)
+        counters = chunk_counters(logits.device)
+        _sample_chunked_kernel[(rows, chunks)](*args, candidates, counters, *scalars, CHUNKS=chunks, **meta)
     return out
+
+
+def chunk_counters(device: torch.device) -> Tensor:
+    """The chunked kernel's per-row arrival counters on `device`: int32 [CHUNKED_MAX_ROWS], zero
+    between launches (each launch's merging programs set their rows' back to 0). Allocated once per
+    device and kept: CUDA graphs captured earlier keep pointing at it, so it is never reallocated,
+    and no launch clears it (a memset would be one more kernel in the step). Chunked launches on a
+    device must therefore not overlap (one stream, or streams ordered one after the other, as the
+    engine's step runs); and the first one may not happen inside a CUDA-graph capture."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _CHUNK_COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "sample_tokens' chunked kernel allocates its counters on its first call, which may not be"
+                " inside a CUDA-graph capture: warm up first (or pass chunks=1)"
+            )
+        counters = _CHUNK_COUNTERS[device] = torch.zeros(CHUNKED_MAX_ROWS, dtype=torch.int32, device=device)
+    return counters
+
+
+def _resolve_chunks(chunks: int | None, rows: int, block_v: int, k: int, default: bool) -> int:
+    """How many programs share a row: `chunks` as given (a ValueError if the shape cannot take
+    it), else `SHOAL_SAMPLE_CHUNKS`, else `DEFAULT_CHUNKS` where `default` (the radix path on a GPU)
+    and rows <= `DEFAULT_CHUNKS_MAX_ROWS`; the last two fall back to 1 where the shape cannot."""
+    fits = rows <= CHUNKED_MAX_ROWS
+    if chunks is not None:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or chunks & (chunks - 1):
+            raise ValueError(f"chunks must be a power of two >= 1, got {chunks!r}")
+        if chunks > 1 and not (fits and block_v // chunks >= k):
+            raise ValueError(
+                f"chunks={chunks} needs chunks of at least k={k} of the {block_v}-column tile (pass"
+                f" max_top_k) and at most {CHUNKED_MAX_ROWS} rows (got {rows})"
+            )
+        return chunks
+    setting = os.environ.get("SHOAL_SAMPLE_CHUNKS")
+    if setting is None:
+        chunks = DEFAULT_CHUNKS if default and rows <= DEFAULT_CHUNKS_MAX_ROWS else 1
+    else:
+        try:
+            chunks = int(setting)
+        except ValueError:
+            chunks = 0
+        if chunks < 1 or chunks & (chunks - 1):
+            raise ValueError(f"SHOAL_SAMPLE_CHUNKS must be a power of two >= 1, got {setting!r}")
+    return chunks if fits and block_v // chunks >= k else 1
 
 
 @triton.jit
