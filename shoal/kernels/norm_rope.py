@@ -328,7 +328,7 @@ def _rms_norm_kernel(
 # the loads issued after the first sum wait for its data; the sm_90 build of the batch-1 norm
 # (7 fp32 partials) went to memory in 3 dependent rounds, with bf16 partials in 7, the batch-16
 # one (5 bf16 partials) in 7. With the limit stated (255: at most one program per SM at 8 warps,
-# and these launches have 5 to 48 programs) every load is issued before the first use: one round
+# and these launches have 5 to 128 programs) every load is issued before the first use: one round
 # (`scripts/inspect_norm_sm90.py`, docs/performance.md run 133).
 NORM_MAX_REGISTERS = 255
 
