@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import triton
+from inspect_gemm_sm90 import resource_usage  # a sibling script: scripts/ is on the path
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -58,20 +59,26 @@ def compile_decode_norm(parts: int, partials: str, slice_groups: int, warps: int
     return triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
 
 
-def _run_on_cubin(compiled, tool: str, *flags: str) -> str:
-    """The output of one of Triton's bundled CUDA tools (nvdisasm, cuobjdump) on the build's cubin."""
+def _with_cubin(compiled, read):
+    """`read(path)` of the build's cubin, written to a temporary file."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        command = [str(Path(triton.__file__).parent / "backends/nvidia/bin" / tool), *flags, str(cubin)]
-        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        return read(cubin)
+
+
+def _disassemble(cubin: Path) -> str:
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    return subprocess.run(
+        [str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def sass_lines(compiled) -> list[str]:
     """The build's instructions, one per line, without addresses."""
     return [
         re.sub(r"/\*[0-9a-f]+\*/", "", line).strip()
-        for line in _run_on_cubin(compiled, "nvdisasm", "-c").splitlines()
+        for line in _with_cubin(compiled, _disassemble).splitlines()
         if re.search(r"/\*[0-9a-f]{4}\*/", line)
     ]
 
@@ -101,9 +108,8 @@ def load_rounds(sass: list[str], start: str = "ACQBULK", stop: str = "SHFL") -> 
 
 
 def registers_of(compiled) -> int:
-    """Registers per thread, from the cubin (`cuobjdump --dump-resource-usage`)."""
-    usage = _run_on_cubin(compiled, "cuobjdump", "--dump-resource-usage")
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+    """Registers per thread (`inspect_gemm_sm90.resource_usage` of the cubin)."""
+    return _with_cubin(compiled, resource_usage)["REG"]
 
 
 def main() -> None:

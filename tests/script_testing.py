@@ -13,7 +13,10 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str):
-    """`scripts/<name>.py` as a module (registered under `name`)."""
+    """`scripts/<name>.py` as a module (registered under `name`; scripts/ goes on the path, as
+    for a script run directly, so that one script can import another)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
