@@ -196,6 +196,50 @@ def test_host_copies_pad_their_own_rows(model):
     assert core.kv.pool.num_used == core.kv.prefix_cache_pages
 
 
+def test_uploads_send_scalars_together_and_tables_only_when_changed(model):
+    """The four per-row scalars are views of one buffer (one copy per step); the block tables
+    travel only when they differ from what the device holds: a stale device table survives an
+    upload of equal host tables (proof the copy was skipped), a grown table or `invalidate`
+    sends them again."""
+    core = make_core(model, ignore_eos=True, overlap_steps=True)
+    sink = Collector()
+    requests = [
+        submit(core, model, sink, f"u{i}", TEXTS[i], [], SamplingParams(seed=i), 40)[0] for i in range(3)
+    ]
+    while not all(r.is_decoding for r in requests):
+        core.step()
+    for request in requests:  # the pages the next step would get
+        core.kv.grow(request, request.seq_len)
+    runner, host = core.runner, core.runner.host
+    device = runner.buffers
+    storage = device.scalars.untyped_storage().data_ptr()
+    for name in ("positions", "slots", "frame_index", "kv_lens"):
+        assert getattr(device, name).untyped_storage().data_ptr() == storage, name
+    assert device.view(2).scalars is None and "scalars" not in device.names
+
+    def upload() -> None:
+        host.upload(device, host.fill(requests), len(requests))
+
+    host.invalidate()
+    upload()
+    for name in ("positions", "slots", "frame_index", "kv_lens", "block_tables"):
+        assert torch.equal(getattr(device, name)[:3], getattr(host.host, name)[:3]), name
+    device.block_tables[0, 0] = -7  # stale on the device behind the host's back
+    upload()  # same tables: not sent
+    assert int(device.block_tables[0, 0]) == -7
+    assert torch.equal(device.positions[:3], host.host.positions[:3])  # the scalars were
+    core.kv.grow(requests[1], requests[1].seq_len + runner.kv.page_size)  # row 1 gains a page
+    upload()
+    assert torch.equal(device.block_tables[:3], host.host.block_tables[:3])
+    device.block_tables[0, 0] = -7
+    host.invalidate()
+    upload()
+    assert torch.equal(device.block_tables[:3], host.host.block_tables[:3])
+    host.invalidate()
+    core.run_until_idle()
+    assert core.kv.pool.num_used == core.kv.prefix_cache_pages
+
+
 def test_streaming_consumers_get_frames_in_order_with_overlap(model):
     async def scenario():
         config = EngineConfig(

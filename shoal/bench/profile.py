@@ -170,7 +170,7 @@ def sample_kernel_table() -> None:
     default: run 20 timed 4 to 32 warps for the sort, when it was the default, and 8 was fastest).
     Those run one program per row (`chunks=1`); `radix/c4`, `/c8`, `/c16` (`radix+split/c8` for the
     main row) spread each row over that many programs (`sample_tokens`' `chunks`, 8 warps; the
-    default at batch <= 16 is `DEFAULT_CHUNKS`), requested explicitly at both batches."""
+    default at batch <= 64 is `DEFAULT_CHUNKS`), requested explicitly at both batches."""
     import torch
 
     from shoal.bench.timing import time_graph_ms

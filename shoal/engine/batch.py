@@ -7,11 +7,15 @@ costs a few vectorized writes and one non-blocking copy per field. When a step r
 requests in the same rows as the previous one (steady decoding), the device already holds the
 right tokens and window (the step writes them in place), so only the per-step metadata
 (positions, slots, lengths, frame indices, block tables) travels.
+
+The four per-row scalars live in one buffer (`DecodeBuffers.scalars`) and travel in one copy,
+and the block tables only when they changed (a row gained a page): at concurrency 1 each copy on
+the stream is a few µs of GPU time between two steps' graphs, on a 3 ms step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +25,7 @@ from shoal.engine.request import Request
 from shoal.models.sampling import SamplingBatch
 
 METADATA = ("positions", "slots", "block_tables", "kv_lens", "frame_index")
+SCALARS = ("positions", "slots", "frame_index", "kv_lens")  # views into `DecodeBuffers.scalars`
 PER_REQUEST = ("tokens", "window", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
 
 
@@ -42,6 +47,9 @@ class DecodeBuffers:
     repetition_penalty: Tensor  # float32 [B]
     seed: Tensor  # int64 [B]
     frames: Tensor  # int32 [B, N+1]: the step's output
+    # The storage of the `SCALARS` fields (int64 [4B]; kv_lens in the low half of the last B) in
+    # buffers made by `allocate`, None in views.
+    scalars: Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(
@@ -51,16 +59,19 @@ class DecodeBuffers:
             return torch.zeros(*shape, dtype=dtype, device=device, pin_memory=pin)
 
         i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        scalars = z(4 * batch, dtype=i64)
+        positions, slots, frame_index, wide_lens = scalars.view(4, batch)
+        kv_lens = wide_lens.view(i32)[:batch]
         return cls(
-            z(batch, rows, dtype=i32), z(batch, dtype=i64), z(batch, dtype=i64), z(batch, pages, dtype=i32),
-            z(batch, dtype=i32), z(batch, window, rows, dtype=i32), z(batch, dtype=i64), z(batch, dtype=f32),
-            z(batch, dtype=f32), z(batch, dtype=i64), z(batch, dtype=f32), z(batch, dtype=i64),
-            z(batch, rows, dtype=i32),
+            z(batch, rows, dtype=i32), positions, slots, z(batch, pages, dtype=i32), kv_lens,
+            z(batch, window, rows, dtype=i32), frame_index, z(batch, dtype=f32), z(batch, dtype=f32),
+            z(batch, dtype=i64), z(batch, dtype=f32), z(batch, dtype=i64), z(batch, rows, dtype=i32), scalars,
         )  # fmt: skip
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.__dataclass_fields__)
+        """The step's tensors (not the `scalars` storage behind four of them)."""
+        return tuple(name for name in self.__dataclass_fields__ if name != "scalars")
 
     def view(self, batch: int, pages: int | None = None) -> DecodeBuffers:
         views = {name: getattr(self, name)[:batch] for name in self.names}
@@ -103,6 +114,9 @@ class HostBatch:
         self.current = 0  # the copy of the last fill (the one `upload` sends)
         self.rows: list[Request] = []  # requests of the last fill, in row order
         self.device_current = False  # the device buffers hold the last fill's per-request fields
+        # What the device's block tables hold in rows [0, device_table_rows) (uploads skip equal ones).
+        self.device_tables = np.zeros((max_batch, runner.max_pages), dtype=np.int32)
+        self.device_table_rows = 0
         self.reset()
 
     @property
@@ -194,10 +208,24 @@ class HostBatch:
     def invalidate(self) -> None:
         """The device buffers were overwritten (graph capture, a fallback step): resend all."""
         self.device_current = False
+        self.device_table_rows = 0
 
     def upload(self, device: DecodeBuffers, fields: tuple[str, ...], rows: int) -> None:
         """Copy rows [0, rows) of `fields` from the copy of the last fill to the device buffers
-        (non-blocking from pinned)."""
-        for name in fields:
-            getattr(device, name)[:rows].copy_(getattr(self.host, name)[:rows], non_blocking=True)
+        (non-blocking from pinned): the four scalars in one copy (every row: a few KB), the block
+        tables only where they differ from what the device holds."""
+        pending = list(fields)
+        host = self.host
+        if device.scalars is not None and host.scalars is not None and set(SCALARS) <= set(pending):
+            device.scalars.copy_(host.scalars, non_blocking=True)
+            pending = [name for name in pending if name not in SCALARS]
+        if "block_tables" in pending:
+            tables = self.np["block_tables"][:rows]
+            if rows <= self.device_table_rows and np.array_equal(tables, self.device_tables[:rows]):
+                pending.remove("block_tables")
+            else:
+                self.device_tables[:rows] = tables
+                self.device_table_rows = max(self.device_table_rows, rows)
+        for name in pending:
+            getattr(device, name)[:rows].copy_(getattr(host, name)[:rows], non_blocking=True)
         self.device_current = True

@@ -107,8 +107,10 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # control within 0.3% (`shoal bench ab`, docs/performance.md run 38); those tables held 380
     # keys, one split per row. Split rows (tables of 512 keys and more, `shoal serve`'s 32k) take
     # 64-key blocks: 10-16% faster alone at 332 keys to 8k in 32k tables, while one split of 332
-    # keys is 23% slower with them (docs/performance.md runs 85 and 89).
-    16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256, split_block_n=64),
+    # keys is 23% slower with them (docs/performance.md runs 85 and 89). min_split_tokens 64 (was
+    # 256): 332-key rows in the engine bench's tables split in 3 as in `shoal serve`'s (64-key
+    # blocks), step 0.996x (run 137; Nsight Compute there: one 4-warp program per SM, latency-bound).
+    16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64),
     64: AttentionConfig(block_n=64, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 

@@ -40,9 +40,10 @@ draws: the same draws. Measured on the H200 (graphs of 20 calls, `max_top_k` 64,
 codebook row 10.6 -> 5.8 µs with 8 chunks (4 chunks 7.2, 16 chunks 6.9), S2's main row 13.1 ->
 8.1; the same at batch 16 (10.7 -> 5.9, 13.3 -> 8.5); at batch 64 (512 programs) 10.8 -> 9.8.
 With the radix select in the chunks it was 8.0 / 10.6, and merging with `tl.topk` over the P * k
-candidates (sorting runs that arrive sorted) 8.5 / 11.4. `DEFAULT_CHUNKS` at batch <= 16 on a GPU
-with "radix" (the one-program kernel otherwise; 1 until timed in the decode step);
-`SHOAL_SAMPLE_CHUNKS` overrides.
+candidates (sorting runs that arrive sorted) 8.5 / 11.4. `DEFAULT_CHUNKS` at batch <= 64 on a GPU
+with "radix" (the one-program kernel otherwise); `SHOAL_SAMPLE_CHUNKS` overrides. In the FP8
+decode step (10 sampling calls) 8 chunks made the step 0.993x / 0.988x / 0.996x at batch 1 / 16 /
+64, 4 chunks 0.997x / 0.991x / 0.997x (docs/performance.md run 137).
 
 RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
 the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
@@ -71,10 +72,9 @@ RADIX_BITS = tl.constexpr(5)
 RADIX_BINS = tl.constexpr(32)  # 2 ** RADIX_BITS
 # Chunked rows (`chunks`): the default for the radix path with `max_top_k` at small batches, and
 # the rows the per-device counters serve (a fixed buffer, never reallocated: graphs point at it).
-# 8 chunks measured best alone (module docstring); the default stays 1 until the decode step is
-# timed with them (`shoal bench ab --variant step:sample_chunks=8`).
-DEFAULT_CHUNKS = 1
-DEFAULT_CHUNKS_MAX_ROWS = 16
+# 8 chunks measured best alone and in the decode step at batch 1, 16 and 64 (module docstring).
+DEFAULT_CHUNKS = 8
+DEFAULT_CHUNKS_MAX_ROWS = 64
 CHUNKED_MAX_ROWS = 1024
 _CHUNK_COUNTERS: dict[torch.device, Tensor] = {}
 
