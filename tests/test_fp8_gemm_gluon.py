@@ -278,3 +278,115 @@ def test_s2_shapes_in_a_pdl_chain_gpu(m: int, shape: str) -> None:
     for block_n, stages, ahead, bf16_partials, unreduced in unswapped_cases:
         config = gemm.GemmConfig(64, block_n, split, 4, stages, bf16_partials=bf16_partials, gluon=True)
         _check_in_a_pdl_chain(x, w_q, w_s, replace(config, tiles_before_wait=ahead), unreduced)
+
+
+def test_swiglu_prologue_loads_its_inputs_after_the_wait_in_one_round() -> None:
+    """The down projection computing SwiGLU itself (`swiglu_rows`, sm_90 build compiled here): the
+    weight copies before the wait as before, no activation copy at all, the gate and up loads
+    (16-byte vectors, 2 per operand and row) all after the wait and before the first exponential,
+    and the shared stores fenced for the wgmma's async proxy."""
+    probe = (
+        "import re\n"
+        "from shoal.kernels.fp8_gemm_gluon import compile_for_hopper\n"
+        "for rows in (0, 1, 2):\n"
+        "    ptx = compile_for_hopper(max(rows, 1), 2560, 9728, block_m=16, block_n=64, split_k=7,\n"
+        "        num_stages=3, tiles_before_wait=2, leave_partials=True, bf16_partials=True,\n"
+        "        swiglu_rows=rows).asm['ptx']\n"
+        "    wait, exp = ptx.find('griddepcontrol.wait'), ptx.find('ex2.approx')\n"
+        "    vectors = [m.start() for m in re.finditer(r'ld\\.global\\.v4\\.b32', ptx)]\n"
+        "    copies = 'cp.async.bulk.tensor.2d'\n"
+        "    print(ptx[:wait].count(copies), ptx.count(copies), len(vectors),\n"
+        "          sum(wait < v < exp for v in vectors), ptx.count('fence.proxy.async.shared::cta'))\n"
+    )
+    plain, one, two = (tuple(int(x) for x in line.split()) for line in _sm90_probe(probe)[-3:])
+    assert plain[0] == one[0] == two[0] == 2  # weight copies before the wait
+    assert one[1] == two[1] < plain[1]  # no activation copies
+    assert one[2:4] == (4, 4) and two[2:4] == (8, 8)  # gate + up, every load in the first round
+    assert one[4] >= 1 and two[4] >= 1
+
+
+def test_swiglu_prologue_runs_only_where_it_can() -> None:
+    """The tuned table asks for the prologue for the down projection at M = 1 and 2; it runs only
+    on Hopper with the Gluon kernel (elsewhere the engine quantizes separately: the same bits),
+    and the launcher refuses what it cannot take."""
+    from shoal.kernels.fp8_gemm_gluon import SWIGLU_MAX_ROWS, launch_prefetch_gemm
+
+    n, k = 2560, 9728
+    table = gemm.TUNED_CONFIGS_FP8
+    assert table[(n, k, 1)].swiglu_prologue and table[(n, k, 2)].swiglu_prologue
+    assert not any(c.swiglu_prologue for (_, _, m), c in table.items() if m > SWIGLU_MAX_ROWS)
+    device = torch.device(DEVICE)
+    runs = gemm.swiglu_prologue_config(n, k, 1, device)
+    assert (runs is not None) == _ON_HOPPER
+    assert gemm.swiglu_prologue_config(n, k, 4, device) is None
+    assert gemm.swiglu_prologue_config(6144, 2560, 1, device) is None  # qkv: no SwiGLU entry
+    w_q, w_s = fp8_weight(128, 256)
+    out = torch.empty(3, 128, dtype=torch.bfloat16, device=DEVICE)
+    a = torch.empty(3, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
+    common = dict(
+        block_m=16, block_n=64, split_k=1, num_stages=2, tiles_before_wait=1, num_warps=4,
+        bf16_partials=False, leave_partials=False, launch={},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="SwiGLU prologue"):  # three rows: more than it holds
+        gate_up = torch.zeros(3, 512, dtype=torch.bfloat16, device=DEVICE)
+        launch_prefetch_gemm(a, w_s, w_q, w_s, out, out, out, swapped=True, gate_up=gate_up, **common)
+    with pytest.raises(ValueError, match="SwiGLU prologue"):  # gate+up of the wrong width
+        gate_up = torch.zeros(2, 500, dtype=torch.bfloat16, device=DEVICE)
+        launch_prefetch_gemm(a[:2], w_s, w_q, w_s, out[:2], out, out, swapped=True, gate_up=gate_up, **common)
+    with pytest.raises(ValueError, match="gate_up must be bfloat16"):
+        gemm.fp8_swiglu_gemm(torch.zeros(1, 256, device=DEVICE), w_q, w_s, gemm.TUNED_CONFIGS_FP8[(n, k, 1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_HOPPER, reason="the prologue runs on Hopper only")
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize(
+    "n,k,split,bf16_partials,unreduced",
+    [
+        (2560, 9728, 7, True, True),  # the decode step's down projection
+        (2560, 9728, 7, False, False),
+        (2560, 9728, 1, False, False),
+        (160, 400, 3, True, True),  # ragged: columns past K, a last split past K, rows past N
+        (160, 400, 2, False, False),
+    ],
+)
+def test_swiglu_prologue_same_bits_in_a_pdl_chain_gpu(
+    m: int, n: int, k: int, split: int, bf16_partials: bool, unreduced: bool
+) -> None:
+    """`fp8_swiglu_gemm` against `swiglu_quantize` + the same Gluon config fed by TMA: the same
+    bits, in a CUDA graph right behind the GEMM that writes gate+up (so the prologue's loads
+    follow the wait), replayed with new input each time."""
+    w_q, w_s = fp8_weight(n, k)
+    w13_q, w13_s = fp8_weight(2 * k, 256)
+    x = torch.randn(m, 256, device=DEVICE).to(torch.bfloat16)
+    config = gemm.GemmConfig(
+        16, 64, split, 4, 3, swap_ab=True, gluon=True, tiles_before_wait=2, bf16_partials=bf16_partials,
+        swiglu_prologue=True,
+    )  # fmt: skip
+    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config, k), DEVICE)
+    gate_up = torch.empty(m, 2 * k, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    x_q, x_s = quant.quantize_activations(x)
+
+    def step() -> torch.Tensor:
+        quant.quantize_activations(x, out=x_q, scales=x_s)
+        gemm.fp8_gemm(x_q, x_s, w13_q, w13_s, out=gate_up)
+        result = gemm.fp8_swiglu_gemm(gate_up, w_q, w_s, config, out, workspace, unreduced)
+        return result.parts if isinstance(result, gemm.SplitKPartials) else result
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x) * 4)
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        a_q, a_s = quant.swiglu_quantize(gate_up)
+        plain = replace(config, swiglu_prologue=False)
+        want = gemm.fp8_gemm(a_q, a_s, w_q, w_s, config=plain, unreduced=unreduced)
+        want = want.parts if isinstance(want, gemm.SplitKPartials) else want
+        assert torch.equal(replayed, want), (m, n, k, split)
+    result = replayed.float().sum(0) if unreduced and split > 1 else replayed
+    assert rel_err(result, ref.fp8_gemm(a_q, a_s, w_q, w_s)) < 4e-3

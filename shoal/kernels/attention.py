@@ -109,8 +109,12 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # 64-key blocks: 10-16% faster alone at 332 keys to 8k in 32k tables, while one split of 332
     # keys is 23% slower with them (docs/performance.md runs 85 and 89). min_split_tokens 64 (was
     # 256): 332-key rows in the engine bench's tables split in 3 as in `shoal serve`'s (64-key
-    # blocks), step 0.996x (run 137; Nsight Compute there: one 4-warp program per SM, latency-bound).
+    # blocks), step 0.996x at batch 16 (run 137; Nsight Compute there: one 4-warp program per SM,
+    # latency-bound), 0.975x at batch 4 (run 138).
     16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64),
+    # Batches 5-8 keep one split of 332 keys in the engine bench's tables (`min_split_tokens`
+    # 256): batch 8 0.988x against the split, while batch 4 splits (1.026x without, run 138).
+    8: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256, split_block_n=64),
     64: AttentionConfig(block_n=64, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 
@@ -123,7 +127,8 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 # took 37.3 / 321).
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
     1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
-    16: replace(TUNED_DECODE_CONFIGS[16], split_block_n=0),  # 64-key blocks not measured on e4m3
+    # 64-key blocks and the split of 332-key rows (the bf16 entry's since run 137) not measured on e4m3
+    16: replace(TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256),
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=2),
 }
 
