@@ -325,14 +325,19 @@ def test_swiglu_prologue_runs_only_where_it_can() -> None:
     a = torch.empty(3, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
     common = dict(
         block_m=16, block_n=64, split_k=1, num_stages=2, tiles_before_wait=1, num_warps=4,
-        bf16_partials=False, leave_partials=False, launch={},
+        bf16_partials=False, leave_partials=False, launch={}, swapped=True,
     )  # fmt: skip
     with pytest.raises(ValueError, match="SwiGLU prologue"):  # three rows: more than it holds
         gate_up = torch.zeros(3, 512, dtype=torch.bfloat16, device=DEVICE)
-        launch_prefetch_gemm(a, w_s, w_q, w_s, out, out, out, swapped=True, gate_up=gate_up, **common)
+        launch_prefetch_gemm(a, w_s, w_q, w_s, out, out, out, gate_up=gate_up, **common)
     with pytest.raises(ValueError, match="SwiGLU prologue"):  # gate+up of the wrong width
         gate_up = torch.zeros(2, 500, dtype=torch.bfloat16, device=DEVICE)
-        launch_prefetch_gemm(a[:2], w_s, w_q, w_s, out[:2], out, out, swapped=True, gate_up=gate_up, **common)
+        launch_prefetch_gemm(a[:2], w_s, w_q, w_s, out[:2], out, out, gate_up=gate_up, **common)
+    with pytest.raises(ValueError, match="resident"):  # one split: 76 steps of tiles in shared memory
+        gate_up = torch.zeros(1, 2 * 9728, dtype=torch.bfloat16, device=DEVICE)
+        wide = torch.empty(1, 9728, dtype=torch.float8_e4m3fn, device=DEVICE)
+        w_wide = torch.empty(128, 9728, dtype=torch.float8_e4m3fn, device=DEVICE)
+        launch_prefetch_gemm(wide, w_s, w_wide, w_s, out[:1], out, out, gate_up=gate_up, **common)
     with pytest.raises(ValueError, match="gate_up must be bfloat16"):
         gemm.fp8_swiglu_gemm(torch.zeros(1, 256, device=DEVICE), w_q, w_s, gemm.TUNED_CONFIGS_FP8[(n, k, 1)])
 
@@ -345,7 +350,7 @@ def test_swiglu_prologue_runs_only_where_it_can() -> None:
     [
         (2560, 9728, 7, True, True),  # the decode step's down projection
         (2560, 9728, 7, False, False),
-        (2560, 9728, 1, False, False),
+        (2560, 9728, 14, False, False),
         (160, 400, 3, True, True),  # ragged: columns past K, a last split past K, rows past N
         (160, 400, 2, False, False),
     ],

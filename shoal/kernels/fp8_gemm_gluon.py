@@ -68,6 +68,7 @@ BLOCK_K = gl.constexpr(BLOCK)
 _FP8_MAX = gl.constexpr(FP8_MAX)
 _MIN_SCALE = gl.constexpr(MIN_SCALE)
 SWIGLU_MAX_ROWS = 2  # rows of the gate+up output a program holds in registers (16 values each)
+SWIGLU_MAX_RESIDENT_BYTES = 64 << 10  # its activation tiles, all of a split's steps
 
 
 @gluon.jit
@@ -455,6 +456,12 @@ def launch_prefetch_gemm(
             raise ValueError(
                 f"the SwiGLU prologue takes swapped tiles and a gate+up [M <= {SWIGLU_MAX_ROWS}, 2K]"
                 f" with unit column stride, got {tuple(gate_up.shape)} for K = {k} (swapped={swapped})"
+            )
+        resident = triton.next_power_of_2(triton.cdiv(triton.cdiv(k, BLOCK), split_k)) * block_m * BLOCK
+        if resident > SWIGLU_MAX_RESIDENT_BYTES:
+            raise ValueError(
+                f"the SwiGLU prologue's resident tiles would take {resident} bytes of shared memory"
+                f" (at most {SWIGLU_MAX_RESIDENT_BYTES}): split K more than {split_k} ways"
             )
         swiglu_rows, tma_scales = triton.next_power_of_2(m), False
     flat = flat_scales(a_scale, block_m) if tma_scales else None
