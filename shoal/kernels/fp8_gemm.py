@@ -105,11 +105,6 @@ class GemmConfig:
     # layout of 16 contiguous bytes per thread before its store, instead of stored from the
     # wgmma accumulator's layout (2-4 bytes per store instruction). The same bits.
     vector_stores: bool = False
-    # With `gluon` and `swap_ab`, for the down projection at M <= 2 (`fp8_swiglu_gemm`): each
-    # program computes silu(gate) * up and its quantization from the gate+up output itself, in
-    # place of the activation copies (`kernels/fp8_gemm_gluon.py`), so the separate
-    # `swiglu_quantize` launch goes. The same bits.
-    swiglu_prologue: bool = False
 
     def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
         return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
@@ -197,8 +192,7 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # 132), qkv 0.998x more; at M = 2-8 batch 4 0.991x, batch 8 0.984x (run 134).
     (2560, 4096, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # o
     (19456, 2560, 1): _GS(16, 64, 1, 3, tiles_before_wait=2, vector_stores=False),  # gate_up
-    # down at M = 1-2: SwiGLU computed by the GEMM (`swiglu_prologue`, run 139).
-    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False, swiglu_prologue=True),
+    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # down
     # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
     # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
     # M = 8 with 2 tiles ahead: batch 8 0.996x (run 78); M = 16 with 2, then 3: batch 16 0.995x
@@ -215,7 +209,7 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     (19456, 2560, 4): _GS(16, 64, 1, 3, tiles_before_wait=2),
     (19456, 2560, 8): _GS(16, 64, 1, 4, tiles_before_wait=2),
     (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3, tma_scales=True),
-    (2560, 9728, 2): _GS(16, 64, 7, 3, tiles_before_wait=2, swiglu_prologue=True),
+    (2560, 9728, 2): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 9728, 4): _GS(16, 64, 7, 3, tiles_before_wait=2),
     (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
     (2560, 9728, 16): _GS(16, 64, 5, 4, tiles_before_wait=3, tma_scales=True),  # run 123
@@ -804,56 +798,6 @@ def fp8_gemm(
     if x_q.dtype != torch.float8_e4m3fn:
         raise ValueError("fp8_gemm takes e4m3 activations; use fp8_linear for bf16 input")
     return _launch(ACT_FP8, x_q, x_scale, w_q, w_scale, False, out, workspace, config, unreduced)
-
-
-def swiglu_prologue_config(n: int, k: int, m: int, device: torch.device) -> GemmConfig | None:
-    """The tuned config of the down projection [N, K] at M rows if it computes SwiGLU itself
-    (`fp8_swiglu_gemm`): a Gluon entry with `swiglu_prologue`, M within the prologue's rows, on
-    Hopper; else None, and the caller runs `swiglu_quantize` then `fp8_gemm` (the same bits)."""
-    if m < 1 or not _gluon_runs(device):
-        return None
-    from shoal.kernels.fp8_gemm_gluon import SWIGLU_MAX_ROWS
-
-    config = pick_config(n, k, m, device, fp8_activations=True)
-    usable = config.gluon and config.swap_ab and config.swiglu_prologue and not config.stream_k
-    return config if usable and m <= SWIGLU_MAX_ROWS else None
-
-
-def fp8_swiglu_gemm(
-    gate_up: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    config: GemmConfig,
-    out: torch.Tensor | None = None,
-    workspace: SplitKWorkspace | None = None,
-    unreduced: bool = False,
-) -> torch.Tensor | SplitKPartials:
-    """The down projection of gate+up [M, 2K] (gate | up, bf16) with silu(gate) * up quantized
-    inside the GEMM (`config` from `swiglu_prologue_config`): one launch where `swiglu_quantize`
-    and `fp8_gemm` take two, the same bits. `out`, `workspace`, `unreduced` as in `fp8_gemm`."""
-    check_weight_layout(w_q, w_scale)
-    n, k = w_q.shape
-    m = gate_up.shape[0]
-    if gate_up.dtype != torch.bfloat16 or tuple(gate_up.shape) != (m, 2 * k) or gate_up.stride(1) != 1:
-        raise ValueError(f"gate_up must be bfloat16 [M, {2 * k}], unit column stride, got {gate_up.shape}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=gate_up.device)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"out must be bfloat16 [{m}, {n}] with unit column stride")
-    if workspace is None:
-        workspace = _workspace_for(gate_up.device, m, n, k, config)
-    workspace.check(m, n, config, k)
-    leave_partials = unreduced and config.split_k > 1
-    from shoal.kernels.fp8_gemm_gluon import launch_swiglu_gemm
-
-    launch_swiglu_gemm(
-        gate_up, w_q, w_scale, out, workspace.partials_for(config), workspace.counters,
-        block_m=config.block_m, block_n=config.block_n, split_k=config.split_k,
-        num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
-        num_warps=config.num_warps, bf16_partials=config.bf16_partials, leave_partials=leave_partials,
-        launch=pdl_launch(), vector_stores=config.vector_stores,
-    )  # fmt: skip
-    return _result(out, workspace, config, m, n, leave_partials)
 
 
 def fp8_linear(

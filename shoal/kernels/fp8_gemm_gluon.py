@@ -33,14 +33,6 @@ epilogue, not the K loop, was what kept this kernel behind the Triton one at M =
 9.7-11.6% alone). With it the batch-16 step took 0.969x and batch 64, once M = 64 moved here,
 0.971x (docs/performance.md run 120).
 
-With `SWIGLU_ROWS` (the down projection at M <= 2, `launch_swiglu_gemm`) there is no activation
-copy: right after the PDL wait each program loads the gate+up output of its split's K range in one
-round, computes silu(gate) * up and its per-128-column e4m3 quantization with `kernels/quant.py`'s
-own functions (the bits of `swiglu_quantize`) and stores the tiles and scales to shared memory,
-where they stay for the whole K loop; only weights ride the ring. That removes the SwiGLU
-quantization launch before the down projection, a kernel boundary on each of the 68 MLPs of a
-batch-1 step (1.28 µs each in run 131's profile).
-
 Same tiles and arithmetic as the Triton kernel with `swap_ab=True, tma=True, scales_ahead=True`
 (weight rows are the wgmma's M side, each K step's product scaled by a_scale * w_scale and added
 in K order): the same bits. Hopper only (TMA, wgmma); `fp8_gemm._launch` runs that Triton config
@@ -53,22 +45,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
-
-from shoal.kernels.quant import FP8_MAX, MIN_SCALE, quantize_by, scale_from_amax, silu_times
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 BLOCK = 128  # K columns per step: one weight-scale column
 BLOCK_K = gl.constexpr(BLOCK)
-_FP8_MAX = gl.constexpr(FP8_MAX)
-_MIN_SCALE = gl.constexpr(MIN_SCALE)
-SWIGLU_MAX_ROWS = 2  # rows of the gate+up output a program holds in registers (16 values each)
-SWIGLU_MAX_RESIDENT_BYTES = 64 << 10  # its activation tiles, all of a split's steps
 
 
 @gluon.jit
@@ -100,51 +80,13 @@ def _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, slot, kb, off_m, M,
 
 
 @gluon.jit
-def _swiglu_into_shared(
-    g_ptr, stride_gm, K, M, kb0, a_res, s_res, STEPS_P2: gl.constexpr, ROWS: gl.constexpr,
-    num_warps: gl.constexpr,
-):  # fmt: skip
-    """Rows [0, ROWS) of this split's activation tiles and scales, computed from the gate+up output
-    [M, 2K] (gate | up) into `a_res` [STEPS_P2, BM, 128] (the TMA tiles' 128-byte-swizzled layout)
-    and `s_res` [STEPS_P2, BM], with `kernels/quant.py`'s arithmetic: `swiglu_quantize`'s bits.
-    The tiles' other rows are never written: each is one output column of the swapped product,
-    and columns >= M are never stored. Steps past the split's last and columns past K load as 0
-    and quantize to 0.
-
-    A swizzled tile cannot be sliced within its 8-row pattern, so both buffers are stored through
-    unswizzled views of the same bytes: row r's 16-byte chunk c sits at chunk c ^ (r % 8) of its
-    128 bytes (the 128-byte swizzle), so each row loads its columns in that order instead and
-    stores them straight (the group's amax does not depend on the order)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 1, 16], [num_warps, 1, 1], [2, 1, 0])
-    steps = gl.arange(0, STEPS_P2, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    places = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
-    row = rows[None, :, None]
-    place = places[None, None, :]
-    column = ((place // 16) ^ (row % 8)) * 16 + place % 16  # the swizzle is its own inverse
-    k_cols = (kb0 + steps[:, None, None]) * BLOCK_K + column
-    mask = (row < M) & (k_cols < K)
-    offsets = row.to(gl.int64) * stride_gm + k_cols
-    gate = gl.load(g_ptr + offsets, mask=mask, other=0.0).to(gl.float32)
-    up = gl.load(g_ptr + K + offsets, mask=mask, other=0.0).to(gl.float32)
-    x = silu_times(gate, up)
-    scale = scale_from_amax(gl.max(gl.abs(x), axis=2), _FP8_MAX, _MIN_SCALE)
-    tiles = a_res._reinterpret(gl.float8e4nv, a_res.shape, gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-    scales = s_res._reinterpret(gl.float32, s_res.shape, gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    tiles.slice(0, ROWS, dim=1).store(quantize_by(x, scale[:, :, None], _FP8_MAX))
-    scales.slice(0, ROWS, dim=1).store(scale)
-    fence_async_shared()  # the wgmma reads them through the async proxy
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _next_scales(
     w_scale_row, a_scale_ptr, offs_m, m_mask, kb, k_blocks, stride_asm, stride_asg, a_scale,
-    SKIP_A_SCALES: gl.constexpr,
+    TMA_SCALES: gl.constexpr,
 ):  # fmt: skip
-    """Step kb's weight scale and (unless they ride the ring or are resident) activation scales."""
+    """Step kb's weight scale and (unless they ride the ring) activation scales."""
     w_scale = gl.load(w_scale_row + kb, mask=kb < k_blocks, other=0.0)
-    if not SKIP_A_SCALES:
+    if not TMA_SCALES:
         a_scale = gl.load(
             a_scale_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask & (kb < k_blocks), other=0.0
         )
@@ -153,23 +95,19 @@ def _next_scales(
 
 @gluon.jit
 def _fp8_gemm_prefetch_kernel(
-    w_desc, a_desc, s_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr, g_ptr,
-    M, N, K, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om, stride_gm,
-    STEPS: gl.constexpr, STEPS_P2: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-    SPLIT_K: gl.constexpr, SWAPPED: gl.constexpr, LEAVE_PARTIALS: gl.constexpr,
-    BF16_PARTIALS: gl.constexpr, TMA_SCALES: gl.constexpr, SCALES_FIRST: gl.constexpr,
-    VECTOR_STORES: gl.constexpr, STORE_BYTES: gl.constexpr, SWIGLU_ROWS: gl.constexpr,
-    USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+    w_desc, a_desc, s_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
+    STEPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
+    SWAPPED: gl.constexpr, LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr,
+    TMA_SCALES: gl.constexpr, SCALES_FIRST: gl.constexpr, VECTOR_STORES: gl.constexpr,
+    STORE_BYTES: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows of the tile
     BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows of the tile
     SB: gl.constexpr = s_desc.block_type.shape[0] if TMA_SCALES else BM  # >= BM, 32 at least
-    # What each ring stage's barrier waits for: with SWIGLU_ROWS the weight tile alone.
-    TILE_BYTES: gl.constexpr = w_desc.block_type.nbytes + (
-        0 if SWIGLU_ROWS else a_desc.block_type.nbytes + (SB * 4 if TMA_SCALES else 0)
+    TILE_BYTES: gl.constexpr = (
+        w_desc.block_type.nbytes + a_desc.block_type.nbytes + (SB * 4 if TMA_SCALES else 0)
     )
-    # Activation scales neither loaded by pointer nor copied: they ride the ring or sit in s_res.
-    NO_SCALE_LOADS: gl.constexpr = TMA_SCALES or SWIGLU_ROWS > 0
     # Grid (m tiles, n tiles, splits), as the Triton kernel's: one weight tile's M tiles run together.
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -196,14 +134,7 @@ def _fp8_gemm_prefetch_kernel(
     w_scale_row = w_scale_ptr + (off_n // BLOCK_K) * stride_wsn
 
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BLOCK_K], w_desc.layout)
-    if SWIGLU_ROWS:  # every step's tile and scales resident (`_swiglu_into_shared`)
-        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STEPS_P2, BM, BLOCK_K], a_desc.layout)
-        s_res = gl.allocate_shared_memory(
-            gl.float32, [STEPS_P2, BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-    else:
-        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BLOCK_K], a_desc.layout)
-        s_res = a_smem  # unused
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BLOCK_K], a_desc.layout)
     if TMA_SCALES:
         s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, SB], s_desc.layout)
     else:
@@ -222,12 +153,9 @@ def _fp8_gemm_prefetch_kernel(
         if i < STEPS:
             if i >= AHEAD:
                 _copy_weights(w_desc, w_smem, ready, i, kb0 + i, off_n, TILE_BYTES)
-            if not SWIGLU_ROWS:
-                _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, i, kb0 + i, off_m, M, TMA_SCALES)
-    if SWIGLU_ROWS:
-        _swiglu_into_shared(g_ptr, stride_gm, K, M, kb0, a_smem, s_res, STEPS_P2, SWIGLU_ROWS, num_warps)
-    a_scale = w_scale  # a placeholder when the scales ride the ring or sit in s_res
-    if not NO_SCALE_LOADS:
+            _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, i, kb0 + i, off_m, M, TMA_SCALES)
+    a_scale = w_scale  # a placeholder when the scales ride the ring
+    if not TMA_SCALES:
         a_scale = gl.load(
             a_scale_ptr + offs_m * stride_asm + kb0 * stride_asg, mask=m_mask & (kb0 < k_blocks), other=0.0
         )
@@ -237,22 +165,20 @@ def _fp8_gemm_prefetch_kernel(
     for step in range(STEPS):
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        if SWIGLU_ROWS:
-            scale = s_res.index(step).load(scale_layout) * w_scale
-            a_tile = a_smem.index(step)
-        elif TMA_SCALES:
+        if TMA_SCALES:
             # Multiplied here, so every warp has read the slot's scales before the MMA below,
             # whose completion lets the slot be refilled.
             scale = s_smem.index(slot).slice(0, BM).load(scale_layout) * w_scale
-            a_tile = a_smem.index(slot)
         else:
             scale = a_scale * w_scale
-            a_tile = a_smem.index(slot)
-        w_tile = w_smem.index(slot)
         if SWAPPED:
-            part = warpgroup_mma(w_tile, a_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            part = warpgroup_mma(
+                w_smem.index(slot), a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
+            )
         else:
-            part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            part = warpgroup_mma(
+                a_smem.index(slot), w_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True
+            )
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if SCALES_FIRST:
             # The next step's scales (this step's product is taken), then the refill: the order
@@ -261,14 +187,13 @@ def _fp8_gemm_prefetch_kernel(
             # launch falls back to loads); on its own it lost (run 116).
             w_scale, a_scale = _next_scales(
                 w_scale_row, a_scale_ptr, offs_m, m_mask, kb0 + step + 1, k_blocks, stride_asm,
-                stride_asg, a_scale, NO_SCALE_LOADS,
+                stride_asg, a_scale, TMA_SCALES,
             )  # fmt: skip
         following = step + STAGES  # into the slot this step has finished reading
         if following < STEPS:
             kb = kb0 + following
             _copy_weights(w_desc, w_smem, ready, slot, kb, off_n, TILE_BYTES)
-            if not SWIGLU_ROWS:
-                _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, slot, kb, off_m, M, TMA_SCALES)
+            _copy_activations(a_desc, a_smem, s_desc, s_smem, ready, slot, kb, off_m, M, TMA_SCALES)
         if SWAPPED:
             acc += part * scale[None, :]
         else:
@@ -276,7 +201,7 @@ def _fp8_gemm_prefetch_kernel(
         if not SCALES_FIRST:
             w_scale, a_scale = _next_scales(
                 w_scale_row, a_scale_ptr, offs_m, m_mask, kb0 + step + 1, k_blocks, stride_asm,
-                stride_asg, a_scale, NO_SCALE_LOADS,
+                stride_asg, a_scale, TMA_SCALES,
             )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -361,18 +286,15 @@ def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> Non
 def _kernel_constants(
     k: int, *, split_k: int, swapped: bool, num_stages: int, tiles_before_wait: int,
     leave_partials: bool, bf16_partials: bool, tma_scales: bool, scales_first: bool, vector_stores: bool,
-    swiglu_rows: int = 0,
 ) -> dict:  # fmt: skip
     """The kernel's compile-time constants for one launch shape (USE_PDL comes with the launch)."""
-    steps = triton.cdiv(triton.cdiv(k, BLOCK), split_k)
     return {
-        "STEPS": steps, "STEPS_P2": triton.next_power_of_2(steps), "STAGES": num_stages,
+        "STEPS": triton.cdiv(triton.cdiv(k, BLOCK), split_k), "STAGES": num_stages,
         "AHEAD": tiles_before_wait, "SPLIT_K": split_k, "SWAPPED": swapped,
         "LEAVE_PARTIALS": leave_partials, "BF16_PARTIALS": bf16_partials and split_k > 1,
         "TMA_SCALES": tma_scales, "SCALES_FIRST": scales_first, "VECTOR_STORES": vector_stores,
         # the bytes of what the epilogue stores: fp32 partials, else bf16 (its layout's vector width)
         "STORE_BYTES": 4 if split_k > 1 and not bf16_partials else 2,
-        "SWIGLU_ROWS": swiglu_rows,
     }  # fmt: skip
 
 
@@ -440,58 +362,24 @@ def launch_prefetch_gemm(
     launch: dict,
     tma_scales: bool = False,
     vector_stores: bool = False,
-    gate_up: torch.Tensor | None = None,
 ) -> None:
-    """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace.
-    With `gate_up` (bf16 [M, 2K], gate | up; M <= `SWIGLU_MAX_ROWS`, swapped tiles) the program
-    computes its activations from it (`_swiglu_into_shared`): `a` is then only the e4m3 buffer
-    whose tile shape and layout the shared tiles take, and `a_scale` is not read."""
+    """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     check_tile(block_m, block_n, swapped, num_warps)
     (m, k), n = a.shape, w_q.shape[0]
     if k % 16:
         raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
-    swiglu_rows = 0
-    if gate_up is not None:
-        if not swapped or m > SWIGLU_MAX_ROWS or tuple(gate_up.shape) != (m, 2 * k) or gate_up.stride(1) != 1:
-            raise ValueError(
-                f"the SwiGLU prologue takes swapped tiles and a gate+up [M <= {SWIGLU_MAX_ROWS}, 2K]"
-                f" with unit column stride, got {tuple(gate_up.shape)} for K = {k} (swapped={swapped})"
-            )
-        resident = triton.next_power_of_2(triton.cdiv(triton.cdiv(k, BLOCK), split_k)) * block_m * BLOCK
-        if resident > SWIGLU_MAX_RESIDENT_BYTES:
-            raise ValueError(
-                f"the SwiGLU prologue's resident tiles would take {resident} bytes of shared memory"
-                f" (at most {SWIGLU_MAX_RESIDENT_BYTES}): split K more than {split_k} ways"
-            )
-        swiglu_rows, tma_scales = triton.next_power_of_2(m), False
     flat = flat_scales(a_scale, block_m) if tma_scales else None
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=flat is not None,
-        scales_first=tma_scales, vector_stores=vector_stores, swiglu_rows=swiglu_rows,
+        scales_first=tma_scales, vector_stores=vector_stores,
     )  # fmt: skip
     s_desc = _scale_descriptor(flat, block_m) if flat is not None else a_scale  # else unused
-    g = gate_up if gate_up is not None else out  # else unused
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _fp8_gemm_prefetch_kernel[grid](
         _descriptor(w_q, block_n), _descriptor(a, block_m), s_desc, w_scale, a_scale, out, partials, counters,
-        g, m, n, k, triton.cdiv(k, BLOCK), w_scale.stride(0), a_scale.stride(0), a_scale.stride(1),
-        out.stride(0), g.stride(0), **constants, num_warps=num_warps, **launch,
-    )  # fmt: skip
-
-
-def launch_swiglu_gemm(
-    gate_up: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
-    partials: torch.Tensor, counters: torch.Tensor, **options,
-) -> None:  # fmt: skip
-    """`launch_prefetch_gemm` computing its activations from gate+up [M, 2K] (`SWIGLU_ROWS`); the
-    tile descriptor the kernel takes its shared layout from is built over gate_up's own bytes
-    (never copied from)."""
-    k = w_q.shape[1]
-    shape_of_tiles = gate_up.view(torch.float8_e4m3fn)[:, :k]
-    launch_prefetch_gemm(
-        shape_of_tiles, w_scale, w_q, w_scale, out, partials, counters, swapped=True, gate_up=gate_up,
-        **options,
+        m, n, triton.cdiv(k, BLOCK), w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
+        **constants, num_warps=num_warps, **launch,
     )  # fmt: skip
 
 
@@ -499,7 +387,6 @@ def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
     tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
     num_warps: int = 4, swapped: bool = True, tma_scales: bool = False, vector_stores: bool = False,
-    swiglu_rows: int = 0,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -511,7 +398,7 @@ def compile_for_hopper(
     constants = _kernel_constants(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=tma_scales,
-        scales_first=tma_scales, vector_stores=vector_stores, swiglu_rows=swiglu_rows,
+        scales_first=tma_scales, vector_stores=vector_stores,
     ) | {"USE_PDL": use_pdl, "num_warps": num_warps}  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
@@ -521,15 +408,15 @@ def compile_for_hopper(
         w_desc=mangle_type(_descriptor(w, block_n)), a_desc=mangle_type(_descriptor(a, block_m)),
         s_desc=mangle_type(_scale_descriptor(scales, block_m)) if tma_scales else "*fp32",
         w_scale_ptr="*fp32", a_scale_ptr="*fp32", out_ptr="*bf16",
-        partial_ptr="*bf16" if bf16_partials else "*fp32", counter_ptr="*i32", g_ptr="*bf16",
+        partial_ptr="*bf16" if bf16_partials else "*fp32", counter_ptr="*i32",
     )  # fmt: skip
     names = kernel.arg_names
     constexprs = {(names.index(name),): value for name, value in constants.items()}
     # What the launcher specializes: pointers and integer arguments divisible by 16 (it decides
     # whether a store can be vectorized, so a reading without it is not the GPU's build).
     k_blocks = triton.cdiv(k, BLOCK)
-    values = {"M": m, "N": n, "K": k, "k_blocks": k_blocks, "stride_wsn": k_blocks, "stride_asm": 1,
-              "stride_asg": m, "stride_om": n, "stride_gm": 2 * k if swiglu_rows else n}  # fmt: skip
+    values = {"M": m, "N": n, "k_blocks": k_blocks, "stride_wsn": k_blocks, "stride_asm": 1,
+              "stride_asg": m, "stride_om": n}  # fmt: skip
     aligned = [i for i, name in enumerate(names) if name.endswith("_ptr") or values.get(name, 1) % 16 == 0]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)

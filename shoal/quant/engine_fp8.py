@@ -12,9 +12,7 @@ kernel variant is chosen from the GEMM shape (N, K) and the row count M (`varian
 
 - `"w8a8"`: activations quantized per token per 128 columns by one `kernels/quant.py` launch (for
   the down projection fused with SwiGLU: `swiglu_quantize`), then the W8A8 GEMM; measured fastest
-  at M <= 16 (docs/performance.md run 6). The down projection at M <= 2 on Hopper computes SwiGLU
-  and its quantization inside the Gluon GEMM instead (`fp8_gemm.fp8_swiglu_gemm`, where its table
-  entry says `swiglu_prologue`): one launch fewer, the same bits;
+  at M <= 16 (docs/performance.md run 6);
 - `"w8a8_inline"`: the GEMM quantizes its activation tiles itself (no extra launch);
 - `"w8a16"`: bf16 activations, weights dequantized in registers;
 - `"bf16"`: cuBLAS on a resident bf16 copy dequantized from the FP8 weights once at load (more
@@ -442,18 +440,13 @@ class Fp8Projections:
         elif variant == "scaled_mm":
             self._scaled_mm(w, x, swiglu, out)
         elif variant == "w8a8":
-            from shoal.kernels.fp8_gemm import fp8_gemm, fp8_swiglu_gemm, swiglu_prologue_config
+            from shoal.kernels.fp8_gemm import fp8_gemm
             from shoal.kernels.quant import quantize_activations, swiglu_quantize
 
-            fused = swiglu_prologue_config(w.n, w.k, m, x.device) if swiglu else None
-            if fused is not None:  # the GEMM computes SwiGLU itself: the same bits, one launch
-                gate_up = x.to(torch.bfloat16)
-                result = fp8_swiglu_gemm(gate_up, w.q, w.scale, fused, out, workspace, unreduced)
-            else:
-                q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
-                quantize = swiglu_quantize if swiglu else quantize_activations
-                q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
-                result = fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
+            q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
+            quantize = swiglu_quantize if swiglu else quantize_activations
+            q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
+            result = fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
         else:
             from shoal.kernels.fp8_gemm import fp8_linear
 
