@@ -103,6 +103,11 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # FP8 step at batch 1 3.95 -> 3.87 ms (docs/performance.md run 32). 32k tables: unchanged.
     # block_n 64 (was 128): batch-1 step 0.987x (run 78; 2 stages instead of 3: 1.003x).
     1: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=64),
+    # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config:
+    # 1.026x without the split at batch 4, run 138); batches 5-8 keep one split
+    # (`min_split_tokens` 256: batch 8 1.012-1.013x with the split, runs 138 and 140).
+    4: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64),
+    8: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256, split_block_n=64),
     # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
     # control within 0.3% (`shoal bench ab`, docs/performance.md run 38); those tables held 380
     # keys, one split per row. Split rows (tables of 512 keys and more, `shoal serve`'s 32k) take
@@ -110,11 +115,8 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # keys is 23% slower with them (docs/performance.md runs 85 and 89). min_split_tokens 64 (was
     # 256): 332-key rows in the engine bench's tables split in 3 as in `shoal serve`'s (64-key
     # blocks), step 0.996x at batch 16 (run 137; Nsight Compute there: one 4-warp program per SM,
-    # latency-bound), 0.975x at batch 4 (run 138).
+    # latency-bound).
     16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64),
-    # Batches 5-8 keep one split of 332 keys in the engine bench's tables (`min_split_tokens`
-    # 256): batch 8 0.988x against the split, while batch 4 splits (1.026x without, run 138).
-    8: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256, split_block_n=64),
     64: AttentionConfig(block_n=64, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 
