@@ -1,1 +1,0 @@
-export SHOAL_COMMIT=$1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SHOAL_SHARED=$PWD/.gpu_shared; shift; mkdir -p $OUT; "$@"
