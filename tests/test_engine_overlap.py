@@ -162,18 +162,24 @@ def test_realtime_preempts_batch_with_overlap_and_outputs_are_unchanged(model):
     assert core.kv.pool.num_used == core.kv.prefix_cache_pages
 
 
-def test_host_copies_pad_their_own_rows(model):
-    """Two host copies used in turn: shrinking the batch pads the dropped rows in both (a
-    graph bucket uploads them), not only in the copy filled last."""
+def decoding_core(model, count: int, frames: int):
+    """An overlapped core whose `count` requests all decode, each holding the pages its next
+    step needs, so that tests can fill and upload host batches by hand."""
     core = make_core(model, ignore_eos=True, overlap_steps=True)
     sink = Collector()
-    requests = [
-        submit(core, model, sink, f"p{i}", TEXTS[i], [], SamplingParams(seed=i), 30)[0] for i in range(5)
-    ]
+    params = [SamplingParams(seed=i) for i in range(count)]
+    requests = [submit(core, model, sink, f"d{i}", TEXTS[i], [], params[i], frames)[0] for i in range(count)]
     while not all(r.is_decoding for r in requests):
         core.step()
     for request in requests:  # the pages the next step would get
         core.kv.grow(request, request.seq_len)
+    return core, requests
+
+
+def test_host_copies_pad_their_own_rows(model):
+    """Two host copies used in turn: shrinking the batch pads the dropped rows in both (a
+    graph bucket uploads them), not only in the copy filled last."""
+    core, requests = decoding_core(model, 5, 30)
     host = core.runner.host
     assert len(host.copies) == 2
     host.invalidate()
@@ -201,15 +207,7 @@ def test_uploads_send_scalars_together_and_tables_only_when_changed(model):
     travel only when they differ from what the device holds: a stale device table survives an
     upload of equal host tables (proof the copy was skipped), a grown table or `invalidate`
     sends them again."""
-    core = make_core(model, ignore_eos=True, overlap_steps=True)
-    sink = Collector()
-    requests = [
-        submit(core, model, sink, f"u{i}", TEXTS[i], [], SamplingParams(seed=i), 40)[0] for i in range(3)
-    ]
-    while not all(r.is_decoding for r in requests):
-        core.step()
-    for request in requests:  # the pages the next step would get
-        core.kv.grow(request, request.seq_len)
+    core, requests = decoding_core(model, 3, 40)
     runner, host = core.runner, core.runner.host
     device = runner.buffers
     storage = device.scalars.untyped_storage().data_ptr()
