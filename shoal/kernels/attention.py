@@ -97,6 +97,8 @@ DEFAULT_CONFIG = AttentionConfig()
 # partials, no merge) was slower at batch 1 and 16 in the engine's 32k-key tables (run 22: 8.7
 # against 6.7 us at 332 keys) and in the step (run 21), and was removed.
 _FUSED_SMALL_BATCH = AttentionConfig(num_stages=3, target_programs=264, fused_merge=True)
+# 128-key blocks; rows split from 64 keys on, in 64-key blocks (batches 2-4 and 9-16, below).
+_SPLIT_SHORT_ROWS = replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64)
 TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # min_split_tokens 64 (was 128): rows of 332 keys in tables sized for them (the engine bench,
     # the gate) split in 3 pieces of 128 keys, as they do in 32k tables; attention 8.6 -> 6.7 µs,
@@ -106,8 +108,8 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config:
     # 1.026x without the split at batch 4, run 138); batches 5-8 keep one split
     # (`min_split_tokens` 256: batch 8 1.012-1.013x with the split, runs 138 and 140).
-    4: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64),
-    8: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=256, split_block_n=64),
+    4: _SPLIT_SHORT_ROWS,
+    8: replace(_SPLIT_SHORT_ROWS, min_split_tokens=256),
     # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
     # control within 0.3% (`shoal bench ab`, docs/performance.md run 38); those tables held 380
     # keys, one split per row. Split rows (tables of 512 keys and more, `shoal serve`'s 32k) take
@@ -116,7 +118,7 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # 256): 332-key rows in the engine bench's tables split in 3 as in `shoal serve`'s (64-key
     # blocks), step 0.996x at batch 16 (run 137; Nsight Compute there: one 4-warp program per SM,
     # latency-bound).
-    16: replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64),
+    16: _SPLIT_SHORT_ROWS,
     64: AttentionConfig(block_n=64, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 
