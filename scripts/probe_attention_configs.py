@@ -5,8 +5,9 @@ target closes the gap before `shoal bench ab` checks it in the step.
 
 Usage (GPU): python scripts/probe_attention_configs.py --batch 16 --context 1024 4096 8192 \
     --configs 64/2/264 128/2/264 64/2/528
-(each config: block_n/num_stages/target_programs, applied to the tuned entry of the batch);
-`--capacity 32768` sizes the block tables as `shoal serve` does (splits follow the width).
+(each config: block_n/num_stages/target_programs[/min_split_tokens], or comma-separated
+field=value pairs such as `num_stages=2,pages_ahead=false`, applied to the tuned entry of the
+batch); `--capacity 32768` sizes the block tables as `shoal serve` does (splits follow the width).
 """
 
 from __future__ import annotations
@@ -15,7 +16,26 @@ import argparse
 from dataclasses import replace
 
 from shoal.bench.attention import DecodeCase
-from shoal.kernels.attention import decode_config
+from shoal.kernels.attention import AttentionConfig, decode_config
+
+
+def _field_value(text: str):
+    """An `AttentionConfig` field's value from the command line (ints and true/false)."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return int(text)
+
+
+def config_from_text(tuned: AttentionConfig, text: str) -> AttentionConfig:
+    """`text` applied to `tuned`: block_n/num_stages/target_programs[/min_split_tokens] or
+    comma-separated field=value pairs."""
+    if "=" in text:
+        pairs = (item.split("=", 1) for item in text.split(","))
+        return replace(tuned, **{name.strip(): _field_value(value.strip()) for name, value in pairs})
+    block_n, stages, target, *min_split = (int(part) for part in text.split("/"))
+    config = replace(tuned, block_n=block_n, num_stages=stages, target_programs=target)
+    return replace(config, min_split_tokens=min_split[0]) if min_split else config
 
 
 def main() -> None:
@@ -25,10 +45,9 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=0, help="block table width in keys (0: the context)")
     parser.add_argument(
         "--configs", nargs="+", default=["64/2/264", "128/2/264", "64/2/528"],
-        help="block_n/num_stages/target_programs[/min_split_tokens]",
+        help="block_n/num_stages/target_programs[/min_split_tokens] or field=value[,field=value]",
     )  # fmt: skip
     args = parser.parse_args()
-    variants = [tuple(int(part) for part in text.split("/")) for text in args.configs]
     for batch in args.batch:
         tuned = decode_config(batch)
         for context in args.context:
@@ -36,11 +55,8 @@ def main() -> None:
             ours, sdpa = case.paged(tuned), case.sdpa()
             name = f"{tuned.block_n}/{tuned.num_stages}/{tuned.target_programs}"
             cells = [f"sdpa {sdpa * 1e3:6.1f}", f"tuned {name} {ours * 1e3:6.1f} ({sdpa / ours:.2f}x sdpa)"]
-            for text, (block_n, stages, target, *min_split) in zip(args.configs, variants, strict=True):
-                config = replace(tuned, block_n=block_n, num_stages=stages, target_programs=target)
-                if min_split:  # a fourth field: min_split_tokens
-                    config = replace(config, min_split_tokens=min_split[0])
-                t = case.paged(config)
+            for text in args.configs:
+                t = case.paged(config_from_text(tuned, text))
                 cells.append(f"{text} {t * 1e3:6.1f} ({sdpa / t:.2f}x)")
             print(f"b={batch} ctx={context}: " + "; ".join(cells), flush=True)
 

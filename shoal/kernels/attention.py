@@ -86,6 +86,9 @@ class AttentionConfig:
     # Decode: keys per iteration instead of block_n when a row is split (num_splits > 1); 0 keeps
     # block_n. The split count follows the block table's width, so one batch bucket meets both.
     split_block_n: int = 0
+    # The key loop loads the next block's page numbers while it computes this one (a loop-carried
+    # value), so Triton's pipeliner sees direct key/value loads and double-buffers them.
+    pages_ahead: bool = True
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -159,7 +162,7 @@ def _attend_key_range(
     acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
     stride_kp, stride_kt, stride_kh, scale_log2e,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row.
 
@@ -175,10 +178,17 @@ def _attend_key_range(
         q_op = q.to(tl.float16)
     else:
         q_op = q
+    keys = tl.arange(0, BLOCK_N)
+    next_page = tl.load(table_row_ptr + (lo + keys) // PAGE, mask=lo + keys < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
-        tok = start + tl.arange(0, BLOCK_N)
+        tok = start + keys
         valid = tok < hi
-        page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        if PAGES_AHEAD:
+            page = next_page.to(tl.int64)
+            ahead = tok + BLOCK_N
+            next_page = tl.load(table_row_ptr + ahead // PAGE, mask=ahead < hi, other=0)
+        else:
+            page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
         base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -211,7 +221,7 @@ def _attend_fresh(
     q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
     stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """(acc, m, l) of q's rows over keys [lo, hi), from the empty state."""
     acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
@@ -220,7 +230,7 @@ def _attend_fresh(
     return _attend_key_range(
         acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head,
         lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
-        KV_FP8,
+        KV_FP8, PAGES_AHEAD,
     )  # fmt: skip
 
 
@@ -315,14 +325,14 @@ def _attend_split(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
     the last split of the (sequence, kv head) to arrive)."""
     acc, m_i, l_i = _attend_fresh(
         q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi, stride_kp, stride_kt,
-        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
+        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8, PAGES_AHEAD,
     )  # fmt: skip
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
@@ -353,7 +363,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
@@ -401,7 +411,7 @@ def _paged_attention_kernel(
             scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
             stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
             GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
-            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8,
+            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8, PAGES_AHEAD,
         )  # fmt: skip
 
 
@@ -412,7 +422,7 @@ def _shared_prefix_kernel(
     stride_qt, stride_qh, stride_bt, stride_kp, stride_kt, stride_kh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (groups, row blocks, Hkv * NUM_SPLITS): decode queries of BLOCK_R/BLOCK_G rows of one
     group x the g heads of one kv head, over one split of the group's shared prefix pages."""
@@ -440,7 +450,7 @@ def _shared_prefix_kernel(
         acc, m_i, l_i = _attend_fresh(
             q, seq, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + first.to(tl.int64) * stride_bt,
             kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, False, BLOCK_R, BLOCK_N, PAGE,
-            HEAD_DIM, UPCAST, KV_FP8,
+            HEAD_DIM, UPCAST, KV_FP8, PAGES_AHEAD,
         )  # fmt: skip
         _store_rows(
             acc, m_i, l_i, seq, head, row_ok, first_slot + split, q_ptr, part_out_ptr, part_lse_ptr,
@@ -562,7 +572,7 @@ def _launch_attention(
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
-        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
+        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None, PAGES_AHEAD=config.pages_ahead,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
 
@@ -725,6 +735,7 @@ def shared_prefix_decode_attention(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
         HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=k_scales is not None,
+        PAGES_AHEAD=config.pages_ahead,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)
