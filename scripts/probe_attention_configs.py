@@ -6,7 +6,7 @@ target closes the gap before `shoal bench ab` checks it in the step.
 Usage (GPU): python scripts/probe_attention_configs.py --batch 16 --context 1024 4096 8192 \
     --configs 64/2/264 128/2/264 64/2/528
 (each config: block_n/num_stages/target_programs[/min_split_tokens], or comma-separated
-field=value pairs such as `num_stages=2,pages_ahead=false`, applied to the tuned entry of the
+field=value pairs such as `num_stages=2,block_n=128`, applied to the tuned entry of the
 batch); `--capacity 32768` sizes the block tables as `shoal serve` does (splits follow the width).
 """
 

@@ -86,9 +86,6 @@ class AttentionConfig:
     # Decode: keys per iteration instead of block_n when a row is split (num_splits > 1); 0 keeps
     # block_n. The split count follows the block table's width, so one batch bucket meets both.
     split_block_n: int = 0
-    # The key loop loads the next block's page numbers while it computes this one (a loop-carried
-    # value), so Triton's pipeliner sees direct key/value loads and double-buffers them.
-    pages_ahead: bool = True
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -106,11 +103,14 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # min_split_tokens 64 (was 128): rows of 332 keys in tables sized for them (the engine bench,
     # the gate) split in 3 pieces of 128 keys, as they do in 32k tables; attention 8.6 -> 6.7 µs,
     # FP8 step at batch 1 3.95 -> 3.87 ms (docs/performance.md run 32). 32k tables: unchanged.
-    # block_n 64 (was 128): batch-1 step 0.987x (run 78; 2 stages instead of 3: 1.003x).
-    1: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=64),
+    # block_n 64 (was 128): batch-1 step 0.987x (run 78). 2 stages: with the page numbers loaded
+    # a block ahead, 3 stages double-buffer the keys and values (72 KB of shared memory) and the
+    # step lost 1.5% at 332 keys (run 143; 4 stages won 0.9% at 4k keys in 32k tables, lost at 332).
+    1: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=64, num_stages=2),
     # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config:
     # 1.026x without the split at batch 4, run 138); batches 5-8 keep one split
-    # (`min_split_tokens` 256: batch 8 1.012-1.013x with the split, runs 138 and 140).
+    # (`min_split_tokens` 256: batch 8 1.012-1.013x with the split, runs 138 and 140). Both at 3
+    # stages, double-buffered: batch 4 1.2% and batch 8 0.4% faster than one buffer (run 143).
     4: _SPLIT_SHORT_ROWS,
     8: replace(_SPLIT_SHORT_ROWS, min_split_tokens=256),
     # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
@@ -120,11 +120,12 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # keys is 23% slower with them (docs/performance.md runs 85 and 89). min_split_tokens 64 (was
     # 256): 332-key rows in the engine bench's tables split in 3 as in `shoal serve`'s (64-key
     # blocks), step 0.996x at batch 16 (run 137; Nsight Compute there: one 4-warp program per SM,
-    # latency-bound).
-    16: _SPLIT_SHORT_ROWS,
-    # 2 stages (was 3): with the page numbers loaded a block ahead (`pages_ahead`), 3 stages
-    # double-buffer the keys and values in 72 KB of shared memory, three programs per SM instead
-    # of four: 512 programs in two waves, the step 1.050x (run 142). 2 stages keep one buffer.
+    # latency-bound). 2 stages, one key/value buffer: at 2k keys in 32k tables the step was 0.8%
+    # faster than double-buffered (run 143; at 332 keys in the bench's 380-key tables 0.6% slower).
+    16: replace(_SPLIT_SHORT_ROWS, num_stages=2),
+    # 2 stages (was 3): with the page numbers loaded a block ahead, 3 stages double-buffer the
+    # keys and values in 72 KB of shared memory, three programs per SM instead of four: 512
+    # programs in two waves, the step 1.050x (run 142). 2 stages keep one buffer.
     64: AttentionConfig(block_n=64, num_stages=2, target_programs=264, min_split_tokens=256),
 }
 
@@ -137,7 +138,8 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 # took 37.3 / 321).
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
     1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
-    # 64-key blocks and the split of 332-key rows (the bf16 entry's since run 137) not measured on e4m3
+    # 64-key blocks and the split of 332-key rows (the bf16 entry's since run 137) not measured on
+    # e4m3; 2 stages (from the bf16 entry since run 143): one key/value buffer, as before.
     16: replace(TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256),
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=2),
 }
@@ -165,7 +167,7 @@ def _attend_key_range(
     acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
     stride_kp, stride_kt, stride_kh, scale_log2e,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row.
 
@@ -175,7 +177,14 @@ def _attend_key_range(
     instead of 8). Widening to bf16 instead (e4m3 -> fp32 -> bf16, exact, three conversions per
     two values and an fp32 tile in registers) was 3-10% slower per kernel (docs/performance.md
     run 77) and held 187 registers per thread (run 61). Each key's scale multiplies its score
-    column and each value's scale its probability column (l_i sums the unscaled probabilities)."""
+    column and each value's scale its probability column (l_i sums the unscaled probabilities).
+
+    The page numbers of the next block are loaded while this one is computed and carried into the
+    next iteration. Loaded in the iteration that uses them, they made the key and value loads an
+    indirection level deeper, and Triton's pipeliner then gave those one buffer below 5 stages;
+    now their addresses come from a loop-carried value and they are pipelined as direct loads:
+    at 3 stages two buffers each (the next block is in flight while this one is computed), at 2
+    stages one, at 4 three (docs/performance.md runs 142-143: which pays depends on the batch)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FP8:
         q_op = q.to(tl.float16)
@@ -186,12 +195,9 @@ def _attend_key_range(
     for start in range(lo, hi, BLOCK_N):
         tok = start + keys
         valid = tok < hi
-        if PAGES_AHEAD:
-            page = next_page.to(tl.int64)
-            ahead = tok + BLOCK_N
-            next_page = tl.load(table_row_ptr + ahead // PAGE, mask=ahead < hi, other=0)
-        else:
-            page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        page = next_page.to(tl.int64)
+        ahead = tok + BLOCK_N
+        next_page = tl.load(table_row_ptr + ahead // PAGE, mask=ahead < hi, other=0)
         base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -224,7 +230,7 @@ def _attend_fresh(
     q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
     stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """(acc, m, l) of q's rows over keys [lo, hi), from the empty state."""
     acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
@@ -233,7 +239,7 @@ def _attend_fresh(
     return _attend_key_range(
         acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head,
         lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
-        KV_FP8, PAGES_AHEAD,
+        KV_FP8,
     )  # fmt: skip
 
 
@@ -328,14 +334,14 @@ def _attend_split(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr,
-    KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
     the last split of the (sequence, kv head) to arrive)."""
     acc, m_i, l_i = _attend_fresh(
         q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi, stride_kp, stride_kt,
-        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8, PAGES_AHEAD,
+        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
     )  # fmt: skip
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
@@ -366,7 +372,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
@@ -414,7 +420,7 @@ def _paged_attention_kernel(
             scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
             stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
             GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
-            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8, PAGES_AHEAD,
+            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8,
         )  # fmt: skip
 
 
@@ -425,7 +431,7 @@ def _shared_prefix_kernel(
     stride_qt, stride_qh, stride_bt, stride_kp, stride_kt, stride_kh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, PAGES_AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (groups, row blocks, Hkv * NUM_SPLITS): decode queries of BLOCK_R/BLOCK_G rows of one
     group x the g heads of one kv head, over one split of the group's shared prefix pages."""
@@ -453,7 +459,7 @@ def _shared_prefix_kernel(
         acc, m_i, l_i = _attend_fresh(
             q, seq, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + first.to(tl.int64) * stride_bt,
             kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, False, BLOCK_R, BLOCK_N, PAGE,
-            HEAD_DIM, UPCAST, KV_FP8, PAGES_AHEAD,
+            HEAD_DIM, UPCAST, KV_FP8,
         )  # fmt: skip
         _store_rows(
             acc, m_i, l_i, seq, head, row_ok, first_slot + split, q_ptr, part_out_ptr, part_lse_ptr,
@@ -575,7 +581,7 @@ def _launch_attention(
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
-        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None, PAGES_AHEAD=config.pages_ahead,
+        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
 
@@ -738,7 +744,6 @@ def shared_prefix_decode_attention(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
         HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=k_scales is not None,
-        PAGES_AHEAD=config.pages_ahead,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)
