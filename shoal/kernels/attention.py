@@ -120,9 +120,11 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # keys is 23% slower with them (docs/performance.md runs 85 and 89). min_split_tokens 64 (was
     # 256): 332-key rows in the engine bench's tables split in 3 as in `shoal serve`'s (64-key
     # blocks), step 0.996x at batch 16 (run 137; Nsight Compute there: one 4-warp program per SM,
-    # latency-bound). 2 stages, one key/value buffer: at 2k keys in 32k tables the step was 0.8%
-    # faster than double-buffered (run 143; at 332 keys in the bench's 380-key tables 0.6% slower).
-    16: replace(_SPLIT_SHORT_ROWS, num_stages=2),
+    # latency-bound). split_block_n 32 (was 64), double-buffered at 3 stages in about the old
+    # single buffer's shared memory: 5-10% faster alone at 332 keys to 8k (0.79-0.93x SDPA ->
+    # 0.87-0.97x), step 0.993x at 332 keys, 0.995x at 2k in 32k tables (run 145; 64-key blocks
+    # double-buffered lost 0.6-0.8% there, run 143).
+    16: replace(_SPLIT_SHORT_ROWS, split_block_n=32),
     # 2 stages (was 3): with the page numbers loaded a block ahead, 3 stages double-buffer the
     # keys and values in 72 KB of shared memory, three programs per SM instead of four: 512
     # programs in two waves, the step 1.050x (run 142). 2 stages keep one buffer.
@@ -139,8 +141,8 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
     1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
     # 64-key blocks and the split of 332-key rows (the bf16 entry's since run 137) not measured on
-    # e4m3; 2 stages (from the bf16 entry since run 143): one key/value buffer, as before.
-    16: replace(TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256),
+    # e4m3, nor double buffering there: 2 stages, one key/value buffer, as before run 142.
+    16: replace(TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256, num_stages=2),
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=2),
 }
 
