@@ -103,10 +103,11 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # min_split_tokens 64 (was 128): rows of 332 keys in tables sized for them (the engine bench,
     # the gate) split in 3 pieces of 128 keys, as they do in 32k tables; attention 8.6 -> 6.7 µs,
     # FP8 step at batch 1 3.95 -> 3.87 ms (docs/performance.md run 32). 32k tables: unchanged.
-    # block_n 64 (was 128): batch-1 step 0.987x (run 78). 2 stages: with the page numbers loaded
-    # a block ahead, 3 stages double-buffer the keys and values (72 KB of shared memory) and the
-    # step lost 1.5% at 332 keys (run 143; 4 stages won 0.9% at 4k keys in 32k tables, lost at 332).
-    1: replace(_FUSED_SMALL_BATCH, block_n=64, min_split_tokens=64, num_stages=2),
+    # block_n 64 (was 128): batch-1 step 0.987x (run 78). block_n 32 (was 64), double-buffered
+    # at 3 stages in about the old single buffer's shared memory (64-key blocks double-buffered,
+    # 72 KB, lost 1.5% in the step at 332 keys, run 143): alone 1.13x / 1.03x SDPA at 4k / 8k
+    # (1.02 / 0.96x), step 0.991x at 4k keys in 32k tables, 1.000x at 332 (runs 144, 146).
+    1: replace(_FUSED_SMALL_BATCH, block_n=32, min_split_tokens=64),
     # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config:
     # 1.026x without the split at batch 4, run 138); batches 5-8 keep one split
     # (`min_split_tokens` 256: batch 8 1.012-1.013x with the split, runs 138 and 140). Both at 3
@@ -125,10 +126,11 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # 0.87-0.97x), step 0.993x at 332 keys, 0.995x at 2k in 32k tables (run 145; 64-key blocks
     # double-buffered lost 0.6-0.8% there, run 143).
     16: replace(_SPLIT_SHORT_ROWS, split_block_n=32),
-    # 2 stages (was 3): with the page numbers loaded a block ahead, 3 stages double-buffer the
-    # keys and values in 72 KB of shared memory, three programs per SM instead of four: 512
-    # programs in two waves, the step 1.050x (run 142). 2 stages keep one buffer.
-    64: AttentionConfig(block_n=64, num_stages=2, target_programs=264, min_split_tokens=256),
+    # block_n 32 (was 64) at 3 stages: double-buffered in about the old single buffer's shared
+    # memory, step 0.991x at 332 keys, 0.999x at 2k in 32k tables, alone within 1% (run 146).
+    # 64-key blocks at 3 stages double-buffer in 72 KB: three programs per SM instead of four,
+    # 512 programs in two waves, the step 1.050x (run 142).
+    64: AttentionConfig(block_n=32, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 
 
