@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[64])
     parser.add_argument("--context", type=int, nargs="+", default=[332, 4096])
     args = parser.parse_args()
-    variants = [(32, 2), (64, 2), (128, 2), (128, 3)]  # (block_n, num_stages) for the FP8 cache
+    variants = [(32, 2), (32, 3), (64, 2), (64, 3), (128, 2), (128, 3)]  # (block_n, num_stages), FP8 cache
     for batch in args.batch:
         tuned = decode_config(batch)
         for context in args.context:
