@@ -86,6 +86,9 @@ class AttentionConfig:
     # Decode: keys per iteration instead of block_n when a row is split (num_splits > 1); 0 keeps
     # block_n. The split count follows the block table's width, so one batch bucket meets both.
     split_block_n: int = 0
+    # ptxas's register limit per thread (0: its own choice). Programs per SM follow the registers:
+    # at 4 warps, 168 allow three, 169-255 two (`scripts/inspect_gemm_sm90.py`'s programs_per_sm).
+    max_registers: int = 0
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -143,8 +146,13 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
     1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
     # 64-key blocks and the split of 332-key rows (the bf16 entry's since run 137) not measured on
-    # e4m3, nor double buffering there: 2 stages, one key/value buffer, as before run 142.
-    16: replace(TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256, num_stages=2),
+    # e4m3, nor double buffering there: 2 stages, one key/value buffer, as before run 142. That
+    # build holds 181 registers where the old loop's held 168 (sm_90 builds on the CPU): two
+    # programs per SM instead of three, the kernel alone 1.2-1.5x slower at 1k-8k keys (run 148);
+    # capped at 168 without spilling.
+    16: replace(
+        TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256, num_stages=2, max_registers=168
+    ),
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=2),
 }
 
@@ -587,6 +595,7 @@ def _launch_attention(
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
         QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )  # fmt: skip
 
 
