@@ -18,15 +18,13 @@ Usage (GPU): python scripts/probe_frame_gap.py [--frames 48] [--prompt 300]
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from shoal.bench.engine import build_random_s2, make_prompts, run_level
+from shoal.bench.profile import chrome_trace
 from shoal.config import EngineConfig
 from shoal.engine.core import EngineCore
 
@@ -102,12 +100,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = run_level(core, make_prompts(model, 1, args.prompt, 0, seed=3), args.frames, 0)
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path, encoding="utf-8") as f:
-            trace = json.load(f)
-    table = frame_table(gpu_events(trace))
+    table = frame_table(gpu_events(chrome_trace(prof)))
     print(f"per-request {result['per_request_frames_per_s']:.1f} f/s under the profiler")
     print("median per steady step (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in table.items()))
 

@@ -127,13 +127,18 @@ def profile_step(core, batch: int, context: int, replays: int = 5) -> list[Kerne
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    runner.host.invalidate()
+    return one_replay(kernel_events(chrome_trace(prof)), replays)
+
+
+def chrome_trace(prof) -> dict:
+    """A finished `torch.profiler.profile`'s Chrome trace as a dict (the profiler only exports
+    it to a file)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path, encoding="utf-8") as f:
-            trace = json.load(f)
-    runner.host.invalidate()
-    return one_replay(kernel_events(trace), replays)
+            return json.load(f)
 
 
 def sampler_case(rows: int, main: bool, device: str, scale: float = 1.0):
