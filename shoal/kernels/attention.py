@@ -114,7 +114,8 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
     # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config:
     # 1.026x without the split at batch 4, run 138); batches 5-8 keep one split
     # (`min_split_tokens` 256: batch 8 1.012-1.013x with the split, runs 138 and 140). Both at 3
-    # stages, double-buffered: batch 4 1.2% and batch 8 0.4% faster than one buffer (run 143).
+    # stages, double-buffered: batch 4 1.2% and batch 8 0.4% faster than the loop that loaded
+    # the page numbers in the iteration using them (one buffer, run 143).
     4: _SPLIT_SHORT_ROWS,
     8: replace(_SPLIT_SHORT_ROWS, min_split_tokens=256),
     # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
@@ -146,14 +147,15 @@ TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
     1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
     # 64-key blocks and the split of 332-key rows (the bf16 entry's since run 137) not measured on
-    # e4m3, nor double buffering there: 2 stages, one key/value buffer, as before run 142. That
+    # e4m3. 2 stages, one key/value buffer (3 stages, double-buffered in 76 KB, were no faster
+    # alone: 23.2 / 62.9 / 110.8 µs at 1k / 4k / 8k against 19.9 / 61.3 / 111.7, run 149). That
     # build holds 181 registers where the old loop's held 168 (sm_90 builds on the CPU): two
     # programs per SM instead of three, the kernel alone 1.2-1.5x slower at 1k-8k keys (run 148);
-    # capped at 168 without spilling.
+    # capped at 168 without spilling (the step without the cap 1.073x at 2k keys, run 149).
     16: replace(
         TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256, num_stages=2, max_registers=168
     ),
-    # 3 stages (was 2): double-buffered 128-key blocks (76 KB, two programs per SM, two waves at
+    # 3 stages (was 2): double-buffered 128-key blocks (76 KB, three programs per SM, two waves at
     # batch 64) are 6-13% faster alone at 1k-8k keys and the step 0.939x at 2k keys in 32k
     # tables, 1.021x at 332 (runs 150-151): an e4m3 cache is chosen for long contexts.
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=3),
@@ -199,7 +201,7 @@ def _attend_key_range(
     indirection level deeper, and Triton's pipeliner then gave those one buffer below 5 stages;
     now their addresses come from a loop-carried value and they are pipelined as direct loads:
     at 3 stages two buffers each (the next block is in flight while this one is computed), at 2
-    stages one, at 4 three (docs/performance.md runs 142-143: which pays depends on the batch)."""
+    stages one, at 4 three (docs/performance.md runs 142-151: which pays depends on the batch)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FP8:
         q_op = q.to(tl.float16)
