@@ -15,24 +15,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from shoal.bench.ab import parse_fields
 from shoal.bench.attention import DecodeCase
 from shoal.kernels.attention import AttentionConfig, decode_config
-
-
-def _field_value(text: str):
-    """An `AttentionConfig` field's value from the command line (ints and true/false)."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    return int(text)
 
 
 def config_from_text(tuned: AttentionConfig, text: str) -> AttentionConfig:
     """`text` applied to `tuned`: block_n/num_stages/target_programs[/min_split_tokens] or
     comma-separated field=value pairs."""
     if "=" in text:
-        pairs = (item.split("=", 1) for item in text.split(","))
-        return replace(tuned, **{name.strip(): _field_value(value.strip()) for name, value in pairs})
+        return replace(tuned, **parse_fields(text))
     block_n, stages, target, *min_split = (int(part) for part in text.split("/"))
     config = replace(tuned, block_n=block_n, num_stages=stages, target_programs=target)
     return replace(config, min_split_tokens=min_split[0]) if min_split else config

@@ -67,6 +67,16 @@ def _value(text: str) -> int | bool:
     return int(text)
 
 
+def parse_fields(assignments: str) -> dict[str, int | bool]:
+    """`name=value[,name=value...]` -> {name: int or bool} (a variant part's fields; also the
+    config text of `scripts/probe_attention_configs.py`)."""
+    fields = {}
+    for assignment in assignments.split(","):
+        name, value = assignment.split("=", 1)
+        fields[name.strip()] = _value(value.strip())
+    return fields
+
+
 def parse_variant(spec: str) -> list[Change]:
     """`spec` (module docstring) -> its changes; ValueError with the offending part otherwise."""
     changes = []
@@ -83,10 +93,7 @@ def parse_variant(spec: str) -> list[Change]:
                 key = (n, k, m)
             else:
                 raise ValueError(f"unknown table {table!r} (attention, attention-fp8kv, gemm or step)")
-            fields = {}
-            for assignment in assignments.split(","):
-                name, value = assignment.split("=", 1)
-                fields[name.strip()] = _value(value.strip())
+            fields = parse_fields(assignments)
             if table == "step" and not fields.keys() <= STEP_SWITCHES:
                 raise ValueError(f"step switches are {', '.join(sorted(STEP_SWITCHES))}")
         except ValueError as error:
