@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import triton
-from inspect_gemm_sm90 import programs_per_sm, resource_usage  # a sibling script: scripts/ is on the path
-from inspect_norm_sm90 import _with_cubin
+from inspect_gemm_sm90 import programs_per_sm  # sibling scripts: scripts/ is on the path
+from inspect_norm_sm90 import registers_of
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -70,14 +70,15 @@ class EntryBuild:
 
 def compile_decode(config: attention.AttentionConfig, splits: int, kv_fp8: bool):
     """The sm_90 build `paged_decode_attention` runs for `config` at `splits` splits (FP8 output
-    for the o projection, PDL on)."""
+    for the o projection, PDL on), and its key block."""
     kernel = attention._paged_attention_kernel
+    config = attention.split_launch_config(config, splits)
     split = splits > 1
     fused = split and config.fused_merge
     block_g = triton.next_power_of_2(HQ // HKV)
     constants = {
         "GROUP": HQ // HKV, "BLOCK_G": block_g, "BLOCK_M": 1, "BLOCK_R": max(16, block_g),
-        "BLOCK_N": config.split_block_n if split and config.split_block_n else config.block_n,
+        "BLOCK_N": config.block_n,
         "PAGE": attention.PAGE_SIZE, "HEAD_DIM": HEAD_DIM, "IS_DECODE": True, "CAUSAL": False,
         "HAS_KV_START": False, "WRITE_PARTIAL": split, "FUSED_MERGE": fused,
         "BLOCK_S": triton.next_power_of_2(max(splits, config.max_splits)) if fused else 1,
@@ -98,9 +99,8 @@ def compile_decode(config: attention.AttentionConfig, splits: int, kv_fp8: bool)
         kernel, signature, constexprs={(names.index(name),): value for name, value in constants.items()},
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )  # fmt: skip
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if config.max_registers:
-        options["maxnreg"] = config.max_registers
+    limit = attention._register_limit(config)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages, **limit}
     return triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options), constants["BLOCK_N"]
 
 
@@ -112,9 +112,10 @@ def key_buffers(ttgir: str, block_n: int) -> int:
 
 
 def inspect_entry(kv: str, batch: int, config: attention.AttentionConfig, capacity: int) -> EntryBuild:
-    splits = attention.choose_num_splits(batch, HKV, capacity, config)
+    pages = -(-capacity // attention.PAGE_SIZE)  # the launch counts the table's whole pages
+    splits = attention.choose_num_splits(batch, HKV, pages * attention.PAGE_SIZE, config)
     compiled, block_n = compile_decode(config, splits, kv == "fp8")
-    registers = _with_cubin(compiled, resource_usage)["REG"]
+    registers = registers_of(compiled)
     shared = compiled.metadata.shared
     return EntryBuild(
         kv, batch, splits, block_n, config.num_stages, key_buffers(compiled.asm["ttgir"], block_n),
@@ -130,7 +131,7 @@ def main() -> None:
     tables = {"bf16": attention.TUNED_DECODE_CONFIGS, "fp8": attention.TUNED_DECODE_CONFIGS_FP8_KV}
     for kv in args.kv:
         for batch, config in sorted(tables[kv].items()):
-            print(inspect_entry(kv, batch, replace(config), args.capacity).line(), flush=True)
+            print(inspect_entry(kv, batch, config, args.capacity).line(), flush=True)
 
 
 if __name__ == "__main__":

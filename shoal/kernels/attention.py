@@ -516,6 +516,14 @@ def _merge_partials_kernel(
     )  # fmt: skip
 
 
+def split_launch_config(config: AttentionConfig, num_splits: int) -> AttentionConfig:
+    """The config a decode launch of `num_splits` splits compiles: split rows take
+    `split_block_n`-key blocks where the entry sets it."""
+    if num_splits > 1 and config.split_block_n:
+        return replace(config, block_n=config.split_block_n)
+    return config
+
+
 def choose_num_splits(batch: int, n_kv_heads: int, max_context: int, config: AttentionConfig) -> int:
     """Splits per sequence so that batch * Hkv * splits reaches `target_programs`, without
     pieces shorter than `min_split_tokens`. Depends only on shapes, so CUDA graphs can fix it."""
@@ -551,6 +559,11 @@ def _check_out_fp8(out_fp8: tuple[Tensor, Tensor], q: Tensor) -> None:
             f"got {q8.dtype} {tuple(q8.shape)} strides {q8.stride()}"
         )
     check_activation_scales(scales, tokens, hq * d)
+
+
+def _register_limit(config: AttentionConfig) -> dict:
+    """Launch keywords for `config.max_registers` (none: ptxas's own choice)."""
+    return {"maxnreg": config.max_registers} if config.max_registers else {}
 
 
 _merge_counters: dict[torch.device, Tensor] = {}
@@ -600,7 +613,7 @@ def _launch_attention(
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
         QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
-        **({"maxnreg": config.max_registers} if config.max_registers else {}),
+        **_register_limit(config),
     )  # fmt: skip
 
 
@@ -657,8 +670,7 @@ def paged_decode_attention(
     if num_splits is None:
         capacity = block_tables.shape[1] * k_pages.shape[1]
         num_splits = choose_num_splits(bs, k_pages.shape[2], capacity, config)
-    if num_splits > 1 and config.split_block_n:
-        config = replace(config, block_n=config.split_block_n)
+    config = split_launch_config(config, num_splits)
     if num_splits == 1:
         _launch_attention(
             q, k_pages, v_pages, block_tables, seq_lens, None, None, out, None, None, 1, 1, 1, 1,
@@ -763,6 +775,7 @@ def shared_prefix_decode_attention(
         GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
         HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
+        **_register_limit(config),
     )  # fmt: skip
     _merge(part_out, part_lse, out, config)
     return out
