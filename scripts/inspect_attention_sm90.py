@@ -22,8 +22,7 @@ import re
 from dataclasses import dataclass
 
 import triton
-from inspect_gemm_sm90 import programs_per_sm  # sibling scripts: scripts/ is on the path
-from inspect_norm_sm90 import registers_of
+from inspect_gemm_sm90 import programs_per_sm, registers_of  # a sibling script: scripts/ is on the path
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -115,16 +116,12 @@ def main() -> None:
         )  # fmt: skip
     else:
         compiled = compile_split_k(args.k, config)
-    cubin = Path("/tmp/inspect_gemm_sm90.cubin")
-    cubin.write_bytes(compiled.asm["cubin"])
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
-    command = [str(nvdisasm), "-c", str(cubin)]
-    sass = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    sass = with_cubin(compiled, disassemble)
     loop = steady_loop(sass.splitlines())
     opcodes = Counter(
         re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0] for line in loop
     )
-    registers = resource_usage(cubin)["REG"]
+    registers = registers_of(compiled)
     widths = sorted(store_widths(sass.splitlines()).items())
     stores = ", ".join(f"{count} x {width} B" for width, count in widths)
     ttgir = compiled.asm["ttgir"]
@@ -142,6 +139,27 @@ def main() -> None:
         f"{compiled.metadata.shared} B shared memory, {registers} registers per thread; "
         f"{programs_per_sm(registers, config.num_warps, compiled.metadata.shared)} programs per SM"
     )
+
+
+def with_cubin(compiled, read):
+    """`read(path)` of the build's cubin, written to a temporary file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        return read(cubin)
+
+
+def disassemble(cubin: Path) -> str:
+    """The cubin's SASS (`nvdisasm -c`, bundled with Triton)."""
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    return subprocess.run(
+        [str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def registers_of(compiled) -> int:
+    """Registers per thread of a build (`resource_usage` of its cubin)."""
+    return with_cubin(compiled, resource_usage)["REG"]
 
 
 def resource_usage(cubin: Path) -> dict[str, int]:

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import triton
-from inspect_gemm_sm90 import resource_usage  # a sibling script: scripts/ is on the path
+from inspect_gemm_sm90 import disassemble, registers_of, with_cubin  # a sibling script
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -59,26 +56,11 @@ def compile_decode_norm(parts: int, partials: str, slice_groups: int, warps: int
     return triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
 
 
-def _with_cubin(compiled, read):
-    """`read(path)` of the build's cubin, written to a temporary file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        return read(cubin)
-
-
-def _disassemble(cubin: Path) -> str:
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
-    return subprocess.run(
-        [str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
-
-
 def sass_lines(compiled) -> list[str]:
     """The build's instructions, one per line, without addresses."""
     return [
         re.sub(r"/\*[0-9a-f]+\*/", "", line).strip()
-        for line in _with_cubin(compiled, _disassemble).splitlines()
+        for line in with_cubin(compiled, disassemble).splitlines()
         if re.search(r"/\*[0-9a-f]{4}\*/", line)
     ]
 
@@ -105,11 +87,6 @@ def load_rounds(sass: list[str], start: str = "ACQBULK", stop: str = "SHFL") -> 
             pending.update(range(registers[0], registers[0] + width))
             count += 1
     return rounds + [count] if count else rounds
-
-
-def registers_of(compiled) -> int:
-    """Registers per thread (`inspect_gemm_sm90.resource_usage` of the cubin)."""
-    return _with_cubin(compiled, resource_usage)["REG"]
 
 
 def main() -> None:
