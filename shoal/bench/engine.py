@@ -211,16 +211,11 @@ def decode_step_ms(
     keys. This is what the performance gate compares: unlike whole-request rates (prefill,
     scheduling and host jitter: about 10% apart between runs 8 and 9) it repeats within 0.3%."""
     runner = core.runner
-    window = runner.graph_window()
-    if window is None and runner.step is not None and runner.step.l2_window is not None:
-        from shoal.engine.l2_residency import reset_persisting
-
-        reset_persisting()  # lines left persisting by graphs with the window (`shoal bench ab`)
     result = {}
     for batch in batches:
         if _fits(runner, batch, context):
             view = _synthetic_rows(core, batch, context)
-            result[batch] = time_graph_ms(lambda view=view: runner.step(view), repeats=repeats, window=window)
+            result[batch] = time_graph_ms(lambda view=view: runner.step(view), repeats=repeats)
     runner.host.invalidate()
     return result
 
@@ -243,7 +238,7 @@ def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
     kv = runner.kv
     pages_per_row = -(-context // runner.page_size)
     view = _synthetic_rows(core, batch, context)
-    full = time_graph_ms(lambda: step(view), repeats=PART_REPEATS, window=runner.graph_window())
+    full = time_graph_ms(lambda: step(view), repeats=PART_REPEATS)
     slow = time_graph_ms(lambda: step.slow(view), repeats=PART_REPEATS)
     q = torch.randn(batch, 32, 128, device=runner.device, dtype=runner.dtype)
     pools = kv.layer(0)

@@ -119,7 +119,7 @@ def profile_step(core, batch: int, context: int, replays: int = 5) -> list[Kerne
 
     runner = core.runner
     view = _synthetic_rows(core, batch, context)
-    graph = capture_graph(lambda: runner.step(view), window=runner.graph_window())
+    graph = capture_graph(lambda: runner.step(view))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -75,12 +75,9 @@ def cuda_elapsed_ms(work: Callable[[], None]) -> float:
     return start.elapsed_time(end)
 
 
-def capture_graph(fn: Callable[[], object], warmup_calls: int = 3, window=None) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable[[], object], warmup_calls: int = 3) -> torch.cuda.CUDAGraph:
     """`fn` captured as one CUDA graph, after `warmup_calls` eager calls on a side stream (so
-    compilation, autotuning and lazy allocation happen outside the capture); `window`: an
-    `engine.l2_residency.L2Window` for every kernel node, as the engine's graphs carry it."""
-    from shoal.engine.graphs import capture_graph as capture
-
+    compilation, autotuning and lazy allocation happen outside the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -88,7 +85,10 @@ def capture_graph(fn: Callable[[], object], warmup_calls: int = 3, window=None) 
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    return capture(fn, window=window)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def time_graph_ms(
@@ -99,14 +99,12 @@ def time_graph_ms(
     warmup_calls: int = 3,
     warmup_replays: int = 1,
     calls_per_replay: int = 1,
-    window=None,
 ) -> float:
     """Median ms per call of `fn` replayed as a CUDA graph (module docstring: warm-up, samples).
-    `fn` must be capturable: fixed shapes and addresses, no host sync. `window`: as in
-    `capture_graph`."""
+    `fn` must be capturable: fixed shapes and addresses, no host sync."""
     if not torch.cuda.is_available():
         raise RuntimeError("time_graph_ms needs a CUDA GPU")
-    graph = capture_graph(fn, warmup_calls, window)
+    graph = capture_graph(fn, warmup_calls)
     for _ in range(warmup_replays):
         graph.replay()
     torch.cuda.synchronize()

@@ -191,11 +191,6 @@ class DecodeStep:
 
             if has_fp8_layers(model):
                 self.fp8 = Fp8Projections(model, backend="triton")
-        # Part of the largest fast weight kept in L2 across the codebook passes
-        # (`engine/l2_residency.py`): the runner reserves the window, the decode and first-frame
-        # graphs carry it while `l2_persist` is on (`SHOAL_L2_PERSIST=1|0`; a `shoal bench ab` switch).
-        self.l2_window = None
-        self.l2_persist = env_switch("SHOAL_L2_PERSIST", ("1", "0")) == "1"
 
     # Constants of the fast transformer's paged per-frame cache (kernel path) -----------------
 

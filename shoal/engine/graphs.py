@@ -22,9 +22,7 @@ frame: docs/performance.md run 36).
 Its own pool: its temporaries (up to the largest bucket's activations) are not the decode step's.
 
 All capture the same way (`BucketGraphs.capture`): warm every bucket up on a side stream, then
-capture from the largest bucket down so smaller graphs reuse the pool's memory. The decode and
-first-frame graphs take the step's L2 window (`l2_residency.py`: part of a fast weight kept in
-L2 across the codebook passes) on every kernel node.
+capture from the largest bucket down so smaller graphs reuse the pool's memory.
 """
 
 from __future__ import annotations
@@ -34,28 +32,13 @@ from collections.abc import Callable
 
 import torch
 
-from shoal.engine.l2_residency import L2Window
-
-
-def capture_graph(body: Callable[[], object], pool: tuple | None = None, window: L2Window | None = None):
-    """`body` captured as one CUDA graph (into `pool`); with `window`, every kernel node takes the
-    L2 access-policy window before the graph is instantiated."""
-    graph = torch.cuda.CUDAGraph(keep_graph=window is not None)
-    with torch.cuda.graph(graph, pool=pool):
-        body()
-    if window is not None:
-        window.apply(graph)
-        graph.instantiate()
-    return graph
-
 
 class BucketGraphs:
     """One CUDA graph per bucket of `body(bucket)`, a function of static buffers only.
 
     `reset()` makes every row of those buffers harmless padding (before warm-up and again after
     capture, which wrote into them). `pool`: a memory pool of graphs captured before these
-    (`BucketGraphs.pool`), shared when the two sets never run concurrently. `window`: an L2
-    window for every kernel node (`capture_graph`)."""
+    (`BucketGraphs.pool`), shared when the two sets never run concurrently."""
 
     def __init__(
         self,
@@ -63,7 +46,6 @@ class BucketGraphs:
         body: Callable[[int], None],
         reset: Callable[[], None],
         pool: tuple | None = None,
-        window: L2Window | None = None,
     ) -> None:
         if not buckets:
             raise ValueError("at least one graph bucket is needed")
@@ -71,7 +53,6 @@ class BucketGraphs:
         self.max_batch = self.buckets[-1]
         self._body, self._reset = body, reset
         self.pool = pool
-        self.window = window
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def can_run(self, batch: int) -> bool:
@@ -94,7 +75,9 @@ class BucketGraphs:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         for bucket in reversed(self.buckets):
-            graph = capture_graph(lambda bucket=bucket: self._body(bucket), self.pool, self.window)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._body(bucket)
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
@@ -112,9 +95,8 @@ class DecodeGraphs(BucketGraphs):
             raise ValueError("graph buckets exceed max_running_requests")
         self.runner = runner
         super().__init__(
-            buckets, lambda bucket: runner.decode_step(runner.buffers.view(bucket)), self._padded_inputs,
-            window=runner.graph_window(),
-        )  # fmt: skip
+            buckets, lambda bucket: runner.decode_step(runner.buffers.view(bucket)), self._padded_inputs
+        )
         self.capture()
         runner.host.invalidate()
 
@@ -133,7 +115,7 @@ class FirstFrameGraphs(BucketGraphs):
     graphs' pool (`DecodeGraphs.pool`); capture after them, and after `Fp8Projections.reserve`."""
 
     def __init__(self, batch, pool: tuple | None) -> None:
-        super().__init__(batch.buckets, batch.compute, batch.reset, pool, batch.runner.graph_window())
+        super().__init__(batch.buckets, batch.compute, batch.reset, pool)
         self.capture()
 
 

@@ -226,11 +226,6 @@ class ModelRunner:
                 rows = graph_row_counts(config.resolved_graph_buckets())
                 self.step.fp8.reserve(rows | set(config.prefill_graph_buckets) if static_prefill else rows)
 
-            if self.step is not None and self.step.use_kernels and self.step.l2_persist:
-                from shoal.engine.l2_residency import largest_fast_weight, reserve_window
-
-                weight = largest_fast_weight(self.step)
-                self.step.l2_window = None if weight is None else reserve_window(weight)
             self.graphs = DecodeGraphs(self, config.resolved_graph_buckets())
             self.host.invalidate()
             if self.first_frame is not None:
@@ -402,11 +397,6 @@ class ModelRunner:
         push_frames(buffers.window, frames, buffers.frame_index)
         buffers.frames.copy_(frames)
         buffers.tokens.copy_(frames)
-
-    def graph_window(self):
-        """The L2 window decode-step graphs carry (`l2_residency.py`), None when off."""
-        step = self.step
-        return step.l2_window if step is not None and step.l2_persist else None
 
     def capped(self, requests: list[Request]) -> bool:
         """Whether every row's top_k fits the sampling kernels' candidate bound."""
