@@ -129,8 +129,8 @@ def variant_for(
     bucket = m_bucket(m)
     forced = os.environ.get("SHOAL_FP8_PREFILL") if bucket in PREFILL_BUCKETS else None
     if forced is not None:
-        if forced not in ("bf16", "scaled_mm"):
-            raise ValueError(f"SHOAL_FP8_PREFILL must be bf16 or scaled_mm, got {forced!r}")
+        if forced not in ("bf16", "scaled_mm", "w8a8"):
+            raise ValueError(f"SHOAL_FP8_PREFILL must be bf16, scaled_mm or w8a8, got {forced!r}")
         return forced
     chosen = (VARIANT_TABLE if table is None else table).get((n, k, bucket))
     return chosen or default_variant(bucket, quantize_activations)
