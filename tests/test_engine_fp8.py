@@ -34,6 +34,9 @@ from shoal.models.reference import generate  # noqa: E402
 from shoal.models.writer import random_state_dict, tiny_config, write_checkpoint  # noqa: E402
 from shoal.quant import fp8  # noqa: E402
 from shoal.quant.engine_fp8 import (  # noqa: E402
+    M_BUCKETS,
+    PREFILL_BUCKETS,
+    S2_PRO_SHAPES,
     VARIANTS,
     Fp8Projections,
     graph_row_counts,
@@ -173,11 +176,15 @@ def test_variant_choice() -> None:
     assert variant_for(6144, 2560, 1, table={}) == "w8a8"
     assert variant_for(6144, 2560, 1, quantize_activations=False, table={}) == "w8a16"
     assert variant_for(6144, 2560, 300, table={}) == "bf16"
-    # Prefill: one prompt (<= 1,024 rows) on cuBLAS, batched prefill's gate+up and down on scaled_mm.
-    assert m_bucket(129) == m_bucket(1024) != m_bucket(1025)
-    assert variant_for(19456, 2560, 300) == "bf16" and variant_for(2560, 9728, 1024) == "bf16"
+    # Prefill: up to 256 rows on our kernel, then block-scaled cuBLAS (run 157).
+    assert m_bucket(129) == m_bucket(256) != m_bucket(257) == m_bucket(1024) != m_bucket(1025)
+    assert variant_for(19456, 2560, 200) == "w8a8" and variant_for(2560, 9728, 256) == "w8a8"
+    assert variant_for(19456, 2560, 300) == "scaled_mm" and variant_for(2560, 4096, 1024) == "scaled_mm"
     assert variant_for(19456, 2560, 1025) == "scaled_mm" and variant_for(2560, 9728, 8192) == "scaled_mm"
-    assert variant_for(6144, 2560, 8192) == "bf16"
+    assert variant_for(6144, 2560, 8192) == "scaled_mm"
+    # So no S2-Pro projection keeps a bf16 copy of its weight.
+    for n, k in S2_PRO_SHAPES:
+        assert all(variant_for(n, k, bucket) != "bf16" for bucket in (*M_BUCKETS, *PREFILL_BUCKETS))
     assert variant_for(6144, 2560, 3, table={(6144, 2560, 4): "w8a8_inline"}) == "w8a8_inline"
     assert graph_row_counts((1, 4)) == {1, 2, 4, 8}
 

@@ -16,16 +16,17 @@ kernel variant is chosen from the GEMM shape (N, K) and the row count M (`varian
 - `"w8a8_inline"`: the GEMM quantizes its activation tiles itself (no extra launch);
 - `"w8a16"`: bf16 activations, weights dequantized in registers;
 - `"bf16"`: cuBLAS on a resident bf16 copy dequantized from the FP8 weights once at load (more
-  memory, kept only for shapes whose table entry uses it); faster at M >= 64 in run 2;
-- `"scaled_mm"`: prefill-sized M (eager, never in a graph): activations quantized by one
-  `kernels/quant.py` launch, then `torch._scaled_mm` with block-wise scales (cuBLAS; rows padded
-  to a multiple of 16), no bf16 copy of the weight needed; `VARIANT_TABLE` runs gate+up and down
-  prefill above 1,024 rows on it (run 24; shorter prefills on cuBLAS, run 29).
-  `SHOAL_FP8_PREFILL=scaled_mm|bf16` forces one variant for every prefill GEMM (same-run A/B).
+  memory, kept only for shapes whose table entry uses it: none of S2-Pro's since run 157);
+- `"scaled_mm"`: prefill-sized M: activations quantized by one `kernels/quant.py` launch, then
+  `torch._scaled_mm` with block-wise scales (cuBLAS; rows padded to a multiple of 16), no bf16
+  copy of the weight needed; `VARIANT_TABLE` runs S2-Pro's prefill from 257 rows on it (runs 24
+  and 157). `SHOAL_FP8_PREFILL=scaled_mm|bf16|w8a8` forces one variant for every prefill GEMM
+  (A/B between processes).
 
 `VARIANT_TABLE` holds measured winners (`shoal bench engine --fp8-sweep` prints it);
-`default_variant` decides the rest. M buckets are the GEMM's (1, 2, ..., 128) plus two for eager
-prefill: `SHORT_PREFILL_M` (up to 1,024 rows: one prompt, on bf16 cuBLAS) and `LARGE_M`.
+`default_variant` decides the rest. M buckets are the GEMM's (1, 2, ..., 128) plus three for
+prefill: `SMALL_PREFILL_M` (129-256 rows), `SHORT_PREFILL_M` (257-1,024: one prompt, or a graph's
+packed chunks) and `LARGE_M` (eager batched prefill).
 
 CUDA-graph safety: `reserve(ms)` allocates, before capture, the outputs, activation buffers and one
 split-K workspace for every M the graphs use; a call with a reserved M allocates nothing. A call with
@@ -65,47 +66,49 @@ logger = logging.getLogger(__name__)
 VARIANTS = ("w8a8", "w8a8_inline", "w8a16", "bf16", "scaled_mm")
 SCALED_MM_ROWS = 16  # block-wise `_scaled_mm` gets M padded to a multiple of this
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # the buckets of `kernels/fp8_gemm.py`'s tuned tables
-# Eager prefill: M up to SHORT_PREFILL_M (one request's prompt, what time to first frame waits
-# for) is its own bucket, every larger M (batched prefill) LARGE_M's.
+# Prefill: M up to SMALL_PREFILL_M and up to SHORT_PREFILL_M (one request's prompt, what time to
+# first frame waits for, or a prefill graph's packed chunks) are buckets of their own, every
+# larger M (eager batched prefill) LARGE_M's.
+SMALL_PREFILL_M = 256
 SHORT_PREFILL_M = 1024
 LARGE_M = 1 << 30
-PREFILL_BUCKETS = (SHORT_PREFILL_M, LARGE_M)
+PREFILL_BUCKETS = (SMALL_PREFILL_M, SHORT_PREFILL_M, LARGE_M)
 # Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
 DEFAULT_QUANTIZE_ACTIVATIONS = DEFAULT_QUANTIZE_INPUT
 
 # (N, K, M bucket) -> variant, measured on the H200 (docs/performance.md run 18: `shoal bench gemm
 # --sweep --m 1 64 128 --modes w8a8`, the tuned W8A8 kernel, TMA loads among the candidates,
 # against bf16 cuBLAS on the same shapes).
-# S2-Pro shapes: qkv (6144, 2560), o (2560, 4096), gate+up (19456, 2560), down (2560, 9728).
 # Shapes and buckets absent here follow `default_variant` (W8A8 up to 32 rows, measured in run 6).
+S2_PRO_SHAPES = ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728))  # qkv, o, gate+up, down
 VARIANT_TABLE: dict[tuple[int, int, int], str] = {
     (6144, 2560, 64): "w8a8",  # 10.2 vs 11.2 us
     (2560, 4096, 64): "w8a8",  # 9.8 vs 9.8: a tie; FP8 reads half the bytes
     (19456, 2560, 64): "w8a8",  # 16.5 vs 31.0
     (2560, 9728, 64): "w8a8",  # 16.0 vs 18.6
-    (6144, 2560, 128): "bf16",  # 11.9 vs 11.3
-    (2560, 4096, 128): "bf16",  # 12.1 vs 10.6
+    # qkv and o at M = 128 were 11.9 / 12.1 µs against bf16 cuBLAS's 11.3 / 10.6 (run 18): the
+    # FP8 kernel costs the batch-64 step's fast pass 0 about 8 µs (0.16%), and with no bf16
+    # entry left the engine holds no bf16 copy of any S2-Pro weight (8 GB freed for KV pages).
+    (6144, 2560, 128): "w8a8",
+    (2560, 4096, 128): "w8a8",
     (19456, 2560, 128): "w8a8",  # 24.1 vs 30.1
     (2560, 9728, 128): "w8a8",  # 17.7 vs 21.3
-    # Batched prefill (M above 1,024; run 24, `shoal bench engine --fp8-sweep 300 2048 8192`, µs
-    # scaled_mm vs bf16 at M = 300 / 2048 / 8192): gate+up 55.9 / 231.6 / 876.2 vs 52.9 / 293.9 /
-    # 1066.2, down with SwiGLU 53.7 / 155.0 / 533.9 vs 50.8 / 243.6 / 939.5. qkv (30.6 / 87.7 /
-    # 320.8 vs 18.9 / 92.6 / 338.8) and o (bf16 faster everywhere) keep cuBLAS on the copies that
-    # M = 128 needs anyway.
-    (19456, 2560, LARGE_M): "scaled_mm",
-    (2560, 9728, LARGE_M): "scaled_mm",
-    # One 300-token prompt (run 29, the engine at concurrency 1, first frame p50 in the same call):
-    # 21.0 ms with every prefill GEMM on bf16 cuBLAS against 72.1 ms with gate+up and down on
-    # `scaled_mm` (29.8 and 26.5 ms in two earlier calls: its cost per call varies, and at 300 rows
-    # its kernels were already 5% slower, run 24). So short prefills stay on cuBLAS; the price is
-    # keeping the bf16 copies of gate+up and down (5.6 GiB for S2-Pro).
-    (19456, 2560, SHORT_PREFILL_M): "bf16",
-    (2560, 9728, SHORT_PREFILL_M): "bf16",
+    # Prefill graphs of 129-256 tokens: every projection on the FP8 kernel, 0.954x of bf16
+    # cuBLAS's replay at 256 tokens; 257-1,024 tokens on `scaled_mm`, 0.855x at 512 and 0.817x at
+    # 1,024 (run 157; it lost at 256, 1.027x). Replayed, `scaled_mm` no longer shows the per-call
+    # host cost that made an eager 300-token prompt's first frame 26-72 ms on it (run 29).
+    **{(n, k, SMALL_PREFILL_M): "w8a8" for n, k in S2_PRO_SHAPES},
+    **{(n, k, SHORT_PREFILL_M): "scaled_mm" for n, k in S2_PRO_SHAPES},
+    # Eager batched prefill (run 24, `shoal bench engine --fp8-sweep 300 2048 8192`, µs scaled_mm vs
+    # bf16 at M = 2048 / 8192): gate+up 231.6 / 876.2 vs 293.9 / 1066.2, down with SwiGLU 155.0 /
+    # 533.9 vs 243.6 / 939.5, qkv 87.7 / 320.8 vs 92.6 / 338.8; o 74.6 / 245.2 vs 61.6 / 226.6 (8%
+    # slower at 8,192 rows, about 1% of the prefill, for the bf16 copies' memory).
+    **{(n, k, LARGE_M): "scaled_mm" for n, k in S2_PRO_SHAPES},
 }
 
 
 def m_bucket(m: int) -> int:
-    for bucket in (*M_BUCKETS, SHORT_PREFILL_M):
+    for bucket in (*M_BUCKETS, SMALL_PREFILL_M, SHORT_PREFILL_M):
         if m <= bucket:
             return bucket
     return LARGE_M
