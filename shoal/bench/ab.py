@@ -38,7 +38,6 @@ STEP_SWITCHES = frozenset(
         "norm_split_max_rows",
         "norm_slice_groups",
         "norm_max_registers",
-        "fast_head_in_l2",
         "sample_chunks",
     }
 )

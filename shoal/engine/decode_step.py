@@ -186,9 +186,6 @@ class DecodeStep:
         switch = env_switch("SHOAL_HEAD_KERNEL", ("auto", "0", "1"))
         limits = {"auto": HEAD_KERNEL_MAX_ROWS, "0": 0, "1": 2 * max_batch}
         self.head_kernel_max_rows = limits[switch] if use_kernels else 0
-        # The head kernel loads the codebook head (the same 21 MB in each of the nine fast passes)
-        # `evict_last`, so the fast weights streamed between two passes evict it after themselves.
-        self.fast_head_in_l2 = True
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -474,17 +471,15 @@ class DecodeStep:
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]
-        return self._head(normed, model.fast_output.weight, keep_in_l2=self.fast_head_in_l2)
+        return self._head(normed, model.fast_output.weight)
 
-    def _head(
-        self, normed: Tensor, weight: Tensor, rows: int | None = None, keep_in_l2: bool = False
-    ) -> Tensor:
+    def _head(self, normed: Tensor, weight: Tensor, rows: int | None = None) -> Tensor:
         """Logits of an output head (the first `rows` rows of `weight`), on the head kernel for
         batches up to `head_kernel_max_rows`, else cuBLAS."""
         if normed.shape[0] <= self.head_kernel_max_rows:
             from shoal.kernels.output_head import output_head
 
-            return output_head(normed, weight, rows, keep_in_l2=keep_in_l2)
+            return output_head(normed, weight, rows)
         logits = F.linear(normed, weight)
         return logits if rows is None else logits[:, :rows]
 

@@ -39,10 +39,9 @@ AHEAD = 2  # chunks loaded before the PDL wait, and in flight after it
 
 
 @triton.jit
-def _weight_chunk(w_rows, row_ok, chunk, k, CHUNK: tl.constexpr, EVICT: tl.constexpr):
+def _weight_chunk(w_rows, row_ok, chunk, k, CHUNK: tl.constexpr):
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = row_ok[:, None] & (cols < k)[None, :]
-    return tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+    return tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < k)[None, :], other=0.0)
 
 
 @triton.jit
@@ -55,7 +54,7 @@ def _activation_chunk(x_row, chunk, k, CHUNK: tl.constexpr):
 def _head_kernel(
     x_ptr, w_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, AHEAD: tl.constexpr,
-    EMULATE: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (p, m): weight rows [p * BLOCK_N, ...) against activation row m, over K in CHUNKS
     chunks of CHUNK columns (masked past k). The first AHEAD chunks (1 or 2) load before the wait;
@@ -65,9 +64,9 @@ def _head_kernel(
     m = tl.program_id(1).to(tl.int64)
     row_ok = rows < n
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    current = _weight_chunk(w_rows, row_ok, 0, k, CHUNK, EVICT)
+    current = _weight_chunk(w_rows, row_ok, 0, k, CHUNK)
     if AHEAD > 1 and CHUNKS > 1:
-        following = _weight_chunk(w_rows, row_ok, 1, k, CHUNK, EVICT)
+        following = _weight_chunk(w_rows, row_ok, 1, k, CHUNK)
     else:
         following = current
     wait_for_inputs(USE_PDL)
@@ -77,7 +76,7 @@ def _head_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         if c + AHEAD < CHUNKS:  # the activation chunks roll along with the weight chunks
-            upcoming = _weight_chunk(w_rows, row_ok, c + AHEAD, k, CHUNK, EVICT)
+            upcoming = _weight_chunk(w_rows, row_ok, c + AHEAD, k, CHUNK)
             x_upcoming = _activation_chunk(x_row, c + AHEAD, k, CHUNK)
         else:
             upcoming = current
@@ -100,7 +99,6 @@ def output_head(
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
     ahead: int = AHEAD,
-    keep_in_l2: bool = False,
 ) -> Tensor:
     """`F.linear(x, weight[:rows])` for x [M, K] and weight [N, K] (both with contiguous rows,
     the same dtype): logits [M, rows] in that dtype (`out`, if given, with contiguous rows). No
@@ -108,9 +106,7 @@ def output_head(
     docstring); any M is computed correctly (one compile per M).
 
     Under PDL the weight is read before the wait for the previous kernel: no kernel of the same
-    graph or chain may write it. `keep_in_l2`: the weight's lines are loaded `evict_last`, so
-    that the weights streamed between two calls evict them after their own (a head read once per
-    codebook pass)."""
+    graph or chain may write it."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or x.device != weight.device:
@@ -134,7 +130,6 @@ def output_head(
     _head_kernel[(triton.cdiv(rows, rows_per_program), m)](
         x, weight, out, rows, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=rows_per_program, CHUNK=chunk, CHUNKS=triton.cdiv(k, chunk), AHEAD=ahead,
-        EMULATE=interpreting(), EVICT="evict_last" if keep_in_l2 else "", num_warps=num_warps,
-        **pdl_launch("head"),
+        EMULATE=interpreting(), num_warps=num_warps, **pdl_launch("head"),
     )  # fmt: skip
     return out
