@@ -123,16 +123,30 @@ def make_prompts(model, count: int, length: int, shared: int, seed: int) -> list
 
 def run_level(core: EngineCore, prompts: list[torch.Tensor], frames: int, prefix_len: int) -> dict:
     """Submit all prompts at once and run the engine until they are done."""
+    return run_closed_loop(core, prompts, frames, len(prompts), prefix_len)
+
+
+def run_closed_loop(
+    core: EngineCore, prompts: list[torch.Tensor], frames: int, concurrency: int, prefix_len: int
+) -> dict:
+    """Keep `concurrency` requests running (a new prompt as soon as one finishes) until every
+    prompt is done; with `concurrency` = len(prompts), all are submitted at once. Staggered
+    arrivals put prefill and decode in the same steps, as steady serving does."""
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     start = time.perf_counter()
+    waiting = list(enumerate(prompts))
     requests = []
-    for i, prompt in enumerate(prompts):
-        request = core.new_request(
-            prompt, SamplingParams(seed=i), max_new_frames=frames, prefix_len=prefix_len
-        )
+
+    def submit() -> None:
+        i, prompt = waiting.pop(0)
+        params = SamplingParams(seed=i)
+        request = core.new_request(prompt, params, max_new_frames=frames, prefix_len=prefix_len)
         request.arrival_perf = time.perf_counter()
         core.add(request)
         requests.append(request)
+
+    for _ in range(min(concurrency, len(waiting))):
+        submit()
     first: dict[int, float] = {}
     done: dict[int, float] = {}
     while core.has_work:
@@ -141,12 +155,15 @@ def run_level(core: EngineCore, prompts: list[torch.Tensor], frames: int, prefix
             first.setdefault(id(request), now)
             if request.finish_reason is not None:
                 done[id(request)] = now
+                if waiting:
+                    submit()
     wall = time.perf_counter() - start
     assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
     ttff = sorted(first[id(r)] - r.arrival_perf for r in requests)
     rates = [(frames - 1) / max(done[id(r)] - first[id(r)], 1e-9) for r in requests]
     return {
-        "concurrency": len(prompts),
+        "concurrency": concurrency,
+        "requests": len(prompts),
         "frames": frames,
         "aggregate_frames_per_s": len(prompts) * frames / wall,
         "per_request_frames_per_s": statistics.mean(rates),
@@ -286,11 +303,16 @@ def run_engine_bench(
     prefill_graphs: bool = True,
     prefill_graph_segments: int = EngineConfig.prefill_graph_segments,
     kv_cache_dtype: str = "auto",
+    closed_loop: int = 0,
+    overlap_prefill: bool = True,
 ) -> list[dict]:
-    """One result dict per concurrency. With `step_timing` (on a GPU) each also carries the decode
-    step at batch = concurrency timed as CUDA-graph replays at `step_context` keys (default
-    `prompt_tokens + frames // 2`): `decode_step_ms`, `decode_step_context` and
-    `decode_frames_per_s` = 1000 / step ms, the per-request rate the performance gate compares.
+    """One result dict per concurrency. `closed_loop`: run that many requests per level, with
+    `concurrency` of them running at any time (`run_closed_loop`), instead of `concurrency`
+    requests submitted at once; `overlap_prefill`: `EngineConfig.overlap_prefill`. With
+    `step_timing` (on a GPU) each also carries the decode step at batch = concurrency timed as
+    CUDA-graph replays at `step_context` keys (default `prompt_tokens + frames // 2`):
+    `decode_step_ms`, `decode_step_context` and `decode_frames_per_s` = 1000 / step ms, the
+    per-request rate the performance gate compares.
     At concurrency 1 the first-frame time is the median over the level's request and
     `ttff_samples` more single requests (p95 column: the worst of them). `max_seq_len` (default:
     just what the requests need) sizes the block tables, hence the decode attention's split count:
@@ -315,6 +337,7 @@ def run_engine_bench(
         prefill_graphs=None if prefill_graphs else False,
         prefill_graph_segments=prefill_graph_segments,
         kv_cache_dtype=kv_cache_dtype,
+        overlap_prefill=overlap_prefill,
     )
     core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
@@ -327,7 +350,11 @@ def run_engine_bench(
     for concurrency in concurrencies:
         prompts = make_prompts(model, concurrency, prompt_tokens, shared_prefix, seed=concurrency)
         run_level(core, prompts[:1], 4, shared_prefix)  # warm the prefill path
-        result = run_level(core, prompts, frames, shared_prefix)
+        if closed_loop:
+            prompts = make_prompts(model, closed_loop, prompt_tokens, shared_prefix, seed=concurrency)
+            result = run_closed_loop(core, prompts, frames, concurrency, shared_prefix)
+        else:
+            result = run_level(core, prompts, frames, shared_prefix)
         if concurrency == 1 and ttff_samples:
             # One request gives one first-frame time: add single short requests (new prompts, so
             # nothing is cached) and report the median and the worst of all of them.
@@ -345,6 +372,8 @@ def run_engine_bench(
         result["max_seq_len"] = config.max_seq_len
         result["prefill_graphs"] = core.runner.prefill_graphs is not None
         result["prefill_graph_segments"] = prefill_graph_segments
+        result["overlap_prefill"] = overlap_prefill  # the setting (it takes effect on CUDA with graphs)
+        result["closed_loop"] = closed_loop
         results.append(result)
     graphs_possible = core.runner.step is not None and core.runner.device.type == "cuda"
     if step_timing and graphs_possible:
@@ -453,6 +482,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests' chunks packed into one prefill replay (EngineConfig.prefill_graph_segments)",
     )
     parser.add_argument(
+        "--closed-loop",
+        type=int,
+        default=0,
+        metavar="REQUESTS",
+        help="per level, run this many requests with `concurrency` of them running at any time "
+        "(a new one as each finishes) instead of `concurrency` submitted at once",
+    )
+    parser.add_argument(
+        "--overlap-prefill",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="prefill graphs beside the decode on a stream of their own (EngineConfig.overlap_prefill); "
+        "`on off`: side by side",
+    )
+    parser.add_argument(
         "--weight-format",
         nargs="+",
         choices=("bf16", "fp8"),
@@ -484,8 +529,8 @@ def run(args: argparse.Namespace) -> int:
         print_sweep(sweep)
     all_results = []
     first_level = (args.shared_prefix[0], args.kv_cache_dtype[0])  # the naive loop runs once
-    for weight_format, kv_cache_dtype, shared in itertools.product(
-        args.weight_format, args.kv_cache_dtype, args.shared_prefix
+    for weight_format, kv_cache_dtype, shared, overlap in itertools.product(
+        args.weight_format, args.kv_cache_dtype, args.shared_prefix, args.overlap_prefill
     ):
         all_results += run_engine_bench(
             args.checkpoint,
@@ -504,6 +549,8 @@ def run(args: argparse.Namespace) -> int:
             prefill_graphs=args.prefill_graphs == "on",
             prefill_graph_segments=args.prefill_graph_segments,
             kv_cache_dtype=kv_cache_dtype,
+            closed_loop=args.closed_loop,
+            overlap_prefill=overlap == "on",
         )
         free_gpu()
     print_results(all_results)
@@ -575,16 +622,17 @@ def print_results(all_results: list[dict]) -> None:
     from shoal.bench.gate_performance import check_targets, select_results
 
     header = (
-        f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'agg f/s':>9} {'req f/s':>8} "
-        f"{'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"
+        f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'ovl':>3} {'reqs':>5} {'agg f/s':>9} "
+        f"{'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"
     )
     print(header)
     for r in all_results:
         step = "-" if "decode_step_ms" not in r else f"{r['decode_step_ms']:.3f}"
         decode = "-" if "decode_frames_per_s" not in r else f"{r['decode_frames_per_s']:.1f}"
+        overlap = "on" if r.get("overlap_prefill", True) else "off"
         print(
             f"{r['weight_format']:>6} {r.get('kv_cache_dtype', 'auto'):>4} {r['concurrency']:>5} "
-            f"{r['shared_prefix']:>6} "
+            f"{r['shared_prefix']:>6} {overlap:>3} {r.get('requests', r['concurrency']):>5} "
             f"{r['aggregate_frames_per_s']:>9.1f} {r['per_request_frames_per_s']:>8.1f} "
             f"{r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m {r['gpu_memory_gib']:>6.1f} "
             f"{step:>8} {decode:>8}"

@@ -191,6 +191,10 @@ class DecodeStep:
 
             if has_fp8_layers(model):
                 self.fp8 = Fp8Projections(model, backend="triton")
+        # The projections `prefill` runs: the step's own, or (the runner's choice, when prefill
+        # graphs replay on a stream of their own beside the decode) `self.fp8.sibling()`, so that
+        # the two never share a GEMM's output buffer or split-K workspace.
+        self.prefill_fp8 = self.fp8
 
     # Constants of the fast transformer's paged per-frame cache (kernel path) -----------------
 
@@ -316,11 +320,13 @@ class DecodeStep:
             lambda q, pools, out_fp8: paged_prefill_attention(
                 q, pools.k, pools.v, tables, seq_lens, starts, max_query, out_fp8=out_fp8, **pools.scales
             ),
+            fp8=self.prefill_fp8,
         )  # fmt: skip
 
     def _layers(
-        self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None
-    ):
+        self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None,
+        fp8=None,
+    ):  # fmt: skip
         """Pre-norm blocks with the fused kernels; returns (residual, final-normed hidden). With
         `norm_slice_groups` and a decode-sized batch the norms split rows over programs and write
         the residual stream into the other of two buffers (ping-pong), else in place. With FP8
@@ -328,13 +334,14 @@ class DecodeStep:
         (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `pages(i)` gives
         layer i's `LayerKV`; `attend(q, pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair
         it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
-        `attend` by one call (the fast transformer's `kernels/fast_attention.py`)."""
+        `attend` by one call (the fast transformer's `kernels/fast_attention.py`). `fp8`: the FP8
+        projections to run (default `self.fp8`)."""
         from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
 
         eps = self.config.norm_eps
         tokens = residual.shape[0]
-        fp8 = self.fp8
+        fp8 = self.fp8 if fp8 is None else fp8
         fuse_quantization = fp8 is not None and self.dtype == torch.bfloat16  # kernels quantize bf16
         split_rows = self.splits_norm_rows(tokens)
 

@@ -38,7 +38,9 @@ class BucketGraphs:
 
     `reset()` makes every row of those buffers harmless padding (before warm-up and again after
     capture, which wrote into them). `pool`: a memory pool of graphs captured before these
-    (`BucketGraphs.pool`), shared when the two sets never run concurrently."""
+    (`BucketGraphs.pool`), shared when the two sets never run concurrently. `capture_stream`:
+    where to capture (graphs replayed beside others need their own: cuBLAS's workspace is the
+    capture stream's)."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class BucketGraphs:
         body: Callable[[int], None],
         reset: Callable[[], None],
         pool: tuple | None = None,
+        capture_stream: torch.cuda.Stream | None = None,
     ) -> None:
         if not buckets:
             raise ValueError("at least one graph bucket is needed")
@@ -53,6 +56,7 @@ class BucketGraphs:
         self.max_batch = self.buckets[-1]
         self._body, self._reset = body, reset
         self.pool = pool
+        self.capture_stream = capture_stream  # None: torch's shared capture stream
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def can_run(self, batch: int) -> bool:
@@ -76,7 +80,7 @@ class BucketGraphs:
         torch.cuda.synchronize()
         for bucket in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                 self._body(bucket)
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[bucket] = graph
@@ -121,8 +125,9 @@ class FirstFrameGraphs(BucketGraphs):
 
 class PrefillGraphs(BucketGraphs):
     """`PrefillBatch.compute` (prefill_batch.py) per token bucket. Capture after the decode and
-    first-frame graphs (FP8 GEMM buffers of the row counts they share are reserved by then)."""
+    first-frame graphs (FP8 GEMM buffers of the row counts they share are reserved by then).
+    `capture_stream`: a stream of their own when they replay beside the decode graphs."""
 
-    def __init__(self, batch) -> None:
-        super().__init__(batch.buckets, batch.compute, batch.reset, None)
+    def __init__(self, batch, capture_stream: torch.cuda.Stream | None = None) -> None:
+        super().__init__(batch.buckets, batch.compute, batch.reset, None, capture_stream)
         self.capture()

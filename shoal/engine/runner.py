@@ -215,6 +215,17 @@ class ModelRunner:
         static_prefill = (
             self.step is not None and self.step.use_kernels and _static_buffers(config.prefill_graphs, graphs)
         )
+        # Prefill graphs replay on a stream of their own, beside the step's decode graph: the
+        # decode leaves SMs idle (latency chains) that the compute-bound prefill fills
+        # (`begin_step`, `_prefill_static`; docs/engine.md).
+        self.prefill_stream = None
+        overlap = graphs and static_prefill and config.overlap_prefill
+        if overlap:
+            self.prefill_stream = torch.cuda.Stream(self.device)
+            self._main_ready = torch.cuda.Event()  # main stream: where this step's prefill may start
+            self._prefill_done = torch.cuda.Event()  # prefill stream: the last prefill's end
+            self._ready_marked = False  # `_main_ready` recorded for the next prefill
+            self._prefill_unwaited = False  # the main stream has not waited for `_prefill_done`
         if graphs:
             from shoal.engine.graphs import DecodeGraphs, FirstFrameGraphs
 
@@ -222,9 +233,15 @@ class ModelRunner:
                 from shoal.quant.engine_fp8 import graph_row_counts
 
                 # FP8 GEMM outputs and workspaces for every captured M (the prefill buckets'
-                # token counts too), allocated once, before any capture.
+                # token counts too), allocated once, before any capture; beside the decode, the
+                # prefill runs projections with buffers and a workspace of their own.
                 rows = graph_row_counts(config.resolved_graph_buckets())
-                self.step.fp8.reserve(rows | set(config.prefill_graph_buckets) if static_prefill else rows)
+                buckets = set(config.prefill_graph_buckets) if static_prefill else set()
+                if overlap:
+                    self.step.prefill_fp8 = self.step.fp8.sibling()
+                    self.step.prefill_fp8.reserve(buckets)
+                    buckets = set()
+                self.step.fp8.reserve(rows | buckets)
 
             self.graphs = DecodeGraphs(self, config.resolved_graph_buckets())
             self.host.invalidate()
@@ -241,7 +258,10 @@ class ModelRunner:
             if graphs:
                 from shoal.engine.graphs import PrefillGraphs
 
-                self.prefill_graphs = PrefillGraphs(self.prefill_batch)
+                # Captured on a stream of its own when it replays beside the decode: torch gives
+                # cuBLAS a workspace per stream, and graphs keep the capture's.
+                capture_stream = torch.cuda.Stream(self.device) if overlap else None
+                self.prefill_graphs = PrefillGraphs(self.prefill_batch, capture_stream)
 
     def params_for(self, requests: list[Request], device=None) -> SamplingBatch:
         p = [r.params for r in requests]
@@ -281,6 +301,25 @@ class ModelRunner:
             return [], None
         return completing, self._first_frames_after_prefill(completing, hidden, normed, last_rows)
 
+    def begin_step(self, prefills: bool = True) -> None:
+        """Before a step's launches: the main stream waits (on the GPU) for the previous prefill
+        if nothing has yet, and, when the step has `prefills`, marks where its prefill may start,
+        beside the decode enqueued next. The prefill stream therefore never runs ahead of
+        main-stream work enqueued before it (the writers of pages it reuses) nor behind the next
+        step (which waits for it). A pure decode step with nothing to wait for adds no stream op."""
+        if self.prefill_stream is None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._wait_for_prefill(main)
+        if prefills:
+            self._main_ready.record(main)
+            self._ready_marked = True
+
+    def _wait_for_prefill(self, main: torch.cuda.Stream) -> None:
+        if self._prefill_unwaited:
+            main.wait_event(self._prefill_done)
+            self._prefill_unwaited = False
+
     def uses_prefill_batch(self, chunks: list[tuple[Request, int]]) -> bool:
         """Whether these chunks take the static prefill (`PrefillBatch`, a graph replay on CUDA):
         it exists (a kernel step), and they are at most its segment count of chunks
@@ -304,13 +343,26 @@ class ModelRunner:
         return self.model.forward_slow(tokens, positions, self.kv), None
 
     def _prefill_static(self, packed: list[Chunk]) -> tuple[Tensor, Tensor]:
-        """The chunks through `PrefillBatch`: fill, replay their bucket (or run it eagerly)."""
+        """The chunks through `PrefillBatch`: fill, replay their bucket (or run it eagerly); on
+        the prefill stream where there is one (its outputs are read after `_prefill_done`)."""
         batch = self.prefill_batch
-        bucket = batch.fill_chunks(packed)
-        if self.prefill_graphs is not None:
+        side = self.prefill_stream
+        if side is None:
+            bucket = batch.fill_chunks(packed)
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.replay(bucket)
+            else:
+                batch.compute(bucket)
+            return batch.hidden, batch.normed
+        if not self._ready_marked:  # no `begin_step` since the last prefill: start after main's work
+            self._main_ready.record(torch.cuda.current_stream(self.device))
+        self._ready_marked = False
+        side.wait_event(self._main_ready)
+        with torch.cuda.stream(side):
+            bucket = batch.fill_chunks(packed)
             self.prefill_graphs.replay(bucket)
-        else:
-            batch.compute(bucket)
+            self._prefill_done.record(side)
+        self._prefill_unwaited = True
         return batch.hidden, batch.normed
 
     def _first_frames_after_prefill(
@@ -318,6 +370,8 @@ class ModelRunner:
     ) -> Tensor:
         """The first frames of the requests whose prefill completed, from rows `last_rows` of the
         prefill's outputs (`normed` None: the model's final norm of `hidden`)."""
+        if self.prefill_stream is not None:  # the outputs come from the prefill stream
+            self._wait_for_prefill(torch.cuda.current_stream(self.device))
         if self.uses_first_frame_batch(completing):  # static buffers, a graph replay on CUDA
             return self.first_frames(completing, hidden, normed, last_rows)
         rows = _to_device(torch.tensor(last_rows), self.device)

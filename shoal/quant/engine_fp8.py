@@ -40,6 +40,7 @@ by the down projection's activation load (`swiglu_quantize` or the GEMM's SWIGLU
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -252,6 +253,14 @@ class Fp8Projections:
         self.reserved: set[int] = set()
         self._buffers: dict[tuple, Tensor] = {}
         self.workspace = None
+
+    def sibling(self) -> Fp8Projections:
+        """The same weights (and bf16 copies) with buffers and a split-K workspace of its own,
+        not yet reserved: for GEMMs that run on another stream at the same time as these (the
+        prefill graphs beside the decode step), which must not share outputs or partials."""
+        other = copy.copy(self)
+        other.reserved, other._buffers, other.workspace = set(), {}, None
+        return other
 
     def variant(self, n: int, k: int, m: int) -> str:
         return variant_for(n, k, m, self.quantize_activations, self.table)

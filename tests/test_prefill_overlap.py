@@ -1,0 +1,112 @@
+"""Prefill beside the decode (`EngineConfig.overlap_prefill`): on CUDA the prefill graphs replay
+on a stream of their own while the step's decode graph runs, with FP8 projections of their own
+buffers (`Fp8Projections.sibling`). The frames must be those of the one-stream engine exactly,
+under staggered arrivals that put prefill and decode in the same steps (`run_closed_loop`).
+
+The CPU tests cover the switch, the sibling projections, the closed-loop driver and the gate's
+row selection; the stream itself runs only on a GPU (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.bench import gate_performance
+from shoal.bench.engine import make_prompts, run_closed_loop
+from shoal.config import EngineConfig
+from shoal.engine.core import EngineCore
+from shoal.models import load_model
+from shoal.quant.engine_fp8 import Fp8Projections, prepare_model
+
+
+def test_config_switch(monkeypatch) -> None:
+    monkeypatch.delenv("SHOAL_OVERLAP_PREFILL", raising=False)
+    assert EngineConfig().overlap_prefill is True
+    monkeypatch.setenv("SHOAL_OVERLAP_PREFILL", "0")
+    assert EngineConfig().overlap_prefill is False
+
+
+def test_sibling_projections_share_weights_not_buffers(golden_dir) -> None:
+    model = load_model(golden_dir / "s2_tiny", dtype=torch.float32)
+    prepare_model(model)
+    main = Fp8Projections(model, backend="reference")
+    side = main.sibling()
+    assert side.blocks is main.blocks and side.table is main.table
+    main.reserve([2, 4])
+    side.reserve([32])
+    assert main.reserved == {2, 4} and side.reserved == {32}
+    assert not set(main._buffers) & set(side._buffers)
+    block = model.layers[0]
+    x = torch.randn(32, model.config.dim)
+    assert torch.equal(side.qkv(block, x), main.qkv(block, x))
+
+
+@pytest.fixture(scope="module")
+def cpu_model(golden_dir):
+    model = load_model(golden_dir / "s2_tiny", dtype=torch.float64)
+    model.config = model.config.replace(max_seq_len=256)
+    model.build_rope_tables("cpu")
+    return model
+
+
+def test_closed_loop_keeps_the_concurrency_and_runs_every_prompt(cpu_model) -> None:
+    config = EngineConfig(device="cpu", dtype="float64", num_pages=128, page_size=4, ignore_eos=True)
+    core = EngineCore(cpu_model, config)
+    live: list[int] = []
+    add = core.add
+
+    def counting_add(request, *args, **kwargs):
+        add(request, *args, **kwargs)
+        live.append(sum(not r.is_finished for r in core.requests.values()))
+
+    core.add = counting_add
+    prompts = make_prompts(cpu_model, 5, 12, 0, seed=3)
+    result = run_closed_loop(core, prompts, 3, 2, 0)
+    assert result["requests"] == 5 and result["concurrency"] == 2 and len(live) == 5
+    assert max(live) == 2  # never more than the concurrency at once
+    assert not core.has_work and core.kv.pool.num_used == 0
+
+
+def test_gate_rows_skip_closed_loop_and_prefer_the_default_overlap() -> None:
+    def row(concurrency, overlap, closed=0):
+        return {"weight_format": "fp8", "concurrency": concurrency, "overlap_prefill": overlap,
+                "closed_loop": closed}  # fmt: skip
+
+    rows = [row(1, True), row(1, False), row(16, True, closed=64)]
+    assert gate_performance.select_results(rows, "fp8") == [row(1, True)]
+    assert gate_performance.select_results([row(1, False)], "fp8") == [row(1, False)]
+    assert gate_performance.select_results([{"weight_format": "fp8", "concurrency": 1}], "fp8")  # old rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_prefill_beside_the_decode_gives_the_one_stream_frames(golden_dir, weight_format: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    frames = {}
+    for overlap in (False, True):
+        model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
+        config = EngineConfig(
+            device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=8,
+            ignore_eos=True, weight_format=weight_format, overlap_prefill=overlap,
+            prefill_graph_buckets=(32, 64, 128),
+        )  # fmt: skip
+        core = EngineCore(model, config)
+        assert (core.runner.prefill_stream is not None) is overlap
+        prompts = [p[:, : 20 + 9 * i] for i, p in enumerate(make_prompts(model, 7, 80, 0, seed=5))]
+        requests = []
+        add = core.add
+
+        def keep(request, *args, add=add, requests=requests, **kwargs):
+            add(request, *args, **kwargs)
+            requests.append(request)
+
+        core.add = keep
+        run_closed_loop(core, prompts, 12, 3, 0)
+        frames[overlap] = [r.frames[: r.num_frames].clone() for r in requests]
+        assert core.kv.pool.num_used == 0
+        del core, model
+        torch.cuda.empty_cache()
+    assert len(frames[True]) == len(frames[False]) == 7
+    for with_overlap, without in zip(frames[True], frames[False], strict=True):
+        assert torch.equal(with_overlap, without)
