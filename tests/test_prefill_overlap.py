@@ -60,10 +60,19 @@ def test_closed_loop_keeps_the_concurrency_and_runs_every_prompt(cpu_model) -> N
         live.append(sum(not r.is_finished for r in core.requests.values()))
 
     core.add = counting_add
+    steps = []
+    step = core.step
+
+    def counting_step():
+        steps.append(len(live))
+        return step()
+
+    core.step = counting_step
     prompts = make_prompts(cpu_model, 5, 12, 0, seed=3)
     result = run_closed_loop(core, prompts, 3, 2, 0)
     assert result["requests"] == 5 and result["concurrency"] == 2 and len(live) == 5
     assert max(live) == 2  # never more than the concurrency at once
+    assert all(b - a <= 1 for a, b in zip(steps, steps[1:], strict=False))  # one new request per step
     assert not core.has_work and core.kv.pool.num_used == 0
 
 

@@ -129,8 +129,9 @@ def run_level(core: EngineCore, prompts: list[torch.Tensor], frames: int, prefix
 def run_closed_loop(
     core: EngineCore, prompts: list[torch.Tensor], frames: int, concurrency: int, prefix_len: int
 ) -> dict:
-    """Keep `concurrency` requests running (a new prompt as soon as one finishes) until every
-    prompt is done; with `concurrency` = len(prompts), all are submitted at once. Staggered
+    """Keep up to `concurrency` requests running until every prompt is done, submitting at most
+    one new prompt per step (so that requests of one length start, and finish, one step apart,
+    instead of in waves); with `concurrency` = len(prompts), all are submitted at once. Staggered
     arrivals put prefill and decode in the same steps, as steady serving does."""
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     start = time.perf_counter()
@@ -145,7 +146,8 @@ def run_closed_loop(
         core.add(request)
         requests.append(request)
 
-    for _ in range(min(concurrency, len(waiting))):
+    at_once = concurrency >= len(prompts)
+    for _ in range(len(prompts) if at_once else 1):
         submit()
     first: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -155,8 +157,8 @@ def run_closed_loop(
             first.setdefault(id(request), now)
             if request.finish_reason is not None:
                 done[id(request)] = now
-                if waiting:
-                    submit()
+        if waiting and len(requests) - len(done) < concurrency:
+            submit()
     wall = time.perf_counter() - start
     assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
     ttff = sorted(first[id(r)] - r.arrival_perf for r in requests)
