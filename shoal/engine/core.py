@@ -227,7 +227,7 @@ class EngineCore:
             if plan.empty:
                 return None
             pending = PendingStep(plan)
-            self.runner.begin_step(prefills=bool(plan.prefills))
+            self.runner.begin_step(prefills=bool(plan.prefills), decodes=bool(plan.decodes))
             if plan.decodes:
                 pending.decode = self.runner.launch_decode(plan.decodes)
             if plan.prefills:
@@ -344,7 +344,7 @@ class EngineCore:
             return False  # pool busy: the voice's first request computes and caches it instead
         self.kv.grow(warm, shared)
         try:
-            self.runner.begin_step()
+            self.runner.begin_step(decodes=False)
             self.runner.prefill([(warm, shared)])  # the frame it samples is not wanted
             if self.runner.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()

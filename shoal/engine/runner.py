@@ -224,7 +224,7 @@ class ModelRunner:
             self.prefill_stream = torch.cuda.Stream(self.device)
             self._main_ready = torch.cuda.Event()  # main stream: where this step's prefill may start
             self._prefill_done = torch.cuda.Event()  # prefill stream: the last prefill's end
-            self._ready_marked = False  # `_main_ready` recorded for the next prefill
+            self._ready_marked = False  # `_main_ready` recorded: the step's prefill goes beside its decode
             self._prefill_unwaited = False  # the main stream has not waited for `_prefill_done`
         if graphs:
             from shoal.engine.graphs import DecodeGraphs, FirstFrameGraphs
@@ -301,19 +301,21 @@ class ModelRunner:
             return [], None
         return completing, self._first_frames_after_prefill(completing, hidden, normed, last_rows)
 
-    def begin_step(self, prefills: bool = True) -> None:
+    def begin_step(self, prefills: bool = True, decodes: bool = True) -> None:
         """Before a step's launches: the main stream waits (on the GPU) for the previous prefill
-        if nothing has yet, and, when the step has `prefills`, marks where its prefill may start,
-        beside the decode enqueued next. The prefill stream therefore never runs ahead of
-        main-stream work enqueued before it (the writers of pages it reuses) nor behind the next
-        step (which waits for it). A pure decode step with nothing to wait for adds no stream op."""
+        if nothing has yet, and, when the step has both `prefills` and `decodes`, marks where its
+        prefill may start, beside the decode enqueued next. The prefill stream therefore never
+        runs ahead of main-stream work enqueued before it (the writers of pages it reuses) nor
+        behind the next step (which waits for it). A step without a decode to overlap keeps its
+        prefill on the main stream (no stream hop before a lone request's first frame), and a
+        pure decode step with nothing to wait for adds no stream op."""
         if self.prefill_stream is None:
             return
         main = torch.cuda.current_stream(self.device)
         self._wait_for_prefill(main)
-        if prefills:
+        self._ready_marked = prefills and decodes
+        if self._ready_marked:
             self._main_ready.record(main)
-            self._ready_marked = True
 
     def _wait_for_prefill(self, main: torch.cuda.Stream) -> None:
         if self._prefill_unwaited:
@@ -347,15 +349,13 @@ class ModelRunner:
         the prefill stream where there is one (its outputs are read after `_prefill_done`)."""
         batch = self.prefill_batch
         side = self.prefill_stream
-        if side is None:
+        if side is None or not self._ready_marked:  # no decode of this step to go beside
             bucket = batch.fill_chunks(packed)
             if self.prefill_graphs is not None:
                 self.prefill_graphs.replay(bucket)
             else:
                 batch.compute(bucket)
             return batch.hidden, batch.normed
-        if not self._ready_marked:  # no `begin_step` since the last prefill: start after main's work
-            self._main_ready.record(torch.cuda.current_stream(self.device))
         self._ready_marked = False
         side.wait_event(self._main_ready)
         with torch.cuda.stream(side):
