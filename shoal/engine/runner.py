@@ -297,6 +297,8 @@ class ModelRunner:
             hidden, normed = self._prefill_static(packed)
         else:
             hidden, normed = self._prefill_eager(packed)
+        if self.prefill_stream is not None:
+            self._ready_marked = False  # the mark is this step's: a later prefill needs its own
         if not completing:
             return [], None
         return completing, self._first_frames_after_prefill(completing, hidden, normed, last_rows)
