@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_first_frame import tiny
 
 from shoal.bench import gate_performance
 from shoal.bench.engine import make_prompts, run_closed_loop
@@ -41,15 +42,8 @@ def test_sibling_projections_share_weights_not_buffers(golden_dir) -> None:
     assert torch.equal(side.qkv(block, x), main.qkv(block, x))
 
 
-@pytest.fixture(scope="module")
-def cpu_model(golden_dir):
-    model = load_model(golden_dir / "s2_tiny", dtype=torch.float64)
-    model.config = model.config.replace(max_seq_len=256)
-    model.build_rope_tables("cpu")
-    return model
-
-
-def test_closed_loop_keeps_the_concurrency_and_runs_every_prompt(cpu_model) -> None:
+def test_closed_loop_keeps_the_concurrency_and_runs_every_prompt(golden_dir) -> None:
+    cpu_model = tiny(golden_dir, torch.float64)
     config = EngineConfig(device="cpu", dtype="float64", num_pages=128, page_size=4, ignore_eos=True)
     core = EngineCore(cpu_model, config)
     live: list[int] = []

@@ -358,7 +358,6 @@ class ModelRunner:
             else:
                 batch.compute(bucket)
             return batch.hidden, batch.normed
-        self._ready_marked = False
         side.wait_event(self._main_ready)
         with torch.cuda.stream(side):
             bucket = batch.fill_chunks(packed)
