@@ -350,13 +350,12 @@ def run_engine_bench(
     burst = make_prompts(model, prefill_graph_segments + 1, prompt_tokens, shared_prefix, seed=999)
     run_level(core, burst, 4, shared_prefix)
     for concurrency in concurrencies:
-        prompts = make_prompts(model, concurrency, prompt_tokens, shared_prefix, seed=concurrency)
+        # All at once: `concurrency` prompts; closed loop: `closed_loop` (the first `concurrency`
+        # of them the same prompts).
+        count = closed_loop or concurrency
+        prompts = make_prompts(model, count, prompt_tokens, shared_prefix, seed=concurrency)
         run_level(core, prompts[:1], 4, shared_prefix)  # warm the prefill path
-        if closed_loop:
-            prompts = make_prompts(model, closed_loop, prompt_tokens, shared_prefix, seed=concurrency)
-            result = run_closed_loop(core, prompts, frames, concurrency, shared_prefix)
-        else:
-            result = run_level(core, prompts, frames, shared_prefix)
+        result = run_closed_loop(core, prompts, frames, concurrency, shared_prefix)
         if concurrency == 1 and ttff_samples:
             # One request gives one first-frame time: add single short requests (new prompts, so
             # nothing is cached) and report the median and the worst of all of them.
@@ -488,8 +487,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="REQUESTS",
-        help="per level, run this many requests with `concurrency` of them running at any time "
-        "(a new one as each finishes) instead of `concurrency` submitted at once",
+        help="per level, run this many requests with up to `concurrency` of them running at any "
+        "time (at most one new one per step) instead of `concurrency` submitted at once",
     )
     parser.add_argument(
         "--overlap-prefill",
