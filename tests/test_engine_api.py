@@ -9,6 +9,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from model_testing import tiny_s2
 
 from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason, SamplingOptions, SynthesisRequest, VoiceReference
@@ -25,10 +26,7 @@ from shoal.models.writer import tiny_config, write_checkpoint
 
 @pytest.fixture(scope="module")
 def model(golden_dir):
-    model = load_model(golden_dir / "s2_tiny", dtype=torch.float64)
-    model.config = model.config.replace(max_seq_len=512)
-    model.build_rope_tables("cpu")
-    return model
+    return tiny_s2(golden_dir, torch.float64, max_seq_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch
+from model_testing import tiny_s2
 
 from shoal.config import EngineConfig
 from shoal.engine.api import EngineOverloaded, FinishReason, InvalidRequest, Priority
 from shoal.engine.engine import EngineCore, LocalEngine
 from shoal.engine.request import SamplingParams
-from shoal.models import load_model
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
 from shoal.models.reference import generate
 
@@ -24,10 +24,7 @@ TEXTS = ["hi", "a longer sentence to say", "short", "numbers 1 2 3", "ok then", 
 
 @pytest.fixture(scope="module")
 def model(golden_dir):
-    model = load_model(golden_dir / "s2_tiny", dtype=torch.float64)
-    model.config = model.config.replace(max_seq_len=384)  # room for several references
-    model.build_rope_tables("cpu")
-    return model
+    return tiny_s2(golden_dir, torch.float64, max_seq_len=384)  # room for several references
 
 
 def voice(seed: int, frames: int) -> list[Reference]:

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import pytest  # noqa: E402
+from model_testing import tiny_s2  # noqa: E402
 from prefill_testing import prefill_tokens, prefill_two_prompts  # noqa: E402
 
 from shoal.config import EngineConfig  # noqa: E402
@@ -28,13 +29,6 @@ from shoal.models import load_model  # noqa: E402
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length  # noqa: E402
 from shoal.models.reference import generate  # noqa: E402
 from shoal.models.sampling import logits_to_probs  # noqa: E402
-
-
-def tiny(golden_dir, dtype):
-    model = load_model(golden_dir / "s2_tiny", dtype=dtype)
-    model.config = model.config.replace(max_seq_len=256)
-    model.build_rope_tables("cpu")
-    return model
 
 
 def add(core, model, name, text, params, max_frames, refs=()):
@@ -62,7 +56,7 @@ def test_sampling_probs_equals_reference() -> None:
 
 
 def test_fast_step_engine_equals_reference(golden_dir) -> None:
-    model = tiny(golden_dir, torch.float64)
+    model = tiny_s2(golden_dir, torch.float64)
     config = EngineConfig(
         device="cpu", dtype="float64", num_pages=128, page_size=4, max_prefill_tokens=40, decode_step="fast"
     )
@@ -103,7 +97,7 @@ def test_fast_step_engine_equals_reference(golden_dir) -> None:
 
 
 def decoding_core(golden_dir, count: int):
-    model = tiny(golden_dir, torch.float32)
+    model = tiny_s2(golden_dir, torch.float32)
     config = EngineConfig(device="cpu", dtype="float32", num_pages=64, page_size=16, decode_step="fast")
     core = EngineCore(model, config)
     requests = []
@@ -233,7 +227,7 @@ def test_fused_prefill_equals_model_forward(golden_dir) -> None:
     """Two prompts (one continuing after a cached chunk) through the fused-kernel prefill."""
     from shoal.engine.kv_cache import PagedKV
 
-    model = tiny(golden_dir, torch.float32)
+    model = tiny_s2(golden_dir, torch.float32)
     mc = model.config
     tokens = prefill_tokens(mc)
     outputs = []

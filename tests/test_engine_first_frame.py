@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import pytest  # noqa: E402
+from model_testing import tiny_s2  # noqa: E402
 from test_engine_batching import TEXTS, Collector, expected, submit  # noqa: E402
 
 from shoal.config import EngineConfig  # noqa: E402
@@ -29,21 +30,13 @@ from shoal.engine.api import Priority  # noqa: E402
 from shoal.engine.core import EngineCore  # noqa: E402
 from shoal.engine.decode_step import DecodeStep  # noqa: E402
 from shoal.engine.request import Request, SamplingParams  # noqa: E402
-from shoal.models import load_model  # noqa: E402
 
 BUCKETS = (1, 4, 8)
 
 
-def tiny(golden_dir, dtype, max_seq_len: int = 256):
-    model = load_model(golden_dir / "s2_tiny", dtype=dtype)
-    model.config = model.config.replace(max_seq_len=max_seq_len)
-    model.build_rope_tables("cpu")
-    return model
-
-
 @pytest.fixture(scope="module", params=["kernels", "torch"])
 def runner(request, golden_dir):
-    model = tiny(golden_dir, torch.float32)
+    model = tiny_s2(golden_dir, torch.float32)
     config = EngineConfig(
         device="cpu", dtype="float32", num_pages=16, page_size=16, max_running_requests=8,
         graph_buckets=BUCKETS, decode_step="fast", first_frame_graphs=True,
@@ -185,7 +178,7 @@ def test_engine_with_static_first_frames_equals_reference(golden_dir, overlap: b
     """Requests complete together in prefill steps, a realtime request preempts batch ones,
     resumed by re-prefills whose first frames have frame index > 0; one request's top_k is
     above the bound (its first frame runs eagerly, uncapped)."""
-    model = tiny(golden_dir, torch.float64, max_seq_len=384)
+    model = tiny_s2(golden_dir, torch.float64, max_seq_len=384)
     config = EngineConfig(
         device="cpu", dtype="float64", num_pages=256, page_size=4, max_prefill_tokens=96,
         max_running_requests=3, graph_buckets=(1, 2), decode_step="fast", first_frame_graphs=True,

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import pytest  # noqa: E402
+from model_testing import tiny_s2  # noqa: E402
 
 from shoal.bench import gate, gate_correctness  # noqa: E402
 from shoal.config import EngineConfig  # noqa: E402
@@ -47,13 +48,6 @@ from shoal.quant.engine_fp8 import (  # noqa: E402
 from shoal.quant.fp8_linear import Fp8Linear, LayoutError, fp8_layers, quantize_model_  # noqa: E402
 
 
-def tiny(golden_dir, dtype=torch.float32):
-    model = load_model(golden_dir / "s2_tiny", dtype=dtype)
-    model.config = model.config.replace(max_seq_len=256)
-    model.build_rope_tables("cpu")
-    return model
-
-
 def prompt_for(model, length: int, seed: int) -> torch.Tensor:
     c = model.config
     g = torch.Generator().manual_seed(seed)
@@ -73,7 +67,7 @@ def test_weight_format_is_validated() -> None:
 
 @pytest.mark.parametrize("decode_step", ["reference", "fast"])
 def test_fp8_engine_equals_reference_generator_on_the_quantized_model(golden_dir, decode_step: str) -> None:
-    model = tiny(golden_dir)
+    model = tiny_s2(golden_dir, torch.float32)
     config = EngineConfig(
         device="cpu", dtype="float32", num_pages=128, page_size=4, max_prefill_tokens=24,
         weight_format="fp8", decode_step=decode_step,
@@ -105,7 +99,7 @@ def test_fp8_engine_equals_reference_generator_on_the_quantized_model(golden_dir
 
 
 def test_bf16_engine_refuses_an_fp8_model(golden_dir) -> None:
-    model = tiny(golden_dir)
+    model = tiny_s2(golden_dir, torch.float32)
     quantize_model_(model)
     with pytest.raises(ValueError, match="weight_format='fp8'"):
         EngineCore(model, EngineConfig(device="cpu", dtype="float32", num_pages=16))
@@ -209,7 +203,7 @@ def test_gate_up_concatenation_is_exact(planted, golden_dir) -> None:
 
 
 def _prepared_tiny(golden_dir):
-    model = tiny(golden_dir)
+    model = tiny_s2(golden_dir, torch.float32)
     prepare_model(model)
     return model
 
@@ -369,7 +363,7 @@ def _two_running_requests(model, dtype: str):
 
 
 def test_kernel_decode_step_with_fp8_tracks_the_torch_step(golden_dir) -> None:
-    model = tiny(golden_dir)
+    model = tiny_s2(golden_dir, torch.float32)
     runner, requests = _two_running_requests(model, "float32")
     kernel_step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
     assert kernel_step.fp8 is not None and runner.step.fp8 is None  # torch-ops step: the modules
@@ -454,7 +448,7 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
         model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16)
         model.build_rope_tables("cpu")
     else:
-        model = tiny(golden_dir, torch.bfloat16) if heads == "golden" else _wide_head_model(tmp_path)
+        model = tiny_s2(golden_dir, torch.bfloat16) if heads == "golden" else _wide_head_model(tmp_path)
     runner, requests = _two_running_requests(model, "bfloat16")
     fused = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
     fused.fp8.reserve(graph_row_counts([2]))

@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 import torch
+from model_testing import tiny_s2
 
 from shoal.bench import gate, gate_performance
 from shoal.config import EngineConfig
@@ -14,7 +15,6 @@ from shoal.engine.core import EngineCore
 from shoal.engine.kv_cache import FP8_KV_DTYPE, PagedKV, kv_bytes_per_page
 from shoal.engine.request import SamplingParams
 from shoal.kernels.reference import dequantize_kv, quantize_kv
-from shoal.models import load_model
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 2, 6, 4, 2, 16
 
@@ -91,10 +91,7 @@ def _decode_unquantized(q1, k, v, k1, v1) -> torch.Tensor:
 
 
 def _tiny_model(golden_dir):
-    model = load_model(golden_dir / "s2_tiny", dtype=torch.float32)
-    model.config = model.config.replace(max_seq_len=256)
-    model.build_rope_tables("cpu")
-    return model
+    return tiny_s2(golden_dir, torch.float32)
 
 
 def _engine(golden_dir, kv_cache_dtype: str) -> EngineCore:

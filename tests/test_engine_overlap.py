@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 import torch
+from model_testing import tiny_s2
 from test_engine_batching import (
     TEXTS,
     Collector,
@@ -23,16 +24,12 @@ from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason, Priority
 from shoal.engine.engine import LocalEngine
 from shoal.engine.request import SamplingParams
-from shoal.models import load_model
 from shoal.models.prompt import build_prompt
 
 
 @pytest.fixture(scope="module")
 def model(golden_dir):
-    model = load_model(golden_dir / "s2_tiny", dtype=torch.float64)
-    model.config = model.config.replace(max_seq_len=384)
-    model.build_rope_tables("cpu")
-    return model
+    return tiny_s2(golden_dir, torch.float64, max_seq_len=384)
 
 
 def test_config_switch(monkeypatch):

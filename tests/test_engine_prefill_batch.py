@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import pytest  # noqa: E402
+from model_testing import tiny_s2  # noqa: E402
 from test_engine_batching import TEXTS, Collector, submit  # noqa: E402
-from test_engine_first_frame import tiny  # noqa: E402
 
 from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.api import Priority  # noqa: E402
@@ -37,7 +37,7 @@ NUM_PAGES, PAGE = 12, 4
 
 @pytest.fixture(scope="module")
 def model(golden_dir):
-    return tiny(golden_dir, torch.float32)
+    return tiny_s2(golden_dir, torch.float32)
 
 
 def kernel_step(model) -> DecodeStep:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_first_frame import tiny
+from model_testing import tiny_s2
 
 from shoal.bench import gate_performance
 from shoal.bench.engine import make_prompts, run_closed_loop
@@ -43,7 +43,7 @@ def test_sibling_projections_share_weights_not_buffers(golden_dir) -> None:
 
 
 def test_closed_loop_keeps_the_concurrency_and_runs_every_prompt(golden_dir) -> None:
-    cpu_model = tiny(golden_dir, torch.float64)
+    cpu_model = tiny_s2(golden_dir, torch.float64)
     config = EngineConfig(device="cpu", dtype="float64", num_pages=128, page_size=4, ignore_eos=True)
     core = EngineCore(cpu_model, config)
     live: list[int] = []
