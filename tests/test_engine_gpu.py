@@ -436,3 +436,34 @@ def test_packed_prefill_graph_replay_equals_eager_static_run(golden_dir, weight_
     assert len(replays) == 1
     states = [(r.prompt_len, r.finish_reason, r.num_frames) for r in requests]
     assert all(r.finish_reason is FinishReason.LENGTH and r.num_frames == 4 for r in requests), states
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_norms_gathering_the_codes_give_the_same_frames(golden_dir, weight_format: str, monkeypatch) -> None:
+    """`SHOAL_NORM_GATHERS_CODES=1` (fast passes 2..N without a gather launch) through the CUDA
+    graphs, staggered requests at several batch sizes: the frames of the default engine exactly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from shoal.bench.engine import make_prompts, run_closed_loop
+
+    frames = {}
+    for gathers in ("0", "1"):
+        monkeypatch.setenv("SHOAL_NORM_GATHERS_CODES", gathers)
+        core = first_frame_core(golden_dir, weight_format, None, ignore_eos=True)
+        assert core.runner.step.norm_gathers_codes == (gathers == "1")
+        prompts = [p[:, : 20 + 9 * i] for i, p in enumerate(make_prompts(core.model, 7, 80, 0, seed=9))]
+        requests = []
+        add = core.add
+
+        def keep(request, *args, add=add, requests=requests, **kwargs):
+            add(request, *args, **kwargs)
+            requests.append(request)
+
+        core.add = keep
+        run_closed_loop(core, prompts, 12, 3, 0)
+        frames[gathers] = [r.frames[: r.num_frames].clone() for r in requests]
+        del core
+        torch.cuda.empty_cache()
+    assert len(frames["1"]) == len(frames["0"]) == 7
+    for gathered, launched in zip(frames["1"], frames["0"], strict=True):
+        assert torch.equal(gathered, launched)

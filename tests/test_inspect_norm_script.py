@@ -45,3 +45,15 @@ def test_decode_norms_load_in_one_round_with_the_register_limit(args: tuple[str,
     assert result.returncode == 0, result.stderr[-3000:]
     report = result.stdout.strip().splitlines()[-1]
     assert re.search(r"register limit 255: \d+ registers, 1 round\(s\) of loads \[\d+\]$", report), report
+
+
+def test_a_norm_gathering_its_rows_loads_the_ids_then_the_rows() -> None:
+    """A fast pass's first norm gathering its code embeddings (`GatheredRows`): one round for the
+    id, one for the whole row and the program's slice together, nothing after the first use."""
+    result = run_compiled("inspect_norm_sm90", "--parts", "0", "--gather")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = result.stdout.strip().splitlines()[-1]
+    assert report.startswith("norm gathering its rows"), report
+    assert report.endswith("2 round(s) of loads [1, 2]"), report
+    refused = run_compiled("inspect_norm_sm90", "--gather")
+    assert refused.returncode != 0 and "--parts 0" in refused.stderr

@@ -260,6 +260,51 @@ def test_qk_norm_rope_kv_write_sums_split_k_partials_as_the_gemm_would() -> None
 
 @pytest.mark.parametrize("slice_groups", [None, 1], ids=["row", "split-row"])
 @pytest.mark.parametrize("quantized", [False, True])
+def test_rms_norm_of_gathered_rows_equals_gather_then_norm(quantized: bool, slice_groups: int | None) -> None:
+    """Fed `GatheredRows` (the decode step's code embeddings, ids read in place from a strided
+    int32 column of the frames), the norm stores exactly the rows `gather_rows` would (zero rows
+    for ids outside the table) and normalizes them to exactly the bits the norm gives on them."""
+    from shoal.kernels.gather_rows import GatheredRows, gather_rows
+
+    rows, dim, vocab = 5, 320, 40  # 320: a last 128-column group only half used
+    gen = torch.Generator().manual_seed(21 + 2 * quantized + (slice_groups is None))
+    table = random_bf16(vocab, dim, generator=gen, scale=2.0)
+    weight = random_bf16(dim, generator=gen)
+    frames = torch.randint(0, vocab, (rows, 4), generator=gen, dtype=torch.int32).to(DEVICE)
+    frames[1, 2], frames[3, 2] = vocab, -1  # outside the table: zero rows, as in `gather_rows`
+    ids = frames[:, 2]
+    assert ids.stride(0) == 4, "premise: the ids are a strided column"
+    gathered = gather_rows(ids, table)
+    assert (gathered[1] == 0).all() and (gathered[3] == 0).all() and (gathered[0] != 0).any()
+
+    def run(x):
+        target = fp8_target(rows, dim) if quantized else None
+        return rms_norm(x, weight, 1e-6, out_fp8=target, slice_groups=slice_groups)
+
+    stored = torch.full((rows, dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    fused, fused_rows = run(GatheredRows(ids, table, stored))
+    plain, _ = run(gathered)
+    assert fused_rows is stored and torch.equal(stored, gathered)
+    assert_same_normed(fused, plain, quantized)
+
+
+def test_rms_norm_of_gathered_rows_checks_its_arguments() -> None:
+    from shoal.kernels.gather_rows import GatheredRows
+
+    table = torch.zeros(8, 256, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.ones(256, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    rows = torch.empty(2, 256, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="no residual add"):
+        rms_norm(GatheredRows(ids, table, rows), weight, 1e-6, residual=rows.clone())
+    with pytest.raises(ValueError, match=r"out must be torch.bfloat16 \[2, 256\]"):
+        rms_norm(GatheredRows(ids, table, rows[:, :128]), weight, 1e-6)
+    with pytest.raises(ValueError, match="1-D integer"):
+        rms_norm(GatheredRows(ids.float(), table, rows), weight, 1e-6)
+
+
+@pytest.mark.parametrize("slice_groups", [None, 1], ids=["row", "split-row"])
+@pytest.mark.parametrize("quantized", [False, True])
 def test_rms_norm_sums_split_k_partials_as_the_gemm_would(quantized: bool, slice_groups: int | None) -> None:
     """Fed a split-K GEMM's partials (`SplitKPartials`), the norm writes the same bits as on
     the bf16 output the GEMM's own reduction stores (their sum in split order, rounded once), the

@@ -39,6 +39,7 @@ STEP_SWITCHES = frozenset(
         "norm_slice_groups",
         "norm_max_registers",
         "sample_chunks",
+        "norm_gathers_codes",
     }
 )
 

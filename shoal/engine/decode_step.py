@@ -29,12 +29,16 @@ in the full row).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from shoal.engine.kv_cache import LayerKV
+
+if TYPE_CHECKING:
+    from shoal.kernels.gather_rows import GatheredRows
 from shoal.models.sampling import (
     MAIN_SLOT,
     RAS_SLOT,
@@ -186,6 +190,12 @@ class DecodeStep:
         switch = env_switch("SHOAL_HEAD_KERNEL", ("auto", "0", "1"))
         limits = {"auto": HEAD_KERNEL_MAX_ROWS, "0": 0, "1": 2 * max_batch}
         self.head_kernel_max_rows = limits[switch] if use_kernels else 0
+        # Fast passes 2..N start from the embeddings of the codes just drawn: gathered by
+        # `kernels/gather_rows.py`, then the pass's first norm reads them back; with this switch
+        # the norm gathers them itself (`GatheredRows`): the same bits, a launch and a round trip
+        # to L2 fewer per pass. Not yet timed on the H200, so off by default;
+        # `SHOAL_NORM_GATHERS_CODES=1` (or the `step:` change of `shoal bench ab`) turns it on.
+        self.norm_gathers_codes = use_kernels and env_switch("SHOAL_NORM_GATHERS_CODES", ("0", "1")) == "1"
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -264,9 +274,14 @@ class DecodeStep:
         for k in range(1, mc.num_codebooks):
             if k >= 2:
                 if self.use_kernels:  # the sampler's int32 codes read in place, one PDL launch
-                    from shoal.kernels.gather_rows import gather_rows
+                    from shoal.kernels.gather_rows import GatheredRows, gather_rows
 
-                    x = gather_rows(frames[:, k], self.model.fast_embeddings.weight)
+                    table = self.model.fast_embeddings.weight
+                    if self.norm_gathers_codes:  # by the pass's first norm (no launch here)
+                        rows = table.new_empty(frames.shape[0], table.shape[1])
+                        x = GatheredRows(frames[:, k], table, rows)
+                    else:
+                        x = gather_rows(frames[:, k], table)
                     fast_logits = self._fast_kernels(x, k)
                 else:
                     x = self.model.fast_embed(frames[:, k].long())
@@ -327,7 +342,8 @@ class DecodeStep:
         self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None,
         fp8=None,
     ):  # fmt: skip
-        """Pre-norm blocks with the fused kernels; returns (residual, final-normed hidden). With
+        """Pre-norm blocks with the fused kernels; returns (residual, final-normed hidden). `residual`
+        may be `GatheredRows`, which the first norm gathers into its `out` (the residual stream). With
         `norm_slice_groups` and a decode-sized batch the norms split rows over programs and write
         the residual stream into the other of two buffers (ping-pong), else in place. With FP8
         weights, a norm or attention whose output feeds a W8A8 projection writes it quantized
@@ -336,9 +352,13 @@ class DecodeStep:
         it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
         `attend` by one call (the fast transformer's `kernels/fast_attention.py`). `fp8`: the FP8
         projections to run (default `self.fp8`)."""
+        from shoal.kernels.gather_rows import GatheredRows
         from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
 
+        first_input = residual
+        if isinstance(residual, GatheredRows):
+            residual = residual.out  # written by the first norm
         eps = self.config.norm_eps
         tokens = residual.shape[0]
         fp8 = self.fp8 if fp8 is None else fp8
@@ -369,7 +389,7 @@ class DecodeStep:
             return normed
 
         normed, _ = rms_norm(
-            residual, layers[0].attention_norm.weight, eps, out_fp8=fp8_target(layers[0], "qkv"),
+            first_input, layers[0].attention_norm.weight, eps, out_fp8=fp8_target(layers[0], "qkv"),
             slice_groups=slice_groups or None, max_registers=registers,
         )  # fmt: skip
         for i, layer in enumerate(layers):
@@ -431,10 +451,12 @@ class DecodeStep:
         """Whether fast passes of this batch run `kernels/fast_attention.py` (one launch per layer)."""
         return not self.two_launch_fast_from <= batch <= self.two_launch_fast_to
 
-    def _fast_kernels(self, x: Tensor, k: int) -> Tensor:
+    def _fast_kernels(self, x: Tensor | GatheredRows, k: int) -> Tensor:
         """Fast pass `k` (0: the 2-token pass over positions 0 and 1) -> logits predicting code k
-        (k = 1 for pass 0), [B, codebook_size]."""
+        (k = 1 for pass 0), [B, codebook_size]. `x`: the pass's input rows, or for k >= 2 the
+        `GatheredRows` its first norm gathers."""
         from shoal.kernels.attention import paged_decode_attention, paged_prefill_attention
+        from shoal.kernels.gather_rows import GatheredRows
 
         model = self.model
         if k == 0:
@@ -449,7 +471,7 @@ class DecodeStep:
             def attend(q, pools, out_fp8):
                 return paged_prefill_attention(q, pools.k, pools.v, tables, lens, starts, 2, out_fp8=out_fp8)
         else:
-            batch = x.shape[0]
+            batch = x.ids.shape[0] if isinstance(x, GatheredRows) else x.shape[0]
             positions, slots = self.pass_positions[k][:batch], self.pass_slots[k][:batch]
             tables, lens = self.fast_tables[:batch], self.pass_lens[k][:batch]
 
@@ -471,7 +493,7 @@ class DecodeStep:
                     out_fp8=out_fp8,
                 )  # fmt: skip
 
-        residual = x.contiguous()
+        residual = x if isinstance(x, GatheredRows) else x.contiguous()
         residual, normed = self._layers(
             model.fast_layers, residual, model.fast_norm.weight, positions, model.fast_rope,
             lambda i: LayerKV(self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend, rope_attend,

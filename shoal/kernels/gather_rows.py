@@ -11,6 +11,8 @@ as `F.embedding`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,35 @@ from shoal.kernels.out_buffer import out_buffer
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 BLOCK_D = 1024  # columns per program: a 2,560-wide row is three programs
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """`table[ids]` left for the kernel that consumes it to gather while loading
+    (`kernels.norm_rope.rms_norm`), which also stores the rows into `out` [B, D] (the residual
+    stream that starts from them): the same bits as `gather_rows(ids, table, out)` followed by
+    that kernel, one launch fewer. An id outside [0, V) gives a zero row, as in `gather_rows`."""
+
+    ids: Tensor  # [B], any integer dtype and stride
+    table: Tensor  # [V, D], contiguous rows
+    out: Tensor  # [B, D] in the table's dtype, contiguous rows
+
+    def check(self) -> None:
+        """Raise unless the three fit together as `gather_rows` requires of its arguments."""
+        check_ids_and_table(self.ids, self.table)
+        if self.out.device != self.table.device:
+            raise ValueError(f"out on {self.out.device}, table on {self.table.device}")
+        out_buffer(self.out, self.ids.shape[0], self.table.shape[1], self.table.dtype, self.table.device)
+
+
+def check_ids_and_table(ids: Tensor, table: Tensor) -> None:
+    """Raise unless ids are 1-D integers and the table 2-D with contiguous rows, on one device."""
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if table.dim() != 2 or table.stride(1) != 1:
+        raise ValueError("the table must be 2-D with contiguous rows")
+    if ids.device != table.device:
+        raise ValueError(f"ids on {ids.device}, table on {table.device}")
 
 
 @triton.jit
@@ -43,12 +74,7 @@ def gather_rows(ids: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor
     `out`: safe inside a CUDA graph. An id outside [0, V) yields a zero row instead of an error
     (a device-side check would need a sync); the engine's ids come from the samplers, which draw
     only valid codes."""
-    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
-    if table.dim() != 2 or table.stride(1) != 1:
-        raise ValueError("the table must be 2-D with contiguous rows")
-    if ids.device != table.device:
-        raise ValueError(f"ids on {ids.device}, table on {table.device}")
+    check_ids_and_table(ids, table)
     (batch,), (num_rows, dim) = ids.shape, table.shape
     out = out_buffer(out, batch, dim, table.dtype, table.device)
     if batch == 0 or dim == 0:

@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from shoal.kernels.fp8_gemm import SplitKPartials
+from shoal.kernels.gather_rows import GatheredRows
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 from shoal.kernels.quant import (
     FP8_MAX,
@@ -248,29 +249,30 @@ def qk_norm_rope_kv_write(
 
 @triton.jit
 def _row_groups(
-    x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim, first_group, COUNT: tl.constexpr,
+    x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, first_group, COUNT: tl.constexpr,
     GROUP_SIZE: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     """COUNT 128-column groups of a row from `first_group` on, as a [COUNT, 128] tile (masked past
-    dim): x, or x + residual rounded to x's dtype. With PARTS > 0, x is a split-K GEMM's fp32
-    partials (split stride `stride_xs`), summed in split order and rounded to bf16: the bits the
-    GEMM's own reduction would have stored. Returns (groups, offsets, mask, values)."""
+    dim): x, or x + residual rounded to x's dtype; x reads as zeros unless `x_valid`. With
+    PARTS > 0, x is a split-K GEMM's fp32 partials (split stride `stride_xs`), summed in split
+    order and rounded to bf16: the bits the GEMM's own reduction would have stored. Returns
+    (groups, offsets, mask, values)."""
     groups = first_group + tl.arange(0, COUNT)
     offs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     ok = offs < dim
-    x = load_summing_partials(x_ptr + row * stride_x, offs, ok, stride_xs, PARTS, EMULATE)
+    x = load_summing_partials(x_row_ptr, offs, ok & x_valid, stride_xs, PARTS, EMULATE)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
+        r = tl.load(residual_row_ptr + offs, mask=ok, other=0.0)
         x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)
     return groups, offs, ok, x
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr, scale_ptr, eps, dim, stride_x,
-    stride_xs, stride_r, stride_ro, stride_o, stride_sm, stride_sg,
+    x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr, scale_ptr, ids_ptr, eps, dim, stride_x,
+    stride_xs, stride_r, stride_ro, stride_o, stride_sm, stride_sg, stride_ids, table_rows,
     GROUPS: tl.constexpr, SLICE_GROUPS: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    EMULATE: tl.constexpr,
+    GATHER: tl.constexpr, EMULATE: tl.constexpr,
     QUANT_OUT: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -286,6 +288,9 @@ def _rms_norm_kernel(
     and normalizes only its slice. Then `residual_out` must not alias `residual`: a slice written
     in place could be read back by another program of the row as its input.
 
+    With GATHER, row r of x is row `ids[r]` of the table x_ptr points to (a zero row for an id
+    outside [0, table_rows)), stored into `residual_out` as it is (the residual stream it starts).
+
     Latency, not bytes, is this kernel's cost at decode sizes (3.5 µs per call at batch 1, run
     70), so every load is issued as early as it may be: the weight (a constant of the step)
     before the PDL wait, and a slice's own tile together with the whole row, not after the mean
@@ -297,21 +302,30 @@ def _rms_norm_kernel(
     ]
     w = tl.load(weight_ptr + w_offs, mask=w_offs < dim, other=0.0).to(tl.float32)
     wait_for_inputs(USE_PDL)
+    if GATHER:  # the ids come from the kernel just before
+        source = tl.load(ids_ptr + row * stride_ids).to(tl.int64)
+        x_valid = (source >= 0) & (source < table_rows)
+        source = tl.where(x_valid, source, 0)
+    else:
+        source = row
+        x_valid = True
+    x_row_ptr = x_ptr + source * stride_x
+    residual_row_ptr = residual_ptr + row * stride_r
     groups, offs, ok, x = _row_groups(
-        x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim, 0, GROUPS, GROUP_SIZE, PARTS,
-        HAS_RESIDUAL, EMULATE,
+        x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, 0, GROUPS, GROUP_SIZE, PARTS, HAS_RESIDUAL,
+        EMULATE,
     )  # fmt: skip
     if SLICE_GROUPS < GROUPS:  # this program's groups, in a smaller tile (an L1/L2 re-read)
         slice_groups, slice_offs, slice_ok, slice_x = _row_groups(
-            x_ptr, residual_ptr, row, stride_x, stride_xs, stride_r, dim, first_group, SLICE_GROUPS,
-            GROUP_SIZE, PARTS, HAS_RESIDUAL, EMULATE,
+            x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, first_group, SLICE_GROUPS, GROUP_SIZE,
+            PARTS, HAS_RESIDUAL, EMULATE,
         )  # fmt: skip
     f = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(tl.sum(f * f, 1), 0) / dim + eps)
     if SLICE_GROUPS < GROUPS:
         groups, offs, ok, x = slice_groups, slice_offs, slice_ok, slice_x
         f = x.to(tl.float32)
-    if HAS_RESIDUAL:
+    if HAS_RESIDUAL or GATHER:
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
     y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
     if QUANT_OUT:
@@ -334,7 +348,7 @@ NORM_MAX_REGISTERS = 255
 
 
 def rms_norm(
-    x: Tensor | SplitKPartials,
+    x: Tensor | SplitKPartials | GatheredRows,
     weight: Tensor,
     eps: float,
     residual: Tensor | None = None,
@@ -364,10 +378,23 @@ def rms_norm(
     result, the same bits as normalizing the GEMM's reduced output), so the GEMM skips its own
     reduction.
 
+    x may be a `GatheredRows` (ids, table, out): the norm reads row `ids[r]` of the table as row
+    r, stores it into `out` (the residual stream it starts; returned as the second value) and
+    normalizes it: the same bits as `gather_rows` then this norm, one launch fewer. No residual
+    add then.
+
     `max_registers`: the build's register limit (None: ptxas's own choice); decode-sized launches
     want `NORM_MAX_REGISTERS`. Same bits either way."""
-    x, count, stride_xs, x_dtype = _consumer_input(x)
-    rows, dim = x.shape
+    gathered = x if isinstance(x, GatheredRows) else None
+    if gathered is not None:
+        if residual is not None or residual_out is not None:
+            raise ValueError("gathered rows start the residual stream: no residual add, no residual_out")
+        gathered.check()
+        x, count, stride_xs, x_dtype = gathered.table, 0, 0, gathered.table.dtype
+        rows, dim = gathered.ids.shape[0], x.shape[1]
+    else:
+        x, count, stride_xs, x_dtype = _consumer_input(x)
+        rows, dim = x.shape
     if x.stride(1) != 1 or weight.stride(0) != 1:
         raise ValueError("rows of x and the weight must be contiguous")
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
@@ -392,16 +419,20 @@ def rms_norm(
         check_activation_scales(scales, rows, dim)
     elif out is None:
         out = torch.empty(rows, dim, dtype=torch.promote_types(x_dtype, weight.dtype), device=x.device)
+    if gathered is not None:
+        residual_out = gathered.out
     if rows == 0:
         return (out_fp8 if out_fp8 is not None else out), residual_out
     slices = triton.cdiv(triton.cdiv(dim, GROUP), slice_groups)
+    ids = gathered.ids if gathered is not None else x  # an unused pointer without gathering
     _rms_norm_kernel[(rows, slices)](
-        x, residual if residual is not None else x, residual_out if residual is not None else x, weight,
-        out, scales, eps, dim, x.stride(0), stride_xs, residual.stride(0) if residual is not None else 0,
-        residual_out.stride(0) if residual is not None else 0, out.stride(0),
+        x, residual if residual is not None else x, residual_out if residual_out is not None else x, weight,
+        out, scales, ids, eps, dim, x.stride(0), stride_xs, residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0, out.stride(0),
         scales.stride(0) if out_fp8 is not None else 0, scales.stride(1) if out_fp8 is not None else 0,
+        ids.stride(0) if gathered is not None else 0, x.shape[0],
         GROUPS=groups, SLICE_GROUPS=slice_groups, PARTS=count, HAS_RESIDUAL=residual is not None,
-        EMULATE=interpreting(),
+        GATHER=gathered is not None, EMULATE=interpreting(),
         QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
         num_warps=num_warps, **({"maxnreg": max_registers} if max_registers else {}), **pdl_launch(),
     )  # fmt: skip
