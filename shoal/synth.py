@@ -31,14 +31,14 @@ from shoal.server.audio import (
     decode_audio,
 )
 
-DEFAULT_CODEC_FILE = "codec.pth"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("text", help="the text to speak (S2: <|speaker:N|> tags start speaker turns)")
     parser.add_argument("--checkpoint", required=True, help="model directory or Hugging Face repo id")
     parser.add_argument(
-        "--codec", type=Path, help="codec.pth (default: codec.pth in the checkpoint directory)"
+        "--codec",
+        type=Path,
+        help="the codec file (default: codec.pth, or 1.5's Firefly generator, in the checkpoint directory)",
     )
     parser.add_argument("-o", "--output", type=Path, required=True, help="output file")
     parser.add_argument(
@@ -96,17 +96,13 @@ class Synthesizer:
     def __init__(self, checkpoint: str | Path, codec_path: str | Path | None = None, device: str = "cpu"):
         from shoal.models import load_model
         from shoal.models.checkpoint import resolve_checkpoint_dir
-        from shoal.models.codec import load_codec
+        from shoal.models.codec import codec_file, load_codec
 
         directory = resolve_checkpoint_dir(checkpoint)  # a Hugging Face repo id is downloaded
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         self.model = load_model(directory, device=device, dtype=dtype)
         self.config = self.model.config
-        if self.config.family == "1.5":
-            raise ValueError(
-                "shoal synth supports S2 and S1-mini checkpoints (the 1.5 codec is not implemented)"
-            )
-        self.codec = load_codec(codec_path or directory / DEFAULT_CODEC_FILE, device=device)
+        self.codec = load_codec(codec_path or codec_file(directory), device=device)
         if self.codec.num_codebooks != self.config.num_codebooks:
             raise ValueError(
                 f"the codec has {self.codec.num_codebooks} codebooks but the model expects "

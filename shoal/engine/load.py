@@ -59,8 +59,9 @@ def load_engine(
     weight_format: str | None = None,
     warmup: bool = True,
 ):
-    """Load the model (`shoal.models.load_model`) and the codec (`codec.pth` inside the
-    checkpoint directory unless `codec` names another file or directory) and return a
+    """Load the model (`shoal.models.load_model`) and the codec (`codec.pth`, or 1.5's Firefly
+    generator, inside the checkpoint directory unless `codec` names another file or directory:
+    `models.codec.codec_file`) and return a
     `LocalEngine` ready for `start()`. Defaults: CUDA with bfloat16 when a GPU is present,
     else the CPU with float32. `weight_format` ("bf16" | "fp8"; default: the config's when a
     config is given, else "fp8" for a `shoal quantize` checkpoint and "bf16" otherwise) sets
@@ -76,7 +77,7 @@ def load_engine(
 
     from shoal.engine.engine import LocalEngine
     from shoal.models.checkpoint import resolve_checkpoint_dir
-    from shoal.models.codec import load_codec
+    from shoal.models.codec import codec_file, load_codec
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -84,7 +85,7 @@ def load_engine(
         weight_format = config.weight_format
     checkpoint_dir = resolve_checkpoint_dir(checkpoint)
     model, weight_format = load_engine_model(checkpoint_dir, device, dtype, weight_format)
-    codec_path = Path(codec) if codec is not None else checkpoint_dir / "codec.pth"
+    codec_path = Path(codec) if codec is not None else codec_file(checkpoint_dir)
     if not codec_path.exists():
         raise FileNotFoundError(f"no codec at {codec_path} (pass codec=...)")
     codec_model = load_codec(codec_path, device=device, dtype=getattr(torch, dtype))

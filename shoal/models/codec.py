@@ -1,6 +1,7 @@
 """The S1-mini / S2 codec ("modded DAC"): encoder, downsampling RVQ, decoder, and its checkpoint.
 
-Public surface: `load_codec(path, device, dtype) -> Codec` with `encode`, `encode_with_lengths`
+Public surface: `load_codec(path, device, dtype) -> Codec` (or, given Fish Speech 1.5's
+generator, `codec_firefly.FireflyCodec`) with `encode`, `encode_with_lengths`
 (a batch of clips of different lengths), `decode`, `frame_length`, `sample_rate`,
 `num_codebooks`, and streaming through `Codec.stream_pool(...)` (see `codec_stream.py` and
 docs/codec.md). `save_random_codec` writes a random-weight `codec.pth` in the official on-disk
@@ -355,19 +356,38 @@ def find_codec_config(path: Path) -> CodecConfig:
     return CodecConfig()
 
 
+def codec_file(directory: str | Path) -> Path:
+    """The codec a checkpoint directory ships: `codec.pth` (S1-mini, S2), else Fish Speech 1.5's
+    Firefly generator; `codec.pth` when neither is there (for the caller's error message)."""
+    from shoal.models.codec_firefly import FIREFLY_FILE
+
+    directory = Path(directory)
+    for name in ("codec.pth", FIREFLY_FILE):
+        if (directory / name).is_file():
+            return directory / name
+    return directory / "codec.pth"
+
+
 def load_codec(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
     config: CodecConfig | dict | None = None,
-) -> Codec:  # fmt: skip
-    """Build the codec from its config and load `codec.pth` (a file, or a directory holding one)."""
+):  # fmt: skip
+    """Build the codec and load its file (or the one `codec_file` finds in a directory): the
+    modded DAC `Codec` from its config, or, for a Firefly generator (Fish Speech 1.5, told by its
+    tensor names), `codec_firefly.FireflyCodec`. Both have the same public surface."""
     path = Path(path)
-    path = path / "codec.pth" if path.is_dir() else path
+    path = codec_file(path) if path.is_dir() else path
+    state = read_codec_state_dict(path)
+    from shoal.models.codec_firefly import is_firefly_state_dict, load_firefly_codec
+
+    if is_firefly_state_dict(state):
+        return load_firefly_codec(path, device, dtype, config=config, state=state)
     if isinstance(config, dict):
         config = CodecConfig.from_dict(config)
     config = config or find_codec_config(path)
     with torch.device("meta"):
         codec = Codec(config)
-    codec.load_state_dict(fold_state_dict(codec, read_codec_state_dict(path)), assign=True)
+    codec.load_state_dict(fold_state_dict(codec, state), assign=True)
     return codec.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -378,9 +398,15 @@ RANDOM_WEIGHT_GAIN = 0.7
 
 def random_state_dict(config: CodecConfig, seed: int = 0, legacy: bool = False) -> dict[str, Tensor]:
     """Random weights in the official layout, scaled so activations stay O(1) through the net."""
-    gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         codec = Codec(config)
+    return random_weights(codec, seed, legacy)
+
+
+def random_weights(codec: nn.Module, seed: int = 0, legacy: bool = False) -> dict[str, Tensor]:
+    """Random weights for a codec module (built on any device, the meta one included) in the
+    official layout: weight-normed convs as (g, v) pairs, parametrizations or `legacy` names."""
+    gen = torch.Generator().manual_seed(seed)
     normed = weight_normed(codec)
     state: dict[str, Tensor] = {}
     for name, param in codec.named_parameters():

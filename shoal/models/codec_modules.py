@@ -287,11 +287,12 @@ class ResidualUnit(nn.Module):
 
 
 class ConvNeXtBlock(nn.Module):
-    """Causal depthwise conv k7, LayerNorm, Linear x4, GELU, Linear, layer scale, residual."""
+    """Causal depthwise conv (k7 in every shipped codec), LayerNorm, Linear x4, GELU, Linear,
+    layer scale, residual."""
 
-    def __init__(self, dim: int, mlp_ratio: float = 4.0):
+    def __init__(self, dim: int, mlp_ratio: float = 4.0, kernel_size: int = 7):
         super().__init__()
-        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim, weight_norm=None)
+        self.dwconv = CausalConv1d(dim, dim, kernel_size, groups=dim, weight_norm=None)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.pwconv1 = nn.Linear(dim, int(mlp_ratio * dim))
         self.pwconv2 = nn.Linear(int(mlp_ratio * dim), dim)
