@@ -265,3 +265,16 @@ def test_shoal_synth_speaks_a_1_5_checkpoint_with_a_reference_clip(v15_checkpoin
     assert decoded[0].sample_rate == 44100
     samples = sum(frame.samples for frame in decoded)
     assert samples > 0 and samples % 2048 == 0
+
+
+def test_codec_bench_times_the_firefly_codec(codec, capsys) -> None:
+    """`shoal bench codec --codec firefly`'s rows on the tiny codec: streaming (windowed, eager),
+    the naive re-decode and the encoder; no graph or accuracy rows (the modded DAC's)."""
+    from shoal.bench.codec import run_codec_bench
+
+    rows = run_codec_bench(
+        streams=[2], chunks=[3], steps=2, dtype=torch.float32, device="cpu", encode_seconds=0.2, codec=codec
+    )
+    assert [row["mode"] for row in rows] == ["eager", "redecode", "encode"]
+    assert all(row["frames_per_s"] > 0 for row in rows[:2]) and rows[2]["audio_s_per_s_b16"] > 0
+    assert "eager" in capsys.readouterr().out

@@ -7,6 +7,10 @@ frames per step and reports audio seconds produced per wall second for:
   redecode - the naive baseline: re-decode each stream's whole history every step, keep the tail.
 It also checks the bf16 streamed audio against a float32 full decode, and times `encode`.
 Needs only torch (+ triton for the fused Snake); runs on a GPU box without the web stack.
+
+`--codec firefly`: Fish Speech 1.5's codec instead (`models/codec_firefly.py`), whose streaming
+re-decodes a left context (`codec_window_stream.py`): eager and redecode rows and the encoder,
+no graphs and no accuracy row (those are the modded DAC's).
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ import torch.nn.functional as F
 
 from shoal.models import codec_modules
 from shoal.models.codec import Codec, CodecConfig, random_codec
+from shoal.models.codec_firefly import FireflyCodec, random_firefly_codec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--codec", choices=["dac", "firefly"], default="dac",
+        help="the modded DAC (S1-mini, S2) or Fish Speech 1.5's Firefly codec",
+    )  # fmt: skip
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument(
         "--chunks", type=int, nargs="+", default=[4, 8], help="new frames per stream per step"
@@ -46,12 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    firefly = args.codec == "firefly"
+    codec = random_firefly_codec(device=args.device, dtype=getattr(torch, args.dtype)) if firefly else None
     with _conv_layout(args.conv_layout):
         run_codec_bench(
             streams=args.streams, chunks=args.chunks, steps=args.steps, dtype=getattr(torch, args.dtype),
             device=args.device, graphs=not args.no_graphs, redecode=not args.no_redecode,
             encode_seconds=args.encode_seconds, eager_cudnn_benchmark=args.eager_cudnn_benchmark,
-            profile=args.profile, diagnose=args.diagnose,
+            profile=args.profile and not firefly, diagnose=args.diagnose and not firefly, codec=codec,
         )  # fmt: skip
     return 0
 
@@ -79,6 +90,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _random_codes(codec: Codec, batch: int, frames: int, gen: torch.Generator) -> torch.Tensor:
+    if isinstance(codec, FireflyCodec):
+        codes = 1000  # the quantizer's codes (levels 8 x 5 x 5 x 5)
+        return torch.randint(0, codes, (batch, codec.num_codebooks, frames), generator=gen).to(codec.device)
     cfg = codec.config
     semantic = torch.randint(0, cfg.semantic_codebook_size, (batch, 1, frames), generator=gen)
     residual = torch.randint(0, cfg.codebook_size, (batch, cfg.n_codebooks, frames), generator=gen)
@@ -90,7 +104,7 @@ def _time_streaming(
 ) -> tuple[float, list]:
     """Seconds for `steps` batched steps (after one warm-up step), and the audio produced."""
     pool = codec.stream_pool(codes.shape[0])
-    pool.cudnn_benchmark_eager = eager_benchmark
+    pool.cudnn_benchmark_eager = eager_benchmark  # (the window pool decodes with torch's own setting)
     if graphs:
         pool.capture_cuda_graphs([codes.shape[0]], [chunk])
     streams = [pool.open() for _ in range(codes.shape[0])]
@@ -131,7 +145,8 @@ def run_codec_bench(
 ) -> list[dict]:  # fmt: skip
     """Print and return one row per measurement."""
     device = torch.device(device)
-    graphs = graphs and device.type == "cuda"
+    firefly = isinstance(codec, FireflyCodec)
+    graphs = graphs and device.type == "cuda" and not firefly
     codec = codec or random_codec(config, seed=0, device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
@@ -165,7 +180,8 @@ def run_codec_bench(
                 rows.append(row)
                 print(f"{mode:<9} {batch:>7} {chunk:>5} {row['ms_per_step']:>8.2f} "
                       f"{row['audio_s_per_s']:>10.0f} {row['frames_per_s']:>9.0f}")  # fmt: skip
-    rows.append(_accuracy_row(codec, config, chunks[0], graphs, gen))
+    if not firefly:
+        rows.append(_accuracy_row(codec, config, chunks[0], graphs, gen))
     if encode_seconds > 0:
         rows.append(_encode_row(codec, encode_seconds, gen))
     if profile:

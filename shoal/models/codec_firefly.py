@@ -422,6 +422,17 @@ def find_firefly_config(path: Path) -> FireflyConfig:
     return FireflyConfig()
 
 
+def random_firefly_codec(
+    config: FireflyConfig | None = None, seed: int = 0, device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> FireflyCodec:  # fmt: skip
+    """A random-weight codec in memory, as `save_random_firefly_codec` + `load_firefly_codec` give."""
+    config = config or FireflyConfig()
+    with torch.device("meta"):
+        codec = FireflyCodec(config)
+    return load_firefly_codec(Path("random"), device, dtype, config=config, state=random_weights(codec, seed))
+
+
 def save_random_firefly_codec(
     path: str | Path, config: FireflyConfig | dict | None = None, seed: int = 0
 ) -> Path:
