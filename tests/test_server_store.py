@@ -1,26 +1,62 @@
-"""Keys and voices survive a restart; the keys CLI creates, lists and revokes; settings come from
-the environment as well as options."""
+"""Keys, voices and jobs survive a restart, on SQLite (the default) and on a real PostgreSQL server
+(`pgserver`: PostgreSQL's own binaries from PyPI, started for the session; a fresh database per
+test); the keys CLI creates, lists and revokes; settings come from the environment as well as
+options."""
 
 from __future__ import annotations
 
 import argparse
+import uuid
 
 import numpy as np
 import pytest
 
 from shoal.server import cli, keys_cli
 from shoal.server.auth import hash_api_key
-from shoal.server.store import NewSample, Store, VoiceExistsError
+from shoal.server.store import NewSample, Store, VoiceExistsError, database_url_for
 
 
-def test_voices_and_keys_survive_reopen(tmp_path):
-    store = Store.in_directory(tmp_path)
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory):
+    """A PostgreSQL server for the session: (admin connection string, URL template)."""
+    pgserver = pytest.importorskip("pgserver")
+    psycopg = pytest.importorskip("psycopg")
+    server = pgserver.get_server(tmp_path_factory.mktemp("postgres"), cleanup_mode="stop")
+    uri = server.get_uri()  # postgresql://postgres:@/postgres?host=<socket directory>
+    yield psycopg, uri, uri.replace("@/postgres?", "@/{database}?")
+    server.cleanup()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request, tmp_path):
+    """`open_store()`: a Store on tmp_path's blobs and this backend's database (the same database
+    each call, so a second call is a restart)."""
+    url = None
+    if request.param == "postgresql":
+        psycopg, admin, template = request.getfixturevalue("postgres")
+        database = "t_" + uuid.uuid4().hex[:12]
+        with psycopg.connect(admin, autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE {database}")
+        url = template.format(database=database)
+    opened: list[Store] = []
+
+    def open_() -> Store:
+        opened.append(Store.in_directory(tmp_path, database_url=url))
+        return opened[-1]
+
+    yield open_
+    for store in opened:
+        store.close()
+
+
+def test_voices_and_keys_survive_reopen(open_store, tmp_path):
+    store = open_store()
     codes = np.arange(20, dtype=np.int64).reshape(2, 10)
     row = store.create_voice("t1", "Voice", [NewSample(text="hi", audio=b"RIFF...", codes=codes)], tags=["x"])
     key = store.add_key(hash_api_key("secret"), "t1")
     store.close()
 
-    reopened = Store.in_directory(tmp_path)
+    reopened = open_store()
     voice = reopened.get_voice(row.id)
     assert voice is not None and voice.tags == ["x"] and voice.samples[0].text == "hi"
     [(text, loaded)] = reopened.voice_codes(voice)
@@ -31,10 +67,10 @@ def test_voices_and_keys_survive_reopen(tmp_path):
     assert not list((tmp_path / "blobs" / "voices" / row.id).glob("*"))
 
 
-def test_reused_voice_id_never_touches_another_voices_blobs(tmp_path):
+def test_reused_voice_id_never_touches_another_voices_blobs(open_store, tmp_path):
     """fish-speech's rename keeps the blobs; anyone may then take the old id. The new voice must
     neither overwrite nor (when deleted) remove the renamed voice's audio and codes."""
-    store = Store.in_directory(tmp_path)
+    store = open_store()
     mine = np.full((2, 5), 7, np.int64)
     theirs = np.full((2, 5), 9, np.int64)
     store.create_voice("a", "orig", [NewSample(text="a", audio=b"audio-a", codes=mine)], voice_id="orig")
@@ -47,10 +83,10 @@ def test_reused_voice_id_never_touches_another_voices_blobs(tmp_path):
     assert store.blobs.get(moved.samples[0].audio_blob) == b"audio-a"
 
 
-def test_duplicate_voice_id_is_refused_without_damage(tmp_path):
+def test_duplicate_voice_id_is_refused_without_damage(open_store, tmp_path):
     """Two creates racing for one id (both passed the route's existence check): the loser gets
     VoiceExistsError (409), leaves no blobs behind, and the winner's codes are intact."""
-    store = Store.in_directory(tmp_path)
+    store = open_store()
     first = np.full((2, 5), 1, np.int64)
     store.create_voice("a", "x", [NewSample(text="", audio=b"1", codes=first)], voice_id="dup")
     with pytest.raises(VoiceExistsError):
@@ -60,8 +96,8 @@ def test_duplicate_voice_id_is_refused_without_damage(tmp_path):
     assert len(list((tmp_path / "blobs" / "voices" / "dup").glob("*"))) == 2
 
 
-def test_visibility_filters_in_listing(tmp_path):
-    store = Store.in_directory(tmp_path)
+def test_visibility_filters_in_listing(open_store, tmp_path):
+    store = open_store()
     sample = [NewSample(text="", audio=b"a", codes=np.zeros((1, 1), np.int64))]
     store.create_voice("a", "mine", sample)
     store.create_voice("b", "theirs public", sample, visibility="public")
@@ -70,6 +106,45 @@ def test_visibility_filters_in_listing(tmp_path):
     total, rows = store.list_voices(visible_to="a", own_only=False)
     assert total == 2 and {r.title for r in rows} == {"mine", "theirs public"}
     assert store.list_voices(visible_to="a", own_only=True)[0] == 1
+
+
+def test_a_job_and_its_items_checkpoint_and_survive_reopen(open_store):
+    """A bulk job as the jobs worker drives it: items finish concurrently (SQL increments), one
+    fails, a finish recorded twice counts once; after a restart the job is where it was, and the
+    finished job is no longer one a restart resumes."""
+    store = open_store()
+    reference = np.arange(6, dtype=np.int64).reshape(2, 3)
+    job = store.create_job(
+        "acme", {"format": "wav"}, None, [("ref", reference)], [("a", "x"), ("b", "y"), ("c", "z")]
+    )
+    assert store.active_job_ids() == [job.id] and store.count_active_jobs("acme") == 1
+    assert store.set_job_status(job.id, "running")
+    store.finish_job_item(job.id, 0, b"audio-a", "wav", 1.5)
+    store.finish_job_item(job.id, 0, b"audio-again", "wav", 1.5)  # a retried item: counted once
+    store.finish_job_item(job.id, 2, b"audio-c", "wav", 2.25)
+    store.fail_job_item(job.id, 1, "too long")
+    reopened = open_store()
+    row = reopened.get_job(job.id)
+    assert (row.status, row.items_done, row.items_total, row.audio_seconds) == ("running", 2, 3, 3.75)
+    assert row.options == {"format": "wav"} and row.references[0]["text"] == "ref"
+    items = reopened.job_items(job.id)
+    assert [(i.item_id, i.status) for i in items] == [("a", "done"), ("b", "failed"), ("c", "done")]
+    assert reopened.blobs.get(items[0].audio_blob) == b"audio-a" and items[1].error == "too long"
+    assert reopened.job_item(job.id, "c").audio_seconds == 2.25
+    assert reopened.set_job_status(job.id, "done") and not reopened.set_job_status(job.id, "cancelled")
+    assert reopened.active_job_ids() == [] and reopened.count_active_jobs("acme") == 0
+    total, rows = reopened.list_jobs("acme")
+    assert total == 1 and rows[0].status == "done" and rows[0].finished_at is not None
+    assert reopened.list_jobs("other") == (0, [])
+
+
+def test_database_urls_name_an_installed_driver() -> None:
+    """`postgresql://...` (SQLAlchemy's default driver, psycopg2, is not installed) means
+    psycopg 3, the driver `shoal[postgres]` installs; an explicit driver and SQLite stay."""
+    assert database_url_for("postgresql://u:p@db/shoal") == "postgresql+psycopg://u:p@db/shoal"
+    assert database_url_for("postgres://u@db/shoal") == "postgresql+psycopg://u@db/shoal"
+    assert database_url_for("postgresql+asyncpg://db/x") == "postgresql+asyncpg://db/x"
+    assert database_url_for("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
 
 
 def parse(module, argv: list[str]) -> argparse.Namespace:

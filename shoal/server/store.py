@@ -167,10 +167,21 @@ class NewSample:
     codes: np.ndarray
 
 
+def database_url_for(url: str) -> str:
+    """`url` with PostgreSQL's driver made explicit: a bare `postgresql://` (or `postgres://`)
+    means psycopg 3 (`pip install 'shoal[postgres]'`), not SQLAlchemy's default psycopg2, which
+    Shoal does not install. Any other URL, or one that names its driver, is returned as it is."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            return "postgresql+psycopg://" + url[len(scheme) :]
+    return url
+
+
 class Store:
     """The SQL database and the blob directory behind keys and voices."""
 
     def __init__(self, database_url: str, blob_root: Path) -> None:
+        database_url = database_url_for(database_url)
         connect_args = {"check_same_thread": False} if database_url.startswith("sqlite") else {}
         self.engine = create_engine(database_url, connect_args=connect_args, pool_pre_ping=True)
         Base.metadata.create_all(self.engine)
