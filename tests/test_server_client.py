@@ -27,6 +27,7 @@ from fishaudio.exceptions import (
 from fishaudio.types import FlushEvent, Prosody, ReferenceAudio, TextEvent, TTSConfig
 from httpx_ws import WebSocketUpgradeError
 from server_process import MAX_NEW_FRAMES, ShoalServer
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from shoal.server import audio
@@ -288,15 +289,23 @@ def test_malformed_and_oversized_bodies_keep_serving(client, server):
     response = httpx.post(f"{server.url}/model", data={"title": "big"}, files=big, headers=headers)
     assert response.status_code == 413 and set(response.json()) == {"status", "message"}
     url = server.url.replace("http://", "ws://") + "/v1/tts/live"
+    oversized = ormsgpack.packb({"event": "start", "request": {"text": "x" * server.max_body_bytes}})
     for message in (
         b"\xc1\xc1",
         ormsgpack.packb(["no", "event"]),
         ormsgpack.packb({"event": "start", "request": 5}),
+        oversized,  # over the limit but under the transport's cap (twice it): a finish event says so
     ):
-        with connect(url, additional_headers=headers) as session:
+        with connect(url, additional_headers=headers, max_size=None) as session:
             session.send(message)
             finish = ormsgpack.unpackb(session.recv())
             assert finish["event"] == "finish" and finish["reason"] == "error" and finish["message"]
+    assert "byte limit" in finish["message"]
+    with connect(url, additional_headers=headers) as session:  # over twice the limit: the transport's 1009
+        session.send(b"\0" * (2 * server.max_body_bytes + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            session.recv()
+    assert closed.value.rcvd.code == 1009
     wait_for_idle(server)
     assert client.tts.convert(text="Still serving.", config=SHORT)
 

@@ -374,6 +374,11 @@ def test_live_protocol_violations_end_with_a_clear_error(client, engine):
         socket.send_text("[" * 5000)  # JSON nested past the recursion limit
         finish = ormsgpack.unpackb(socket.receive_bytes())
     assert finish["reason"] == "error" and finish["message"].startswith("malformed message")
+    with client.websocket_connect("/v1/tts/live") as socket:  # over max_body_bytes (2 MB here)
+        socket.send_bytes(ormsgpack.packb({"event": "start", "request": {"text": "", "format": "pcm"}}))
+        socket.send_bytes(ormsgpack.packb({"event": "text", "text": "y" * 2_000_001}))
+        finish = ormsgpack.unpackb(socket.receive_bytes())
+    assert finish["reason"] == "error" and "exceeds the 2000000-byte limit" in finish["message"]
     too_long = {"event": "start", "request": {"text": "x" * 501}}
     finish = live_session(client, [too_long, {"event": "stop"}])[-1]
     assert finish["reason"] == "error" and "exceeds" in finish["message"] and not engine.submitted

@@ -49,6 +49,14 @@ class ServerSettings:
     job_concurrency: int = 2
     jobs_max_concurrency: int = 8
 
+    @property
+    def websocket_transport_max_bytes(self) -> int:
+        """The server's WebSocket frame limit (uvicorn's `ws_max_size`): above `max_body_bytes`, so
+        that a live message over the limit still reaches the session, which ends it with a
+        `finish` event saying why; only a message over twice the limit is cut off by the
+        transport (close code 1009, no event)."""
+        return 2 * self.max_body_bytes
+
 
 class BodySizeLimit:
     """413 for any HTTP body over the limit, by Content-Length or while it streams in."""

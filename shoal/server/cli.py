@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=args.port,
-        ws_max_size=settings.max_body_bytes,
+        ws_max_size=settings.websocket_transport_max_bytes,
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=5,
     )

@@ -83,6 +83,11 @@ class LiveSession:
         message = await self.websocket.receive()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
+        data = message.get("bytes")
+        size = len(data) if data is not None else len((message.get("text") or "").encode("utf-8"))
+        limit = self.settings.max_body_bytes
+        if size > limit:
+            raise ProtocolError(f"a message of {size} bytes exceeds the {limit}-byte limit")
         try:
             if message.get("bytes") is not None:
                 event = ormsgpack.unpackb(message["bytes"])
