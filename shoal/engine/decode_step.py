@@ -36,9 +36,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shoal.engine.kv_cache import LayerKV
-
-if TYPE_CHECKING:
-    from shoal.kernels.gather_rows import GatheredRows
 from shoal.models.sampling import (
     MAIN_SLOT,
     RAS_SLOT,
@@ -50,6 +47,9 @@ from shoal.models.sampling import (
     round_to_bf16,
     rules_for,
 )
+
+if TYPE_CHECKING:
+    from shoal.kernels.gather_rows import GatheredRows
 
 FAST_PAGE = 16  # one page per row holds a frame's fast positions (num_codebooks <= 16)
 # The batches (inclusive) whose fast layers keep two launches (QK-norm/RoPE/KV write, then paged

@@ -375,11 +375,11 @@ def load_codec(
     """Build the codec and load its file (or the one `codec_file` finds in a directory): the
     modded DAC `Codec` from its config, or, for a Firefly generator (Fish Speech 1.5, told by its
     tensor names), `codec_firefly.FireflyCodec`. Both have the same public surface."""
+    from shoal.models.codec_firefly import is_firefly_state_dict, load_firefly_codec  # it imports this
+
     path = Path(path)
     path = codec_file(path) if path.is_dir() else path
     state = read_codec_state_dict(path)
-    from shoal.models.codec_firefly import is_firefly_state_dict, load_firefly_codec
-
     if is_firefly_state_dict(state):
         return load_firefly_codec(path, device, dtype, config=config, state=state)
     if isinstance(config, dict):
