@@ -278,3 +278,17 @@ def test_codec_bench_times_the_firefly_codec(codec, capsys) -> None:
     assert [row["mode"] for row in rows] == ["eager", "redecode", "encode"]
     assert all(row["frames_per_s"] > 0 for row in rows[:2]) and rows[2]["audio_s_per_s_b16"] > 0
     assert "eager" in capsys.readouterr().out
+
+
+def test_bfloat16_codec_encodes_and_decodes_within_bf16_noise(golden) -> None:
+    """The GPU's dtype: the log-mel stays in fp32, the quantizer's arithmetic in fp32 (the codes
+    equal the reference's here), the decoder within bf16 rounding of the fp32 reference."""
+    codec = load_firefly_codec(TINY / "codec.pth", dtype=torch.bfloat16)
+    assert codec.dtype == torch.bfloat16 and codec.spec_transform.filters.dtype == torch.float32
+    assert torch.equal(codec.encode(golden["audio_in"]), golden["codes"].long())
+    audio = codec.decode(golden["decode_codes"]).float()
+    want = golden["decode_audio"]
+    assert ((audio - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()) < 0.05
+    pool = codec.stream_pool(1)
+    stream = pool.open()
+    assert pool.step([stream], [golden["decode_codes"][0, :, :5]])[0].dtype == torch.bfloat16
