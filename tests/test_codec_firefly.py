@@ -292,3 +292,18 @@ def test_bfloat16_codec_encodes_and_decodes_within_bf16_noise(golden) -> None:
     pool = codec.stream_pool(1)
     stream = pool.open()
     assert pool.step([stream], [golden["decode_codes"][0, :, :5]])[0].dtype == torch.bfloat16
+
+
+def test_a_reference_clip_too_short_to_encode_is_a_bad_request(v15_checkpoint) -> None:
+    """The server turns the engine's `InvalidRequest` into a 400 in the API's error format; a
+    plain ValueError from the codec would have been a 500."""
+    import asyncio
+
+    from shoal.config import EngineConfig
+    from shoal.engine.api import InvalidRequest
+    from shoal.engine.load import load_engine
+
+    engine = load_engine(v15_checkpoint, device="cpu", config=EngineConfig(num_pages=64), warmup=False)
+    with pytest.raises(InvalidRequest, match="reference audio: audio of 441 samples is too short"):
+        asyncio.run(engine.encode_reference(np.zeros(441, np.float32), 44100))
+    assert asyncio.run(engine.encode_reference(np.zeros(44100, np.float32), 44100)).shape == (4, 22)

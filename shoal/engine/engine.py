@@ -42,6 +42,7 @@ from shoal.engine.core import EngineCore, new_request_id
 from shoal.engine.handles import V15_MAX_LENGTH, FrameStream, SynthesisHandle
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder
+from shoal.models.codec_firefly import AudioTooShortError
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
 
 _STOP = object()
@@ -446,7 +447,10 @@ class LocalEngine(Engine):
             if sample_rate != self.codec.sample_rate:
                 size = max(1, round(wave.numel() * self.codec.sample_rate / sample_rate))
                 wave = torch.nn.functional.interpolate(wave[None, None], size=size, mode="linear")[0, 0]
-            return self.codec.encode(wave)[0].cpu().numpy()
+            try:
+                return self.codec.encode(wave)[0].cpu().numpy()
+            except AudioTooShortError as error:  # the 1.5 codec needs a few ms of audio
+                raise InvalidRequest(f"reference audio: {error}") from error
 
         return await asyncio.get_running_loop().run_in_executor(None, encode)
 

@@ -36,6 +36,12 @@ from shoal.models.codec import fold_state_dict, random_weights, read_codec_state
 from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
+
+
+class AudioTooShortError(ValueError):
+    """A clip too short for the log-mel's reflect padding: a caller's bad input, not a fault."""
+
+
 FSQ_EPS = 1e-3  # the reference library's `bound` widens each level range by this much
 
 
@@ -363,7 +369,7 @@ class FireflyCodec(nn.Module):
         audio = audio.reshape(-1, audio.shape[-1])
         pad = (self.config.win_length - self.config.hop_length) // 2
         if audio.shape[-1] < max(self.config.hop_length, pad + 1):
-            raise ValueError(
+            raise AudioTooShortError(
                 f"audio of {audio.shape[-1]} samples is too short to encode "
                 f"(at least {max(self.config.hop_length, pad + 1)} at {self.sample_rate} Hz)"
             )
