@@ -444,24 +444,14 @@ def test_norms_gathering_the_codes_give_the_same_frames(golden_dir, weight_forma
     graphs, staggered requests at several batch sizes: the frames of the default engine exactly."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from shoal.bench.engine import make_prompts, run_closed_loop
+    from model_testing import staggered_request_frames
 
     frames = {}
     for gathers in ("0", "1"):
         monkeypatch.setenv("SHOAL_NORM_GATHERS_CODES", gathers)
         core = first_frame_core(golden_dir, weight_format, None, ignore_eos=True)
         assert core.runner.step.norm_gathers_codes == (gathers == "1")
-        prompts = [p[:, : 20 + 9 * i] for i, p in enumerate(make_prompts(core.model, 7, 80, 0, seed=9))]
-        requests = []
-        add = core.add
-
-        def keep(request, *args, add=add, requests=requests, **kwargs):
-            add(request, *args, **kwargs)
-            requests.append(request)
-
-        core.add = keep
-        run_closed_loop(core, prompts, 12, 3, 0)
-        frames[gathers] = [r.frames[: r.num_frames].clone() for r in requests]
+        frames[gathers] = staggered_request_frames(core, seed=9)
         del core
         torch.cuda.empty_cache()
     assert len(frames["1"]) == len(frames["0"]) == 7

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_testing import tiny_s2
+from model_testing import staggered_request_frames, tiny_s2
 
 from shoal.bench import gate_performance
 from shoal.bench.engine import make_prompts, run_closed_loop
@@ -96,17 +96,7 @@ def test_prefill_beside_the_decode_gives_the_one_stream_frames(golden_dir, weigh
         )  # fmt: skip
         core = EngineCore(model, config)
         assert (core.runner.prefill_stream is not None) is overlap
-        prompts = [p[:, : 20 + 9 * i] for i, p in enumerate(make_prompts(model, 7, 80, 0, seed=5))]
-        requests = []
-        add = core.add
-
-        def keep(request, *args, add=add, requests=requests, **kwargs):
-            add(request, *args, **kwargs)
-            requests.append(request)
-
-        core.add = keep
-        run_closed_loop(core, prompts, 12, 3, 0)
-        frames[overlap] = [r.frames[: r.num_frames].clone() for r in requests]
+        frames[overlap] = staggered_request_frames(core, seed=5)
         assert core.kv.pool.num_used == 0
         del core, model
         torch.cuda.empty_cache()
