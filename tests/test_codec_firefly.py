@@ -24,7 +24,6 @@ from shoal.models.codec_firefly import (
     load_firefly_codec,
     save_random_firefly_codec,
 )
-from shoal.models.codec_window_stream import WindowStreamPool
 
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "firefly_tiny"
@@ -135,7 +134,9 @@ def test_out_of_codebook_indices_wrap_instead_of_failing(codec) -> None:
     torch.testing.assert_close(codec.decode(codes), codec.decode(codes % 1000), rtol=0, atol=0)
 
 
-def _stream(pool, codes_per_stream, schedules):
+def _stream(pool, codes_per_stream, schedules, forget: bool = False):
+    """Each stream's audio, fed in the schedules' chunks; `forget`: every carried state zeroed
+    between steps (streaming without the context)."""
     streams = [pool.open() for _ in codes_per_stream]
     out = [[] for _ in streams]
     done = [0] * len(streams)
@@ -145,47 +146,65 @@ def _stream(pool, codes_per_stream, schedules):
         for i, audio in enumerate(pool.step(streams, pieces)):
             out[i].append(audio)
         done = [d + t for d, t in zip(done, takes, strict=True)]
+        if forget:
+            for state in pool.states.values():
+                state.zero_()
     for stream in streams:
         stream.close()
     return [torch.cat(parts) for parts in out], streams
 
 
-def test_windowed_streaming_equals_the_full_decode(codec) -> None:
+def test_streaming_equals_the_full_decode(codec) -> None:
     """Streams of different lengths fed in uneven chunks (zero-frame steps included), batched in
-    one pool: each stream's audio is its full decode. With a context shorter than the decode
-    path's receptive field the audio differs, so the context is what makes it exact."""
+    one pool step each time: each stream's audio is its full decode. Without the carried
+    context the audio differs, so the state is what makes it exact."""
     g = torch.Generator().manual_seed(5)
     codes = [torch.randint(0, 1000, (4, n), generator=g) for n in (40, 23, 9)]
     schedules = [[1, 3, 0, 8, 8, 20], [5, 0, 2, 16], [4, 5]]
-    context = codec.decode_context_frames()
-    assert 5 < context < 40
-    pool = WindowStreamPool(codec, max_streams=3, context=context)
+    pool = codec.stream_pool(3)
+    assert set(pool.states) == set(codec.stream_state_shapes())
+    assert "head.conv_post" in pool.states and "quantizer.upsample.0.1.dwconv" in pool.states
     audio, streams = _stream(pool, codes, schedules)
     for got, c, stream in zip(audio, codes, streams, strict=True):
         want = codec.decode(c)[0, 0]
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         assert stream.frames == c.shape[1] and stream.slot is None
-    assert len(pool._free) == 3
-    short, _ = _stream(WindowStreamPool(codec, max_streams=3, context=2), codes, schedules)
-    assert (short[0] - codec.decode(codes[0])[0, 0]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="once per step"):
-        stream = pool.open()
-        pool.step([stream, stream], [codes[0][:, :1]] * 2)
+    forgot, _ = _stream(codec.stream_pool(3), codes, schedules, forget=True)
+    assert (forgot[0] - codec.decode(codes[0])[0, 0]).abs().max() > 1e-3
 
 
 def test_stream_pool_has_a_slot_per_stream(codec) -> None:
     pool = codec.stream_pool(2)
-    assert isinstance(pool, WindowStreamPool) and pool.context == codec.decode_context_frames()
     first, second = pool.open(), pool.open()
     with pytest.raises(RuntimeError, match="in use"):
         pool.open()
     slot = first.slot
     first.close()
     assert first.slot is None and pool.open().slot == slot
-    pool.capture_cuda_graphs([1, 2], [4, 8])  # eager: nothing captured, nothing changes
-    with pytest.raises(ValueError, match=r"codes must be \[4, frames\]"):
-        pool.step([second], [torch.zeros(3, 2, dtype=torch.long)])
+    with pytest.raises(ValueError, match="once per step"):
+        pool.step([second, second], [torch.zeros(4, 1, dtype=torch.long)] * 2)
+
+
+@pytest.mark.gpu
+def test_streaming_graphs_equal_eager_steps_on_the_gpu() -> None:
+    """The pool's CUDA graphs (a batch bucket, a chunk) replay the Firefly step: the same audio
+    as eager steps of the same shapes (4 rows x 4 frames: the bucket's, so the same kernels), and
+    the full decode within bf16 noise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    codec = load_firefly_codec(TINY / "codec.pth", device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(6)
+    codes = [torch.randint(0, 1000, (4, 24), generator=g) for _ in range(4)]
+    schedules = [[4] * 6] * 4
+    graphed = codec.stream_pool(4)
+    graphed.capture_cuda_graphs([4], [4])
+    with_graphs, _ = _stream(graphed, codes, schedules)
+    eager, _ = _stream(codec.stream_pool(4), codes, schedules)
+    for a, b, c in zip(with_graphs, eager, codes, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        want = codec.decode(c.cuda())[0, 0].float()
+        assert ((a.float() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()) < 0.05
 
 
 def test_random_firefly_codec_round_trips_through_its_files(tmp_path) -> None:
@@ -225,7 +244,7 @@ def v15_checkpoint(tmp_path_factory) -> Path:
 
 def test_load_engine_streams_1_5_audio_equal_to_one_decode(v15_checkpoint) -> None:
     """`load_engine` finds the generator in the checkpoint directory; the vocoder streams its
-    audio through windowed steps in chunks of 3 frames, equal to one decode of all the frames."""
+    audio through streaming steps in chunks of 3 frames, equal to one decode of all the frames."""
     from test_engine_api import synthesize_on_thread
 
     from shoal.config import EngineConfig
@@ -268,8 +287,8 @@ def test_shoal_synth_speaks_a_1_5_checkpoint_with_a_reference_clip(v15_checkpoin
 
 
 def test_codec_bench_times_the_firefly_codec(codec, capsys) -> None:
-    """`shoal bench codec --codec firefly`'s rows on the tiny codec: streaming (windowed, eager),
-    the naive re-decode and the encoder; no graph or accuracy rows (the modded DAC's)."""
+    """`shoal bench codec --codec firefly`'s rows on the tiny codec (on the CPU: no graph rows):
+    eager streaming, the naive re-decode and the encoder; no accuracy row (the modded DAC's)."""
     from shoal.bench.codec import run_codec_bench
 
     rows = run_codec_bench(

@@ -8,9 +8,8 @@ frames per step and reports audio seconds produced per wall second for:
 It also checks the bf16 streamed audio against a float32 full decode, and times `encode`.
 Needs only torch (+ triton for the fused Snake); runs on a GPU box without the web stack.
 
-`--codec firefly`: Fish Speech 1.5's codec instead (`models/codec_firefly.py`), whose streaming
-re-decodes a left context (`codec_window_stream.py`): eager and redecode rows and the encoder,
-no graphs and no accuracy row (those are the modded DAC's).
+`--codec firefly`: Fish Speech 1.5's codec instead (`models/codec_firefly.py`; the same pool and
+graphs): every row but the accuracy one (a float32 reference of the modded DAC's).
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ def _time_streaming(
 ) -> tuple[float, list]:
     """Seconds for `steps` batched steps (after one warm-up step), and the audio produced."""
     pool = codec.stream_pool(codes.shape[0])
-    pool.cudnn_benchmark_eager = eager_benchmark  # (the window pool decodes with torch's own setting)
+    pool.cudnn_benchmark_eager = eager_benchmark
     if graphs:
         pool.capture_cuda_graphs([codes.shape[0]], [chunk])
     streams = [pool.open() for _ in range(codes.shape[0])]
@@ -146,7 +145,7 @@ def run_codec_bench(
     """Print and return one row per measurement."""
     device = torch.device(device)
     firefly = isinstance(codec, FireflyCodec)
-    graphs = graphs and device.type == "cuda" and not firefly
+    graphs = graphs and device.type == "cuda"
     codec = codec or random_codec(config, seed=0, device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []

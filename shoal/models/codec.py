@@ -261,6 +261,20 @@ class Codec(nn.Module):
 
         return CodecStreamPool(self, max_streams)
 
+    def stream_state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What a stream carries between steps (`codec_stream.stream_state_shapes`)."""
+        from shoal.models.codec_stream import stream_state_shapes
+
+        return stream_state_shapes(self)
+
+    def decode_step(
+        self, codes: Tensor, valid: Tensor, positions: Tensor, states: dict[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """One batched streaming step (`codec_stream.decode_step`)."""
+        from shoal.models.codec_stream import decode_step
+
+        return decode_step(self, codes, valid, positions, states)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.decoder.model[0].conv.weight.dtype

@@ -3,7 +3,7 @@
 Public surface, the same as `models/codec.py`'s modded DAC (so the engine, the vocoder and
 `shoal synth` take either): `load_firefly_codec(path, device, dtype) -> FireflyCodec` with
 `encode`, `decode`, `frame_length`, `sample_rate`, `num_codebooks` and `stream_pool(...)`
-(windowed re-decode, `codec_window_stream.py`). 1.5 ships it as
+(`codec_stream.CodecStreamPool`, each causal conv's context carried between steps). 1.5 ships it as
 `firefly-gan-vq-fsq-8x1024-21hz-generator.pth`; research/model.md section 8 has the architecture.
 
 - Encoder: 44.1 kHz audio -> 160-bin log-mel (n_fft 2048, hop 512, Slaney filterbank) -> causal
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shoal.models.codec import fold_state_dict, random_weights, read_codec_state_dict
-from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock
+from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, StepContext
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
 
@@ -382,35 +382,53 @@ class FireflyCodec(nn.Module):
         codes = codes[None] if codes.dim() == 2 else codes
         return self.head(self.quantizer.decode(codes.long().to(self.device)))
 
-    def decode_context_frames(self) -> int:
-        """Frames of left context after which a decoded sample no longer depends on earlier codes
-        (the decode path's receptive field, rounded up, plus one): `decode` of that many earlier
-        frames and the new ones gives the new frames' samples as a decode from the start would."""
-        reach, rate = 0.0, 1  # reach in frames; rate in samples per frame at the current layer
-
-        def causal(conv: CausalConv1d) -> float:
-            return (conv.receptive - 1) / rate
-
-        def transposed(conv: CausalConvTranspose1d) -> float:
-            return math.ceil((conv.conv.kernel_size[0] - 1) / conv.stride) / rate
-
-        for up, convnext in self.quantizer.upsample:
-            reach += transposed(up)
-            rate *= up.stride
-            reach += causal(convnext.dwconv)
-        reach += causal(self.head.conv_pre)
-        for up, stack in zip(self.head.ups, self.head.resblocks, strict=True):
-            reach += transposed(up)
-            rate *= up.stride
-            reach += max(sum(map(causal, [*block.convs1, *block.convs2])) for block in stack.blocks)
-        reach += causal(self.head.conv_post)
-        return math.ceil(reach) + 1
-
     def stream_pool(self, max_streams: int):
-        """Streaming decode by windows (`codec_window_stream.WindowStreamPool`)."""
-        from shoal.models.codec_window_stream import WindowStreamPool
+        """A pool of streaming-decode states (`codec_stream.CodecStreamPool`, CUDA graphs
+        included), over `stream_state_shapes` and `decode_step` below."""
+        from shoal.models.codec_stream import CodecStreamPool
 
-        return WindowStreamPool(self, max_streams, self.decode_context_frames())
+        return CodecStreamPool(self, max_streams)
+
+    def stream_state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-stream carried state (no batch dim), keyed by the module that owns it: each causal
+        conv of the decode path keeps its last (kernel - 1) * dilation inputs (a transposed conv,
+        its last ceil(kernel / stride) - 1), time-major. The decode path has no attention, so
+        that is all it needs to continue exactly where it stopped."""
+        shapes = {}
+        for name, module in self.named_modules():
+            on_decode_path = name.startswith(("quantizer.upsample", "head."))
+            if on_decode_path and isinstance(module, CausalConv1d | CausalConvTranspose1d) and module.context:
+                shapes[name] = (module.context, module.conv.in_channels)
+        return shapes
+
+    def decode_step(
+        self, codes: Tensor, valid: Tensor, positions: Tensor, states: dict[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Decode new frames codes [B, N, t] (row b real for its first valid[b] frames) ->
+        (audio [B, t * frame_length], new states), carrying each conv's context in `states`
+        (`codec_modules.StepContext`); time-major ([B, T, C]) throughout. `positions` (each
+        row's first new frame) is unused: no layer depends on absolute time."""
+        ctx = StepContext(states, positions)
+        x = self.quantizer.residual_fsq.latents(codes)
+        for i, (up, convnext) in enumerate(self.quantizer.upsample):
+            x = up.step(x, ctx, f"quantizer.upsample.{i}.0", valid)
+            valid = valid * up.stride
+            x = convnext.step(x, ctx, f"quantizer.upsample.{i}.1", valid)
+        head = self.head
+        x = head.conv_pre.step(x, ctx, "head.conv_pre", valid)
+        for i, (up, stack) in enumerate(zip(head.ups, head.resblocks, strict=True)):
+            x = up.step(F.silu(x), ctx, f"head.ups.{i}", valid)
+            valid = valid * up.stride
+            outputs = []
+            for j, block in enumerate(stack.blocks):
+                key, y = f"head.resblocks.{i}.blocks.{j}", x
+                for k, (first, second) in enumerate(zip(block.convs1, block.convs2, strict=True)):
+                    h = first.step(F.silu(y), ctx, f"{key}.convs1.{k}", valid)
+                    y = second.step(F.silu(h), ctx, f"{key}.convs2.{k}", valid) + y
+                outputs.append(y)
+            x = torch.stack(outputs, dim=0).mean(dim=0)
+        audio = head.conv_post.step(F.silu(x), ctx, "head.conv_post", valid)
+        return torch.tanh(audio.squeeze(-1)), ctx.new_states
 
 
 def is_firefly_state_dict(state: dict[str, Tensor]) -> bool:

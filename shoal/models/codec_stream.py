@@ -12,6 +12,10 @@ many streams whose frame counts differ: rows are right-padded, causality keeps t
 of the real samples, and each row's carried state is cut at its own valid end. Gather, decode
 and scatter run as one function of fixed-shape tensors, so a (batch, chunk) shape can be
 captured as a CUDA graph (`pool.capture_cuda_graphs`).
+
+The pool asks the codec for its state (`codec.stream_state_shapes()`) and its step
+(`codec.decode_step(...)`): the modded DAC's are the two functions below; Fish Speech 1.5's
+codec (`codec_firefly.FireflyCodec`, convolutions only) brings its own.
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ class CodecStreamPool:
         self.scratch = max_streams
         opts = {"device": codec.device, "dtype": codec.dtype}
         self.states = {
-            k: torch.zeros(slots, *shape, **opts) for k, shape in stream_state_shapes(codec).items()
+            k: torch.zeros(slots, *shape, **opts) for k, shape in codec.stream_state_shapes().items()
         }
         self.positions = torch.zeros(slots, dtype=torch.long, device=codec.device)
         self._free = list(range(max_streams - 1, -1, -1))
@@ -198,9 +202,8 @@ class CodecStreamPool:
 
     def _run(self, slots: Tensor, codes: Tensor, valid: Tensor) -> Tensor:
         states = {k: buf.index_select(0, slots) for k, buf in self.states.items()}
-        audio, new_states = decode_step(
-            self.codec, codes, valid, self.positions.index_select(0, slots), states
-        )
+        positions = self.positions.index_select(0, slots)
+        audio, new_states = self.codec.decode_step(codes, valid, positions, states)
         for k, buf in self.states.items():
             buf.index_copy_(0, slots, new_states[k])
         self.positions.index_add_(0, slots, valid)
