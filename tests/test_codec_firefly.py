@@ -130,6 +130,7 @@ def test_encode_refuses_audio_too_short_for_a_frame(codec) -> None:
 def test_out_of_codebook_indices_wrap_instead_of_failing(codec) -> None:
     """The 1.5 model's codebook heads have 1,024 entries, the quantizer 1,000 codes: an index
     past them (which a trained model does not draw) decodes as its mixed-radix wrap."""
+    assert codec.config.codebook_size == 1000
     codes = torch.tensor([[[1000, 1023]] * 4])
     torch.testing.assert_close(codec.decode(codes), codec.decode(codes % 1000), rtol=0, atol=0)
 

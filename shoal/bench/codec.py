@@ -90,8 +90,8 @@ def _sync(device: torch.device) -> None:
 
 def _random_codes(codec: Codec, batch: int, frames: int, gen: torch.Generator) -> torch.Tensor:
     if isinstance(codec, FireflyCodec):
-        codes = 1000  # the quantizer's codes (levels 8 x 5 x 5 x 5)
-        return torch.randint(0, codes, (batch, codec.num_codebooks, frames), generator=gen).to(codec.device)
+        size = codec.config.codebook_size
+        return torch.randint(0, size, (batch, codec.num_codebooks, frames), generator=gen).to(codec.device)
     cfg = codec.config
     semantic = torch.randint(0, cfg.semantic_codebook_size, (batch, 1, frames), generator=gen)
     residual = torch.randint(0, cfg.codebook_size, (batch, cfg.n_codebooks, frames), generator=gen)

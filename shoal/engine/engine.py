@@ -42,7 +42,7 @@ from shoal.engine.core import EngineCore, new_request_id
 from shoal.engine.handles import V15_MAX_LENGTH, FrameStream, SynthesisHandle
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder
-from shoal.models.codec_firefly import AudioTooShortError
+from shoal.models.codec import AudioTooShortError
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
 
 _STOP = object()
@@ -449,7 +449,7 @@ class LocalEngine(Engine):
                 wave = torch.nn.functional.interpolate(wave[None, None], size=size, mode="linear")[0, 0]
             try:
                 return self.codec.encode(wave)[0].cpu().numpy()
-            except AudioTooShortError as error:  # the 1.5 codec needs a few ms of audio
+            except AudioTooShortError as error:
                 raise InvalidRequest(f"reference audio: {error}") from error
 
         return await asyncio.get_running_loop().run_in_executor(None, encode)

@@ -33,6 +33,11 @@ from shoal.models.codec_modules import (
 )
 
 
+class AudioTooShortError(ValueError):
+    """A clip too short for a codec to encode (Fish Speech 1.5's log-mel needs a few ms): the
+    caller's bad input, which the engine reports as an invalid request, not a fault."""
+
+
 class EncoderBlock(nn.Module):
     def __init__(self, dim: int, stride: int, n_layers: int, general: TransformerConfig, window: int):
         super().__init__()

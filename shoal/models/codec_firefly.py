@@ -32,14 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shoal.models.codec import fold_state_dict, random_weights, read_codec_state_dict
+from shoal.models.codec import AudioTooShortError, fold_state_dict, random_weights, read_codec_state_dict
 from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, StepContext
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
-
-
-class AudioTooShortError(ValueError):
-    """A clip too short for the log-mel's reflect padding: a caller's bad input, not a fault."""
 
 
 FSQ_EPS = 1e-3  # the reference library's `bound` widens each level range by this much
@@ -91,6 +87,11 @@ class FireflyConfig:
         return self.encoder_dims[-1]
 
     @property
+    def codebook_size(self) -> int:
+        """Codes per group: the product of the levels (1,000 shipped)."""
+        return math.prod(self.fsq_levels)
+
+    @property
     def frame_length(self) -> int:
         return self.hop_length * math.prod(self.downsample_factor)
 
@@ -127,7 +128,14 @@ class LogMel(nn.Module):
 
     def __init__(self, config: FireflyConfig):
         super().__init__()
+        self.config = config
         self.n_fft, self.win_length, self.hop = config.n_fft, config.win_length, config.hop_length
+        self.build_buffers()
+
+    def build_buffers(self) -> None:
+        """The window and filterbank (non-persistent: computed, never loaded), on the default
+        device; again after the module was built on the meta device."""
+        config = self.config
         self.register_buffer("window", torch.hann_window(config.win_length), persistent=False)
         filters = slaney_mel_filterbank(config.n_fft // 2 + 1, config.n_mels, config.sample_rate)
         self.register_buffer("filters", filters, persistent=False)
@@ -196,9 +204,15 @@ class FiniteScalarGroup(nn.Module):
         super().__init__()
         self.project_in = nn.Linear(dim, len(levels))
         self.project_out = nn.Linear(len(levels), dim)
-        levels_t = torch.tensor(levels, dtype=torch.int32)
+        self.level_counts = list(levels)
+        self.build_buffers()
+
+    def build_buffers(self) -> None:
+        """The levels and their mixed-radix basis (non-persistent), on the default device; again
+        after the module was built on the meta device."""
+        levels = self.level_counts
         basis = torch.cumprod(torch.tensor([1, *levels[:-1]]), dim=0, dtype=torch.int32)
-        self.register_buffer("levels", levels_t, persistent=False)
+        self.register_buffer("levels", torch.tensor(levels, dtype=torch.int32), persistent=False)
         self.register_buffer("basis", basis, persistent=False)
 
     def _squash(self, z: Tensor) -> Tensor:
@@ -368,10 +382,11 @@ class FireflyCodec(nn.Module):
         hop of samples, and more than (win_length - hop) / 2 for the reflect padding."""
         audio = audio.reshape(-1, audio.shape[-1])
         pad = (self.config.win_length - self.config.hop_length) // 2
-        if audio.shape[-1] < max(self.config.hop_length, pad + 1):
+        shortest = max(self.config.hop_length, pad + 1)
+        if audio.shape[-1] < shortest:
             raise AudioTooShortError(
                 f"audio of {audio.shape[-1]} samples is too short to encode "
-                f"(at least {max(self.config.hop_length, pad + 1)} at {self.sample_rate} Hz)"
+                f"(at least {shortest} at {self.sample_rate} Hz)"
             )
         mels = self.spec_transform(audio.to(self.device).float()).to(self.dtype)
         return self.quantizer.encode(self.backbone(mels)).long()
@@ -492,11 +507,7 @@ def load_firefly_codec(
     codec.load_state_dict(fold_state_dict(codec, state), assign=True)
     for module in codec.modules():  # buffers built on the meta device: build them again
         if isinstance(module, LogMel | FiniteScalarGroup):
-            rebuilt = (
-                LogMel(config) if isinstance(module, LogMel) else FiniteScalarGroup(1, config.fsq_levels)
-            )
-            for buffer, value in rebuilt.named_buffers():
-                setattr(module, buffer, value)
+            module.build_buffers()
     codec = codec.to(device=device, dtype=dtype)
     codec.spec_transform.float()  # the mel runs in fp32 whatever the codec's dtype
     return codec.eval().requires_grad_(False)
