@@ -1,5 +1,5 @@
 """Where the engine's frame interval at concurrency 1 goes beyond the decode graph: the GPU
-timeline of one request's steady decoding, split at the step's copies.
+timeline of one request's steady decoding, split at the step's copies (or its first kernel).
 
 Why: the per-request rate at concurrency 1 (`shoal bench engine`) is a frame every 3.078 ms
 against a 3.059 ms graph step (docs/performance.md run 140). Between two steps' graphs the
@@ -13,6 +13,7 @@ from the end of one step's graph to the start of the next (the copies included),
 interval between the starts of two graphs.
 
 Usage (GPU): python scripts/probe_frame_gap.py [--frames 48] [--prompt 300]
+(`SHOAL_ADVANCE_ON_DEVICE=1`: the engine with `EngineConfig.advance_on_device`.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from shoal.engine.core import EngineCore
 # A graph's kernels run back to back (PDL); a pause longer than this between two kernels is taken
 # to be a boundary between two steps' graphs.
 STEP_BOUNDARY_US = 8.0
+# The decode step's first kernel (`kernels/step_inputs.py`'s token embedding) also starts a step:
+# with `advance_on_device` no copy separates two steps' graphs and the pause may be shorter.
+STEP_FIRST_KERNEL = "_embed_tokens_kernel"
 
 
 def gpu_events(trace: dict) -> list[tuple[str, str, float, float]]:
@@ -52,7 +56,12 @@ def frame_table(events: list[tuple[str, str, float, float]]) -> dict[str, float]
         if category != "kernel":
             pending_copies.append((name, start, duration))
             continue
-        new_step = current is None or start - current["end"] > STEP_BOUNDARY_US or pending_copies
+        new_step = (
+            current is None
+            or start - current["end"] > STEP_BOUNDARY_US
+            or bool(pending_copies)
+            or name.startswith(STEP_FIRST_KERNEL)
+        )
         if new_step:
             if current is not None:
                 steps.append(current)

@@ -27,6 +27,13 @@ def default_overlap_prefill() -> bool:
     return os.environ.get("SHOAL_OVERLAP_PREFILL", "1").strip().lower() in ("1", "true", "yes", "on")
 
 
+def default_advance_on_device() -> bool:
+    # Off until timed on the H200: the decode step's last kernel advances the next step's
+    # metadata and writes the frames into pinned host memory, so steady decoding puts no copy
+    # between two steps' graphs (docs/engine.md). SHOAL_ADVANCE_ON_DEVICE=1 turns it on.
+    return os.environ.get("SHOAL_ADVANCE_ON_DEVICE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _default_queue_limits() -> dict[str, int]:
     # Keyed by Priority name (lower case). Realtime traffic should never queue deeply: if it
     # cannot start soon it is better rejected so the client can retry elsewhere.
@@ -108,6 +115,10 @@ class EngineConfig:
     # (docs/performance.md runs 162-164). Steps without a decode, and prefill outside the graphs
     # (beyond their buckets), stay on the main stream.
     overlap_prefill: bool = field(default_factory=default_overlap_prefill)
+    # CUDA kernel step: its last kernel makes the step's metadata (positions, KV lengths, slots,
+    # frame indices) the next step's and writes the frames into a pinned host ring, so the host
+    # uploads metadata only when the rows or a block table change and copies no frames back.
+    advance_on_device: bool = field(default_factory=default_advance_on_device)
 
     # Benchmarks: keep generating past <|im_end|> until max_new_frames (fixed output length).
     ignore_eos: bool = False

@@ -478,3 +478,35 @@ def test_rope_inside_the_slow_attention_keeps_the_greedy_frames(weight_format: s
         monkeypatch.setenv("SHOAL_ROPE_ATTENTION_MAX_ROWS", rows)
         frames[rows] = gate_correctness.engine_greedy(copy.deepcopy(model).cuda(), prompt, 12, weight_format)
     assert torch.equal(frames["1024"], frames["0"])
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_advancing_on_the_device_gives_the_same_frames(golden_dir, weight_format: str) -> None:
+    """`EngineConfig.advance_on_device` (the step's last kernel advances the metadata and stores
+    the frames into pinned host memory) through the CUDA graphs, staggered requests at several
+    batch sizes: the frames of the default engine exactly, and steady steps upload nothing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from model_testing import staggered_request_frames
+
+    frames, uploads = {}, {}
+    for advance in (False, True):
+        core = first_frame_core(golden_dir, weight_format, None, ignore_eos=True, advance_on_device=advance)
+        assert (core.runner.frame_ring is not None) == advance
+        sent = []
+        launch = core.runner.launch_decode
+
+        def recording(*args, _launch=launch, _sent=sent, _runner=core.runner, **kwargs):
+            pending = _launch(*args, **kwargs)
+            _sent.append(_runner.last_upload)
+            return pending
+
+        core.runner.launch_decode = recording
+        frames[advance] = staggered_request_frames(core, seed=11)
+        uploads[advance] = sent
+        del core
+        torch.cuda.empty_cache()
+    assert len(frames[True]) == len(frames[False]) == 7
+    for advanced, plain in zip(frames[True], frames[False], strict=True):
+        assert torch.equal(advanced, plain)
+    assert () in uploads[True] and () not in uploads[False]

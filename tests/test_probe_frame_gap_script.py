@@ -41,3 +41,18 @@ def test_small_launches_are_not_decode_steps() -> None:
     events = _timeline(3, 40, 20.0) + [(c, n, s + 10_000.0, d) for c, n, s, d in _timeline(10, 150, 5.0)]
     table = script.frame_table(events)
     assert table["kernels"] == 150
+
+
+def test_steps_without_copies_split_at_their_first_kernel() -> None:
+    """`advance_on_device`: no copies and a short pause between graphs; the step's first kernel
+    (the token embedding) marks each step."""
+    script = load_script("probe_frame_gap")
+    events, t = [], 0.0
+    for _ in range(12):
+        for i in range(200):
+            events.append(("kernel", "_embed_tokens_kernel_0d1d" if i == 0 else "k", t, 1.2))
+            t += 1.0
+        t += 3.0  # 2.8 µs from the last kernel's end (1.2 µs long) to the next step's first start
+    table = script.frame_table(events)
+    assert table["kernels"] == 200 and table["copies"] == 0
+    assert abs(table["idle"] - 2.8) < 1e-6 and abs(table["interval"] - 203.0) < 1e-6

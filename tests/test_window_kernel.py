@@ -132,3 +132,46 @@ def test_window_shift_stores_tokens_in_a_graph_behind_the_writer() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(tokens, source) and torch.equal(window, expected)
+
+
+def test_window_shift_advances_the_step_and_fills_the_ring() -> None:
+    """`advance`: live rows (frame index >= 1) get position, KV length and frame index one up and
+    the slot of the new position from their block table (the next page when a page fills, -1
+    past the table), and their frame in ring slot frame_index % R; padding rows (frame index 0)
+    keep their metadata and write no ring slot. The window and tokens move as without it."""
+    from shoal.kernels.window import StepAdvance
+
+    page, rows, columns = 4, 4, 3
+    frames = torch.arange(rows * columns, dtype=torch.int32).view(rows, columns).to(DEVICE) + 100
+    frame_index = torch.tensor([5, 0, 1, 2], device=DEVICE)
+    positions = torch.tensor([9, 0, 2, 11], device=DEVICE)
+    kv_lens = torch.tensor([10, 1, 3, 12], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([-5, 77, -5, -5], device=DEVICE)
+    tables = torch.tensor([[3, 8, 6], [9, 9, 9], [2, 4, 0], [1, 5, 7]], dtype=torch.int32, device=DEVICE)
+    ring = torch.full((4, rows + 2, columns), -1, dtype=torch.int32, device=DEVICE)
+    window = torch.zeros(rows, 2, columns, dtype=torch.int32, device=DEVICE)
+    expected_window = window.clone()
+    push_frames(expected_window, frames, frame_index)
+    advance = StepAdvance(positions, kv_lens, slots, tables, page, ring)
+    window_shift(window, frames, frame_index, advance=advance)
+    assert torch.equal(window, expected_window)
+    assert positions.tolist() == [10, 0, 3, 12]
+    assert kv_lens.tolist() == [11, 1, 4, 13]
+    assert frame_index.tolist() == [6, 0, 2, 3]
+    # row 0: position 10 in page 2 of its table (6) at offset 2; row 2: position 3, page 0 (2)
+    # offset 3; row 3: position 12 is past its 3-page table; row 1 (padding) keeps its slot.
+    assert slots.tolist() == [6 * page + 2, 77, 2 * page + 3, -1]
+    assert torch.equal(ring[5 % 4, 0], frames[0]) and torch.equal(ring[1, 2], frames[2])
+    assert torch.equal(ring[2, 3], frames[3])
+    written = torch.zeros_like(ring, dtype=torch.bool)
+    written[1, 0] = written[1, 2] = written[2, 3] = True
+    assert (ring[~written] == -1).all()  # padding row 1 and the rows past the batch untouched
+    with pytest.raises(ValueError, match="frame_index"):
+        window_shift(window, frames, None, advance=advance)
+    with pytest.raises(ValueError, match="ring"):
+        window_shift(
+            window,
+            frames,
+            frame_index,
+            advance=StepAdvance(positions, kv_lens, slots, tables, page, ring[:, :2]),
+        )

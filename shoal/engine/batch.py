@@ -114,6 +114,9 @@ class HostBatch:
         self.current = 0  # the copy of the last fill (the one `upload` sends)
         self.rows: list[Request] = []  # requests of the last fill, in row order
         self.device_current = False  # the device buffers hold the last fill's per-request fields
+        # Each step advances the metadata on the device (`ModelRunner.advance_on_device`): an
+        # upload of the same rows with the same block tables sends no scalars.
+        self.device_advances = False
         # What the device's block tables hold in rows [0, device_table_rows) (uploads skip equal ones).
         self.device_tables = np.zeros((max_batch, runner.max_pages), dtype=np.int32)
         self.device_table_rows = 0
@@ -210,15 +213,13 @@ class HostBatch:
         self.device_current = False
         self.device_table_rows = 0
 
-    def upload(self, device: DecodeBuffers, fields: tuple[str, ...], rows: int) -> None:
+    def upload(self, device: DecodeBuffers, fields: tuple[str, ...], rows: int) -> tuple[str, ...]:
         """Copy rows [0, rows) of `fields` from the copy of the last fill to the device buffers
         (non-blocking from pinned): the four scalars in one copy (every row: a few KB), the block
-        tables only where they differ from what the device holds."""
+        tables only where they differ from what the device holds. Returns what was sent, in
+        order ("scalars" for the one copy of the four)."""
         pending = list(fields)
         host = self.host
-        if device.scalars is not None and host.scalars is not None and set(SCALARS) <= set(pending):
-            device.scalars.copy_(host.scalars, non_blocking=True)
-            pending = [name for name in pending if name not in SCALARS]
         if "block_tables" in pending:
             tables = self.np["block_tables"][:rows]
             if rows <= self.device_table_rows and np.array_equal(tables, self.device_tables[:rows]):
@@ -226,6 +227,16 @@ class HostBatch:
             else:
                 self.device_tables[:rows] = tables
                 self.device_table_rows = max(self.device_table_rows, rows)
+        if self.device_advances and fields == METADATA and "block_tables" not in pending:
+            # The same rows (`fill`'s `same`), each advanced by the step before on the device, with
+            # the block tables it looked the slots up in: the device holds this fill's scalars.
+            pending = [name for name in pending if name not in SCALARS]
+        sent = []
+        if device.scalars is not None and host.scalars is not None and set(SCALARS) <= set(pending):
+            device.scalars.copy_(host.scalars, non_blocking=True)
+            pending = [name for name in pending if name not in SCALARS]
+            sent.append("scalars")
         for name in pending:
             getattr(device, name)[:rows].copy_(getattr(host, name)[:rows], non_blocking=True)
         self.device_current = True
+        return (*sent, *pending)

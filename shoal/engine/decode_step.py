@@ -204,6 +204,10 @@ class DecodeStep:
         if not rows.isdigit():
             raise ValueError(f"SHOAL_ROPE_ATTENTION_MAX_ROWS must be a row count; got {rows!r}")
         self.rope_attention_max_rows = int(rows) if use_kernels else 0
+        # Pinned host ring [R, max_batch, N+1] the step's last kernel writes the frames into while
+        # it advances the step's metadata for the next step (`kernels.window.StepAdvance`); set by
+        # `ModelRunner.advance_on_device`, None: the metadata comes from the host every step.
+        self.advance_ring: Tensor | None = None
         if use_kernels:
             from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
 
@@ -249,9 +253,17 @@ class DecodeStep:
         residual, normed = self.slow(buffers)
         self.frames_from_hidden(residual, normed, buffers, capped)
         if self.use_kernels:  # the next step's tokens written by the same launch
-            from shoal.kernels.window import window_shift
+            from shoal.kernels.window import StepAdvance, window_shift
 
-            window_shift(buffers.window, buffers.frames, buffers.frame_index, tokens=buffers.tokens)
+            advance = None
+            if self.advance_ring is not None:  # and its metadata; the frames into the host ring
+                advance = StepAdvance(
+                    buffers.positions, buffers.kv_lens, buffers.slots, buffers.block_tables,
+                    self.kv.page_size, self.advance_ring,
+                )  # fmt: skip
+            window_shift(
+                buffers.window, buffers.frames, buffers.frame_index, tokens=buffers.tokens, advance=advance
+            )
         else:
             keep = (buffers.frame_index >= 1)[:, None, None]
             shifted = torch.cat([buffers.window[:, 1:], buffers.frames[:, None, :]], dim=1)

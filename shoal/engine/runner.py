@@ -51,15 +51,20 @@ FIRST_FRAME_FIELDS = ("window", "frame_index", "temperature", "top_p", "top_k", 
 
 @dataclass
 class PendingDecode:
-    """A launched decode: `rows` live rows whose frames land in `host_frames`."""
+    """A launched decode: `rows` live rows whose frames land in `host_frames` [rows, N+1], or
+    with `ring_slots` in the step's frame ring (`ModelRunner.advance_on_device`): row i's frame
+    at `host_frames[ring_slots[i], i]`."""
 
     rows: int
     host_frames: Tensor
     event: torch.cuda.Event | None
+    ring_slots: np.ndarray | None = None
 
     def result(self) -> Tensor:
         if self.event is not None:
             self.event.synchronize()
+        if self.ring_slots is not None:
+            return self.host_frames[torch.from_numpy(self.ring_slots), torch.arange(self.rows)]  # a copy
         return self.host_frames[: self.rows].clone()
 
 
@@ -206,6 +211,11 @@ class ModelRunner:
             for _ in range(copies)
         ]
         self._launches = 0
+        self.last_upload: tuple[str, ...] = ()  # what the last decode launch sent (`HostBatch.upload`)
+        # The kernel step's frame ring (`advance_on_device`); None: frames come back by a copy.
+        self.frame_ring: Tensor | None = None
+        if config.advance_on_device and self.step is not None and self.step.use_kernels:
+            self.advance_on_device()  # before the graphs capture the step
         graphs = on_gpu and config.use_cuda_graphs
         self.first_frame: FirstFrameBatch | None = None
         if self.step is not None and _static_buffers(config.first_frame_graphs, graphs):
@@ -453,6 +463,22 @@ class ModelRunner:
         buffers.frames.copy_(frames)
         buffers.tokens.copy_(frames)
 
+    def advance_on_device(self, ring_slots: int = 4) -> None:
+        """Let the kernel step's last kernel advance the step's metadata and write its frames into
+        a pinned host ring of `ring_slots` frames per row (`kernels.window.StepAdvance`): the host
+        then uploads metadata only when the rows or a block table change, and copies no frames
+        back. A row's frame of index f lands in slot f % ring_slots; with at most one step in
+        flight beyond the one being read (`overlap_steps`), 2 would do."""
+        if self.step is None or not self.step.use_kernels:
+            raise ValueError("advancing the step on the device needs the kernel decode step")
+        on_gpu = self.device.type == "cuda"
+        self.frame_ring = torch.zeros(
+            ring_slots, self.max_batch, self.num_rows, dtype=torch.int32, pin_memory=on_gpu
+        )
+        self.step.advance_ring = self.frame_ring
+        self.host.device_advances = True
+        self.host.invalidate()
+
     def capped(self, requests: list[Request]) -> bool:
         """Whether every row's top_k fits the sampling kernels' candidate bound."""
         bound = self.step.max_top_k if self.step is not None else None
@@ -472,13 +498,15 @@ class ModelRunner:
         if n > self.max_batch:
             raise ValueError(f"decode batch {n} exceeds max_running_requests {self.max_batch}")
         fields = self.host.fill(requests, ahead)
+        ring = self.frame_ring
+        ring_slots = None if ring is None else self.host.np["frame_index"][:n] % ring.shape[0]
         capped = self.capped(requests)
         if self.graphs is not None and capped and self.graphs.can_run(n):
             bucket = self.graphs.bucket_for(n)
-            self.host.upload(self.buffers, fields, bucket)
+            self.last_upload = self.host.upload(self.buffers, fields, bucket)
             self.graphs.replay(bucket)
         else:
-            self.host.upload(self.buffers, fields, n)
+            self.last_upload = self.host.upload(self.buffers, fields, n)
             # Same block-table width as the graphs on a GPU (same attention splits); on the CPU
             # only the pages the batch uses.
             width = (
@@ -486,12 +514,15 @@ class ModelRunner:
             )
             self.decode_step(self.buffers.view(n, width), capped)
         self._launches += 1
-        host_frames = self.host_frames
-        host_frames[:n].copy_(self.buffers.frames[:n], non_blocking=True)
         event = None
+        if ring is None:
+            host_frames = self.host_frames
+            host_frames[:n].copy_(self.buffers.frames[:n], non_blocking=True)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
+        if ring is not None:  # the step's last kernel wrote the frames there
+            return PendingDecode(n, ring, event, ring_slots)
         return PendingDecode(n, host_frames, event)
 
     def decode(self, requests: list[Request]) -> Tensor:

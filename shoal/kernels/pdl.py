@@ -9,7 +9,8 @@ programmatic edge) may be scheduled while its predecessor is still running. The 
 - every kernel so launched calls `wait_for_inputs` before it reads anything the kernel before it
   writes (griddepcontrol.wait: blocks until the predecessor has finished and its writes are
   visible); reads of weights and other constants of the step (docs/engine.md lists them: also
-  the step's host-uploaded metadata) may come before it, and so may reads, at L2, of what a kernel
+  the step's metadata, uploaded by the host or advanced by the previous step's last kernel,
+  `kernels/window.py`) may come before it, and so may reads, at L2, of what a kernel
   at least two launches back wrote (by the next rule it has finished when this kernel starts);
 - `wait_for_inputs` then lets the kernel after it launch (griddepcontrol.launch_dependents).
   Triggering after the wait, never before, keeps at most one kernel waiting behind a running one.

@@ -12,10 +12,23 @@ before writing, so the overlapping in-place move is safe.
 `tokens` (optional, int32 [bs, N+1] like frames) also gets the new frames, every row whatever its
 frame index: the next step's input, stored here instead of by a separate plain `copy_` kernel
 that would break the step's PDL chain (kernels/pdl.py).
+
+`advance` (optional, a `StepAdvance`): as the decode step's last kernel, it also makes the step's
+metadata the next step's, for every row with a frame index >= 1 (padding rows have 0): position,
+KV length and frame index one up, the KV slot looked up in the row's block table (-1, which
+writes nothing, past the table's width), and stores the new frame into `ring[frame_index % R,
+row]`, host memory the GPU writes directly (pinned, mapped). Steady decoding then needs no copy
+between two steps' graphs: the host uploads the metadata only when a row's block table changed
+(a new page) or the rows changed, and reads the frames from the ring once the step's event has
+completed. Every other kernel of the step has finished when this one passes its wait (each waits
+for the one before), so none reads the metadata after it changes (kernels/pdl.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -23,12 +36,45 @@ from torch import Tensor
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 
+@dataclass(frozen=True)
+class StepAdvance:
+    """The decode step's metadata the window kernel advances in place (module docstring), and the
+    host ring its frames go to: int32 [R, >= bs, N+1], pinned (the GPU stores into it)."""
+
+    positions: Tensor  # int64 [bs]
+    kv_lens: Tensor  # int32 [bs]
+    slots: Tensor  # int64 [bs]
+    block_tables: Tensor  # int32 [bs, P]
+    page_size: int
+    ring: Tensor
+
+
+@triton.jit
+def _advance_row(
+    row, frame_index, frames, c, columns, positions_ptr, kv_lens_ptr, slots_ptr, frame_index_ptr,
+    tables_ptr, stride_bt, table_width, ring_ptr, ring_slots, stride_rr, stride_rb, PAGE: tl.constexpr,
+):  # fmt: skip
+    """The next step's metadata for a live row (frame index >= 1) and its frame into the ring."""
+    if frame_index >= 1:
+        position = tl.load(positions_ptr + row) + 1
+        tl.store(positions_ptr + row, position)
+        tl.store(kv_lens_ptr + row, tl.load(kv_lens_ptr + row) + 1)
+        tl.store(frame_index_ptr + row, frame_index + 1)
+        at = position // PAGE
+        page = tl.load(tables_ptr + row * stride_bt + at, mask=at < table_width, other=-1).to(tl.int64)
+        tl.store(slots_ptr + row, tl.where(page >= 0, page * PAGE + position % PAGE, -1))
+        ring = ring_ptr + (frame_index % ring_slots) * stride_rr + row * stride_rb
+        tl.store(ring + c, frames, mask=c < columns)
+
+
 @triton.jit
 def _window_shift_kernel(
     window_ptr, frames_ptr, frame_index_ptr, tokens_ptr, width, columns,
     stride_wb, stride_ww, stride_fb, stride_tb,
+    positions_ptr, kv_lens_ptr, slots_ptr, tables_ptr, stride_bt, table_width, ring_ptr, ring_slots,
+    stride_rr, stride_rb,
     BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, HAS_FRAME_INDEX: tl.constexpr,
-    HAS_TOKENS: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_TOKENS: tl.constexpr, ADVANCE: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -38,7 +84,13 @@ def _window_shift_kernel(
         tl.store(tokens_ptr + row * stride_tb + c, fresh, mask=c < columns)
     push = True
     if HAS_FRAME_INDEX:
-        push = tl.load(frame_index_ptr + row) >= 1
+        frame_index = tl.load(frame_index_ptr + row)
+        push = frame_index >= 1
+        if ADVANCE:
+            _advance_row(
+                row, frame_index, fresh, c, columns, positions_ptr, kv_lens_ptr, slots_ptr, frame_index_ptr,
+                tables_ptr, stride_bt, table_width, ring_ptr, ring_slots, stride_rr, stride_rb, PAGE,
+            )  # fmt: skip
     if push:
         w = tl.arange(0, BLOCK_W)
         base = window_ptr + row * stride_wb
@@ -52,10 +104,15 @@ def _window_shift_kernel(
 
 
 def window_shift(
-    window: Tensor, frames: Tensor, frame_index: Tensor | None = None, tokens: Tensor | None = None
+    window: Tensor,
+    frames: Tensor,
+    frame_index: Tensor | None = None,
+    tokens: Tensor | None = None,
+    advance: StepAdvance | None = None,
 ) -> None:
-    """Shift `frames` [bs, N+1] into `window` [bs, W, N+1] in place, and copy them into `tokens`
-    if given (see the module docstring)."""
+    """Shift `frames` [bs, N+1] into `window` [bs, W, N+1] in place, copy them into `tokens` if
+    given, and with `advance` (which needs `frame_index`) advance the step's metadata (see the
+    module docstring)."""
     bs, width, columns = window.shape
     if frames.shape != (bs, columns) or frames.dtype != window.dtype:
         raise ValueError(
@@ -70,14 +127,41 @@ def window_shift(
             f"tokens must be {frames.dtype} [{bs}, {columns}] with a contiguous frame dimension, "
             f"got {tokens.dtype} {tuple(tokens.shape)}"
         )
+    if advance is not None:
+        _check_advance(advance, frame_index, bs, columns)
     if bs == 0:
         return
+    a = advance
+    ring = a.ring if a is not None else frames
     _window_shift_kernel[(bs,)](
         window, frames, frame_index if frame_index is not None else frames,
         tokens if tokens is not None else frames, width, columns,
         window.stride(0), window.stride(1), frames.stride(0),
         tokens.stride(0) if tokens is not None else 0,
+        a.positions if a else frames, a.kv_lens if a else frames, a.slots if a else frames,
+        a.block_tables if a else frames, a.block_tables.stride(0) if a else 0,
+        a.block_tables.shape[1] if a else 0, ring, ring.shape[0] if a else 1,
+        ring.stride(0) if a else 0, ring.stride(1) if a else 0,
         BLOCK_W=triton.next_power_of_2(width), BLOCK_C=triton.next_power_of_2(columns),
-        HAS_FRAME_INDEX=frame_index is not None, HAS_TOKENS=tokens is not None, num_warps=1,
-        **pdl_launch(),
+        HAS_FRAME_INDEX=frame_index is not None, HAS_TOKENS=tokens is not None, ADVANCE=a is not None,
+        PAGE=a.page_size if a else 1, num_warps=1, **pdl_launch(),
     )  # fmt: skip
+
+
+def _check_advance(advance: StepAdvance, frame_index: Tensor | None, bs: int, columns: int) -> None:
+    a = advance
+    if frame_index is None or frame_index.dtype != torch.int64 or frame_index.stride(0) != 1:
+        raise ValueError("advancing the step needs its int64 frame_index, contiguous")
+    expected = {"positions": torch.int64, "kv_lens": torch.int32, "slots": torch.int64}
+    for name, dtype in expected.items():
+        tensor = getattr(a, name)
+        if tensor.dtype != dtype or tuple(tensor.shape) != (bs,) or tensor.stride(0) != 1:
+            raise ValueError(f"advance.{name} must be {dtype} [{bs}], contiguous")
+    tables = a.block_tables
+    if tables.dtype != torch.int32 or tables.shape[0] != bs or tables.stride(1) != 1:
+        raise ValueError(f"advance.block_tables must be int32 [{bs}, P] with contiguous rows")
+    ring = a.ring
+    if ring.dtype != torch.int32 or ring.dim() != 3 or ring.shape[1] < bs or ring.shape[2] != columns:
+        raise ValueError(f"advance.ring must be int32 [R, >= {bs}, {columns}]")
+    if ring.stride(2) != 1 or a.page_size < 1:
+        raise ValueError("advance.ring needs contiguous frames and page_size >= 1")
