@@ -64,7 +64,7 @@ from shoal.kernels.quant import FP8_MAX, MIN_SCALE, quantize_by, scale_from_amax
 @triton.jit
 def _new_key_and_value(
     row_ptr, split_stride, k_w0, k_w1, cos, sin, eps, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, place,
-    write, kv_head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    write, kv_head, num_q_heads, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_K_NORM: tl.constexpr, PARTS: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
@@ -74,11 +74,11 @@ def _new_key_and_value(
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, half)
     full = tl.arange(0, HEAD_DIM)
-    k_row = row_ptr + (NUM_Q_HEADS + kv_head) * HEAD_DIM
+    k_row = row_ptr + (num_q_heads + kv_head) * HEAD_DIM
     x0 = load_summing_partials(k_row, 2 * offs, offs < half, split_stride, PARTS, EMULATE)
     x1 = load_summing_partials(k_row, 2 * offs + 1, offs < half, split_stride, PARTS, EMULATE)
     v = load_summing_partials(
-        row_ptr + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM, full, full < HEAD_DIM, split_stride,
+        row_ptr + (num_q_heads + NUM_KV_HEADS + kv_head) * HEAD_DIM, full, full < HEAD_DIM, split_stride,
         PARTS, EMULATE,
     )  # fmt: skip
     x0, x1 = _rms_scale(x0, x1, k_w0, k_w1, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
