@@ -136,9 +136,10 @@ def test_window_shift_stores_tokens_in_a_graph_behind_the_writer() -> None:
 
 def test_window_shift_advances_the_step_and_fills_the_ring() -> None:
     """`advance`: live rows (frame index >= 1) get position, KV length and frame index one up and
-    the slot of the new position from their block table (the next page when a page fills, -1
-    past the table), and their frame in ring slot frame_index % R; padding rows (frame index 0)
-    keep their metadata and write no ring slot. The window and tokens move as without it."""
+    the slot of the new position from their block table (the next page when a page fills; a row
+    whose next position is past its table keeps its metadata), and their frame in ring slot
+    frame_index % R; padding rows (frame index 0) keep their metadata and write no ring slot.
+    The window moves as without it."""
     from shoal.kernels.window import StepAdvance
 
     page, rows, columns = 4, 4, 3
@@ -155,12 +156,13 @@ def test_window_shift_advances_the_step_and_fills_the_ring() -> None:
     advance = StepAdvance(positions, kv_lens, slots, tables, page, ring)
     window_shift(window, frames, frame_index, advance=advance)
     assert torch.equal(window, expected_window)
-    assert positions.tolist() == [10, 0, 3, 12]
-    assert kv_lens.tolist() == [11, 1, 4, 13]
-    assert frame_index.tolist() == [6, 0, 2, 3]
     # row 0: position 10 in page 2 of its table (6) at offset 2; row 2: position 3, page 0 (2)
-    # offset 3; row 3: position 12 is past its 3-page table; row 1 (padding) keeps its slot.
-    assert slots.tolist() == [6 * page + 2, 77, 2 * page + 3, -1]
+    # offset 3; row 3: position 12 is past its 3-page table, so it keeps its metadata; row 1
+    # (padding) keeps its own.
+    assert positions.tolist() == [10, 0, 3, 11]
+    assert kv_lens.tolist() == [11, 1, 4, 12]
+    assert frame_index.tolist() == [6, 0, 2, 2]
+    assert slots.tolist() == [6 * page + 2, 77, 2 * page + 3, -5]
     assert torch.equal(ring[5 % 4, 0], frames[0]) and torch.equal(ring[1, 2], frames[2])
     assert torch.equal(ring[2, 3], frames[3])
     written = torch.zeros_like(ring, dtype=torch.bool)

@@ -234,7 +234,8 @@ def decode_step_ms(
     for batch in batches:
         if _fits(runner, batch, context):
             view = _synthetic_rows(core, batch, context)
-            result[batch] = time_graph_ms(lambda view=view: runner.step(view), repeats=repeats)
+            with runner.step.holding_metadata():  # every replay at the same positions
+                result[batch] = time_graph_ms(lambda view=view: runner.step(view), repeats=repeats)
     runner.host.invalidate()
     return result
 
@@ -251,6 +252,11 @@ def breakdown(core: EngineCore, batches: list[int], context: int) -> list[dict]:
 
 
 def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
+    with core.runner.step.holding_metadata():  # every replay at the same positions
+        return _breakdown_parts(core, batch, context)
+
+
+def _breakdown_parts(core: EngineCore, batch: int, context: int) -> dict:
     from shoal.kernels.attention import paged_decode_attention
 
     runner, step = core.runner, core.runner.step

@@ -28,7 +28,9 @@ in the full row).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -190,12 +192,12 @@ class DecodeStep:
         switch = env_switch("SHOAL_HEAD_KERNEL", ("auto", "0", "1"))
         limits = {"auto": HEAD_KERNEL_MAX_ROWS, "0": 0, "1": 2 * max_batch}
         self.head_kernel_max_rows = limits[switch] if use_kernels else 0
-        # Fast passes 2..N start from the embeddings of the codes just drawn: gathered by
-        # `kernels/gather_rows.py`, then the pass's first norm reads them back; with this switch
-        # the norm gathers them itself (`GatheredRows`): the same bits, a launch and a round trip
-        # to L2 fewer per pass. Not yet timed on the H200, so off by default;
-        # `SHOAL_NORM_GATHERS_CODES=1` (or the `step:` change of `shoal bench ab`) turns it on.
-        self.norm_gathers_codes = use_kernels and env_switch("SHOAL_NORM_GATHERS_CODES", ("0", "1")) == "1"
+        # Fast passes 2..N start from the embeddings of the codes just drawn: the pass's first norm
+        # gathers them itself (`GatheredRows`) instead of a `kernels/gather_rows.py` launch whose
+        # output the norm would read back: the same bits, a launch and a round trip to L2 fewer
+        # per pass. On the H200 (docs/performance.md run 166): batch-1 step 0.991x, batch 16
+        # 1.003x and 64 1.000x (within their spread). `SHOAL_NORM_GATHERS_CODES=0`: the launch.
+        self.norm_gathers_codes = use_kernels and env_switch("SHOAL_NORM_GATHERS_CODES", ("1", "0")) == "1"
         # Batches up to this many rows run each slow layer's QK-norm/RoPE/KV write inside its
         # decode attention (`kernels/rope_attention.py`): a launch fewer per layer, the keys of
         # earlier steps loaded while the qkv GEMM still runs. Not yet timed on the H200, so 0
@@ -481,6 +483,16 @@ class DecodeStep:
         if self.norm_slice_groups is not None:
             return self.norm_slice_groups
         return NORM_SLICE_GROUPS_WIDE if rows >= NORM_SLICE_WIDE_FROM_ROWS else NORM_SLICE_GROUPS
+
+    @contextlib.contextmanager
+    def holding_metadata(self) -> Iterator[None]:
+        """Steps (and graphs captured) inside leave the metadata as they found it: benchmarks that
+        replay one step on fixed inputs, which `advance_ring` would otherwise walk forward."""
+        ring, self.advance_ring = self.advance_ring, None
+        try:
+            yield
+        finally:
+            self.advance_ring = ring
 
     # Fast transformer (kernel path) -------------------------------------------------------------
 

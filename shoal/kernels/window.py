@@ -15,8 +15,8 @@ that would break the step's PDL chain (kernels/pdl.py).
 
 `advance` (optional, a `StepAdvance`): as the decode step's last kernel, it also makes the step's
 metadata the next step's, for every row with a frame index >= 1 (padding rows have 0): position,
-KV length and frame index one up, the KV slot looked up in the row's block table (-1, which
-writes nothing, past the table's width), and stores the new frame into `ring[frame_index % R,
+KV length and frame index one up, the KV slot looked up in the row's block table (a row whose
+next position is past the table's width keeps its metadata), and stores the new frame into `ring[frame_index % R,
 row]`, host memory the GPU writes directly (pinned, mapped). Steady decoding then needs no copy
 between two steps' graphs: the host uploads the metadata only when a row's block table changed
 (a new page) or the rows changed, and reads the frames from the ring once the step's event has
@@ -54,15 +54,18 @@ def _advance_row(
     row, frame_index, frames, c, columns, positions_ptr, kv_lens_ptr, slots_ptr, frame_index_ptr,
     tables_ptr, stride_bt, table_width, ring_ptr, ring_slots, stride_rr, stride_rb, PAGE: tl.constexpr,
 ):  # fmt: skip
-    """The next step's metadata for a live row (frame index >= 1) and its frame into the ring."""
+    """The next step's metadata for a live row (frame index >= 1) and its frame into the ring. A
+    row whose next position lies past its block table keeps its metadata (the engine never runs
+    one there; a step replayed on fixed inputs must not walk its keys off the table)."""
     if frame_index >= 1:
         position = tl.load(positions_ptr + row) + 1
-        tl.store(positions_ptr + row, position)
-        tl.store(kv_lens_ptr + row, tl.load(kv_lens_ptr + row) + 1)
-        tl.store(frame_index_ptr + row, frame_index + 1)
         at = position // PAGE
-        page = tl.load(tables_ptr + row * stride_bt + at, mask=at < table_width, other=-1).to(tl.int64)
-        tl.store(slots_ptr + row, tl.where(page >= 0, page * PAGE + position % PAGE, -1))
+        if at < table_width:
+            tl.store(positions_ptr + row, position)
+            tl.store(kv_lens_ptr + row, tl.load(kv_lens_ptr + row) + 1)
+            tl.store(frame_index_ptr + row, frame_index + 1)
+            page = tl.load(tables_ptr + row * stride_bt + at).to(tl.int64)
+            tl.store(slots_ptr + row, page * PAGE + position % PAGE)
         ring = ring_ptr + (frame_index % ring_slots) * stride_rr + row * stride_rb
         tl.store(ring + c, frames, mask=c < columns)
 
