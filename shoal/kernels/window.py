@@ -16,12 +16,13 @@ that would break the step's PDL chain (kernels/pdl.py).
 `advance` (optional, a `StepAdvance`): as the decode step's last kernel, it also makes the step's
 metadata the next step's, for every row with a frame index >= 1 (padding rows have 0): position,
 KV length and frame index one up, the KV slot looked up in the row's block table (a row whose
-next position is past the table's width keeps its metadata), and stores the new frame into `ring[frame_index % R,
-row]`, host memory the GPU writes directly (pinned, mapped). Steady decoding then needs no copy
-between two steps' graphs: the host uploads the metadata only when a row's block table changed
-(a new page) or the rows changed, and reads the frames from the ring once the step's event has
-completed. Every other kernel of the step has finished when this one passes its wait (each waits
-for the one before), so none reads the metadata after it changes (kernels/pdl.py).
+next position is past the table's width keeps its metadata), and stores the new frame into
+`ring[frame_index % R, row]`, host memory the GPU writes directly (pinned, mapped). Steady
+decoding then needs no copy between two steps' graphs: the host uploads the metadata only when
+a row's block table changed (a new page) or the rows changed, and reads the frames from the ring
+once the step's event has completed. Every other kernel of the step has finished when this one
+passes its wait (each waits for the one before), so none reads the metadata after it changes
+(kernels/pdl.py).
 """
 
 from __future__ import annotations
