@@ -27,11 +27,9 @@ from inspect_gemm_sm90 import programs_per_sm, registers_of  # a sibling script:
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shoal.kernels import attention, rope_attention
-from shoal.kernels.quant import FP8_MAX, MIN_SCALE
+from shoal.kernels import attention
 
 H200_SMS = 132
-ROPE_PARTS = 4  # split-K partials of the qkv GEMM the fused kernel sums (the M = 1 entry's split)
 # S2-Pro's slow transformer: 32 query heads over 8 kv heads of 128.
 HQ, HKV, HEAD_DIM = 32, 8, 128
 # The integers a launch at these shapes passes that Triton specializes as divisible by 16.
@@ -70,34 +68,27 @@ class EntryBuild:
         )
 
 
-def compile_decode(config: attention.AttentionConfig, splits: int, kv_fp8: bool, rope: bool = False):
+def compile_decode(config: attention.AttentionConfig, splits: int, kv_fp8: bool):
     """The sm_90 build `paged_decode_attention` runs for `config` at `splits` splits (FP8 output
-    for the o projection, PDL on), or with `rope` `rope_attention.rope_decode_attention`'s (S2's
-    QK-norm, the qkv GEMM's bf16 partials, as the FP8 step launches it); and its key block."""
+    for the o projection, PDL on), and its key block."""
+    kernel = attention._paged_attention_kernel
     config = attention.split_launch_config(config, splits)
     split = splits > 1
     fused = split and config.fused_merge
     block_g = triton.next_power_of_2(HQ // HKV)
     constants = {
-        "GROUP": HQ // HKV, "BLOCK_G": block_g, "BLOCK_R": max(16, block_g), "BLOCK_N": config.block_n,
-        "PAGE": attention.PAGE_SIZE, "HEAD_DIM": HEAD_DIM, "WRITE_PARTIAL": split, "FUSED_MERGE": fused,
+        "GROUP": HQ // HKV, "BLOCK_G": block_g, "BLOCK_M": 1, "BLOCK_R": max(16, block_g),
+        "BLOCK_N": config.block_n,
+        "PAGE": attention.PAGE_SIZE, "HEAD_DIM": HEAD_DIM, "IS_DECODE": True, "CAUSAL": False,
+        "HAS_KV_START": False, "WRITE_PARTIAL": split, "FUSED_MERGE": fused,
         "BLOCK_S": triton.next_power_of_2(max(splits, config.max_splits)) if fused else 1,
         "UPCAST": False, "QUANT_OUT": True, "KV_FP8": kv_fp8, "PRELOAD": config.preload_keys,
         "USE_PDL": True,
     }  # fmt: skip
-    if rope:
-        kernel = rope_attention._rope_decode_attention_kernel
-        constants |= {"NUM_KV_HEADS": HKV, "HAS_Q_NORM": True, "HAS_K_NORM": True, "PARTS": ROPE_PARTS,
-                      "EMULATE": False, "FP8_MAX_": FP8_MAX, "MIN_SCALE_": MIN_SCALE}  # fmt: skip
-    else:
-        kernel = attention._paged_attention_kernel
-        constants |= {"BLOCK_M": 1, "IS_DECODE": True, "CAUSAL": False, "HAS_KV_START": False}
     cache = "*fp8e4nv" if kv_fp8 else "*bf16"
     pointers = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "k_scale_ptr": "*fp32",
                 "v_scale_ptr": "*fp32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                "q8_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "scale_log2e": "fp32", "qkv_ptr": "*bf16",
-                "positions_ptr": "*i64", "slots_ptr": "*i64", "table_ptr": "*bf16", "q_norm_ptr": "*bf16",
-                "k_norm_ptr": "*bf16", "eps": "fp32"}  # fmt: skip
+                "q8_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "scale_log2e": "fp32"}  # fmt: skip
     names = kernel.arg_names
     # The rest: int32 tables, lengths and counters, and integer strides.
     default = {name: "*i32" if name.endswith("_ptr") else "i32" for name in names}
@@ -121,12 +112,10 @@ def key_buffers(ttgir: str, block_n: int) -> int:
     return max(counts, default=0)
 
 
-def inspect_entry(
-    kv: str, batch: int, config: attention.AttentionConfig, capacity: int, rope: bool = False
-) -> EntryBuild:
+def inspect_entry(kv: str, batch: int, config: attention.AttentionConfig, capacity: int) -> EntryBuild:
     pages = -(-capacity // attention.PAGE_SIZE)  # the launch counts the table's whole pages
     splits = attention.choose_num_splits(batch, HKV, pages * attention.PAGE_SIZE, config)
-    compiled, block_n = compile_decode(config, splits, kv == "fp8", rope)
+    compiled, block_n = compile_decode(config, splits, kv == "fp8")
     registers = registers_of(compiled)
     shared = compiled.metadata.shared
     return EntryBuild(
@@ -140,14 +129,13 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=32768, help="block table width in keys")
     parser.add_argument("--kv", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
     parser.add_argument("--preload-keys", type=int, default=None, help="override every entry's preload_keys")
-    parser.add_argument("--rope", action="store_true", help="the fused QK-norm/RoPE/KV-write build")
     args = parser.parse_args()
     tables = {"bf16": attention.TUNED_DECODE_CONFIGS, "fp8": attention.TUNED_DECODE_CONFIGS_FP8_KV}
     for kv in args.kv:
         for batch, config in sorted(tables[kv].items()):
             if args.preload_keys is not None:
                 config = replace(config, preload_keys=args.preload_keys)
-            print(inspect_entry(kv, batch, config, args.capacity, args.rope).line(), flush=True)
+            print(inspect_entry(kv, batch, config, args.capacity).line(), flush=True)
 
 
 if __name__ == "__main__":

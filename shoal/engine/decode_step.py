@@ -198,14 +198,6 @@ class DecodeStep:
         # per pass. On the H200 (docs/performance.md run 166): batch-1 step 0.991x, batch 16
         # 1.003x and 64 1.000x (within their spread). `SHOAL_NORM_GATHERS_CODES=0`: the launch.
         self.norm_gathers_codes = use_kernels and env_switch("SHOAL_NORM_GATHERS_CODES", ("1", "0")) == "1"
-        # Batches up to this many rows run each slow layer's QK-norm/RoPE/KV write inside its
-        # decode attention (`kernels/rope_attention.py`): a launch fewer per layer, the keys of
-        # earlier steps loaded while the qkv GEMM still runs. Not yet timed on the H200, so 0
-        # (never) by default; `SHOAL_ROPE_ATTENTION_MAX_ROWS=N` or `step:rope_attention_max_rows=N`.
-        rows = os.environ.get("SHOAL_ROPE_ATTENTION_MAX_ROWS", "0")
-        if not rows.isdigit():
-            raise ValueError(f"SHOAL_ROPE_ATTENTION_MAX_ROWS must be a row count; got {rows!r}")
-        self.rope_attention_max_rows = int(rows) if use_kernels else 0
         # Pinned host ring [R, max_batch, N+1] the step's last kernel writes the frames into while
         # it advances the step's metadata for the next step (`kernels.window.StepAdvance`); set by
         # `ModelRunner.advance_on_device`, None: the metadata comes from the host every step.
@@ -334,27 +326,12 @@ class DecodeStep:
             buffers.tokens, model.embeddings.weight, model.codebook_embeddings.weight, mc.codebook_size,
             mc.semantic_begin_id, mc.semantic_end_id, mc.scale_codebook_embeddings,
         )  # fmt: skip
-        rope_attend = None
-        if self.dtype == torch.bfloat16 and buffers.tokens.shape[0] <= self.rope_attention_max_rows:
-            from shoal.kernels.rope_attention import rope_decode_attention
-
-            def rope_attend(i, qkv, out_fp8):
-                attn, pools = model.layers[i].attention, self.kv.layer(i)
-                return rope_decode_attention(
-                    qkv, buffers.positions, model.rope, pools.k, pools.v, buffers.slots,
-                    buffers.block_tables, buffers.kv_lens, attn.n_head, attn.n_local_heads,
-                    attn.q_norm.weight if attn.qk_norm else None,
-                    attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
-                    out_fp8=out_fp8, **pools.scales,
-                )  # fmt: skip
-
         return self._layers(
             model.layers, residual, model.norm.weight, buffers.positions, model.rope,
             self.kv.layer, buffers.slots,
             lambda q, pools, out_fp8: paged_decode_attention(
                 q, pools.k, pools.v, buffers.block_tables, buffers.kv_lens, out_fp8=out_fp8, **pools.scales
             ),
-            rope_attend, rope_attend_sums_partials=True,
         )  # fmt: skip
 
     def prefill(self, tokens: Tensor, positions: Tensor, slots: Tensor, meta: tuple) -> tuple[Tensor, Tensor]:
@@ -377,7 +354,7 @@ class DecodeStep:
 
     def _layers(
         self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None,
-        fp8=None, rope_attend_sums_partials: bool = False,
+        fp8=None,
     ):  # fmt: skip
         """Pre-norm blocks with the fused kernels; returns (residual, final-normed hidden). `residual`
         may be `GatheredRows`, which the first norm gathers into its `out` (the residual stream). With
@@ -387,9 +364,8 @@ class DecodeStep:
         (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `pages(i)` gives
         layer i's `LayerKV`; `attend(q, pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair
         it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
-        `attend` by one call (the fast transformer's `kernels/fast_attention.py`, the slow one's
-        `kernels/rope_attention.py`; `rope_attend_sums_partials`: it takes the qkv GEMM's split-K
-        partials). `fp8`: the FP8 projections to run (default `self.fp8`)."""
+        `attend` by one call (the fast transformer's `kernels/fast_attention.py`). `fp8`: the FP8
+        projections to run (default `self.fp8`)."""
         from shoal.kernels.gather_rows import GatheredRows
         from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
@@ -435,8 +411,7 @@ class DecodeStep:
             if fp8 is None:
                 qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
             else:  # partials (when unreduced) go to the QK-norm/RoPE kernel right after
-                partials_wanted = rope_attend is None or rope_attend_sums_partials
-                qkv = fp8.qkv(layer, normed, unreduced=self.rope_reduces_partials and partials_wanted)
+                qkv = fp8.qkv(layer, normed, unreduced=self.rope_reduces_partials and rope_attend is None)
             head_dim = qkv.shape[1] // (attn.n_head + 2 * attn.n_local_heads)
             target = fp8_target(layer, "out") if head_dim == GROUP else None  # a head per group
             if rope_attend is not None:
