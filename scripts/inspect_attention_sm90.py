@@ -9,10 +9,9 @@ left the keys and values one buffer below 5 stages (now loaded a block ahead: tw
 SM instead of three, which put batch 16's 384 programs in two waves (the step 1.073x at 2k keys
 until `max_registers` capped it).
 
-Usage: python scripts/inspect_attention_sm90.py [--capacity 32768] [--kv bf16 fp8] [--preload-keys 64]
+Usage: python scripts/inspect_attention_sm90.py [--capacity 32768] [--kv bf16 fp8]
 (`--capacity`: the block tables' width in keys, which sets the split count; `shoal serve` uses
-the model's 32,768, the engine bench its requests' length plus a margin; `--preload-keys`: every
-entry with that many keys per split loaded before the PDL wait, `AttentionConfig.preload_keys`).
+the model's 32,768, the engine bench its requests' length plus a margin).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import triton
 from inspect_gemm_sm90 import programs_per_sm, registers_of  # a sibling script: scripts/ is on the path
@@ -82,8 +81,7 @@ def compile_decode(config: attention.AttentionConfig, splits: int, kv_fp8: bool)
         "PAGE": attention.PAGE_SIZE, "HEAD_DIM": HEAD_DIM, "IS_DECODE": True, "CAUSAL": False,
         "HAS_KV_START": False, "WRITE_PARTIAL": split, "FUSED_MERGE": fused,
         "BLOCK_S": triton.next_power_of_2(max(splits, config.max_splits)) if fused else 1,
-        "UPCAST": False, "QUANT_OUT": True, "KV_FP8": kv_fp8, "PRELOAD": config.preload_keys,
-        "USE_PDL": True,
+        "UPCAST": False, "QUANT_OUT": True, "KV_FP8": kv_fp8, "USE_PDL": True,
     }  # fmt: skip
     cache = "*fp8e4nv" if kv_fp8 else "*bf16"
     pointers = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "k_scale_ptr": "*fp32",
@@ -128,13 +126,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=32768, help="block table width in keys")
     parser.add_argument("--kv", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
-    parser.add_argument("--preload-keys", type=int, default=None, help="override every entry's preload_keys")
     args = parser.parse_args()
     tables = {"bf16": attention.TUNED_DECODE_CONFIGS, "fp8": attention.TUNED_DECODE_CONFIGS_FP8_KV}
     for kv in args.kv:
         for batch, config in sorted(tables[kv].items()):
-            if args.preload_keys is not None:
-                config = replace(config, preload_keys=args.preload_keys)
             print(inspect_entry(kv, batch, config, args.capacity).line(), flush=True)
 
 

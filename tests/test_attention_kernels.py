@@ -80,80 +80,6 @@ def test_decode_matches_reference(hq: int, hkv: int, num_splits: int, fused: boo
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("preload", [16, 32])
-@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-fused"])
-def test_decode_with_preloaded_keys_matches_reference(
-    num_splits: int, fused: bool, preload: int, kv: str
-) -> None:
-    """`preload_keys`: each split's first keys attended as one tile loaded before the wait, the
-    rest by the loop; rows where the new key lies inside and beyond that tile, and one of 1 key."""
-    gen = torch.Generator().manual_seed(num_splits * 7 + preload + (kv == "fp8"))
-    seq_lens = [1, 15, 16, 17, 40, 70]
-    k, v, tables = make_paged_cache(seq_lens, 2, 32, 16, gen)
-    k, v, scales, k_ref, v_ref, tolerance = kv_case(kv, k, v, gen)
-    q = torch.randn(len(seq_lens), 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = poisoned(q.shape)
-    config = replace(SMALL, fused_merge=fused, preload_keys=preload)
-    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config, out=out, **scales)
-    assert relative_error(out, paged_attention_reference(q, k_ref, v_ref, tables, lens)) < tolerance
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="replaces the PDL wait in the interpreter")
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_preloaded_tile_reads_the_new_key_after_the_wait(monkeypatch: pytest.MonkeyPatch, kv: str) -> None:
-    """The step's own key and value (position seq_len - 1) are written by the kernel just before,
-    so the preloaded tile must take them from a load after the wait. One sequence, one kv head,
-    3 splits: the interpreter runs the programs in order and only the last split holds the new
-    key; its k/v rows are NaN until that program's wait, which writes them. A stale row read
-    before the wait gives NaN, a missing one a result off the reference (the control)."""
-    gen = torch.Generator().manual_seed(3)
-    seq_len, page = 40, 16
-    last = seq_len - 1
-    k, v, tables = make_paged_cache([seq_len], 1, 32, page, gen)
-    slot = (int(tables[0, last // page]), last % page)
-    v[slot] *= 20  # the new key's value dominates the output, so leaving it out cannot pass
-    k, v, scales, k_ref, v_ref, tolerance = kv_case(kv, k, v, gen)
-    q = torch.randn(1, 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
-    ref = paged_attention_reference(q, k_ref, v_ref, tables, lens)
-    pools = [k, v, *scales.values()]
-    written = [pool[slot].clone() for pool in pools]
-    calls = []
-
-    def wait_then_write(USE_PDL):  # noqa: N803 (the jit function's parameter name)
-        calls.append(USE_PDL)
-        if len(calls) == 3:  # the last split's program: the kernel before has written its key
-            for pool, value in zip(pools, written, strict=True):
-                pool[slot] = value
-
-    def attend(config):
-        for pool in pools:
-            pool[slot] = float("nan")
-        calls.clear()
-        out = paged_decode_attention(q, k, v, tables, lens, num_splits=3, config=config, **scales)
-        assert len(calls) == 3
-        return out
-
-    monkeypatch.setattr(attention, "wait_for_inputs", wait_then_write)
-    config = replace(SMALL, fused_merge=True, preload_keys=16)
-    assert relative_error(attend(config), ref) < tolerance
-    preloaded = attention._attend_preloaded
-
-    def never_fresh(*args):  # position -1: no row of the tile is the new key
-        return preloaded(*args[:12], -1, *args[13:])
-
-    monkeypatch.setattr(attention, "_attend_preloaded", never_fresh)
-    assert relative_error(attend(config), ref) > 10 * tolerance
-
-
-def test_preload_keys_must_be_a_tile() -> None:
-    for keys in (8, 24):
-        with pytest.raises(ValueError, match="preload_keys"):
-            AttentionConfig(preload_keys=keys)
-
-
 def test_split_rows_take_split_block_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """`split_block_n` is the block size of split launches only: the launch sees block_n 32 with
     three splits and 16 with one (recorded at the launcher), and the results are the reference's."""
@@ -534,9 +460,7 @@ def test_decode_full_s2_shapes(batch: int, context: int, fused: bool) -> None:
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     config = AttentionConfig(block_n=128, min_split_tokens=64, target_programs=528, fused_merge=fused)
     ref = paged_attention_reference(q, k, v, tables, lens)
-    tuned = attention.decode_config(batch)
-    # the default (tuned) config, a wide split, the tuned one with keys loaded before the wait
-    for cfg in (None, config, replace(tuned, preload_keys=32), replace(tuned, preload_keys=64)):
+    for cfg in (None, config):  # the default (tuned) config and a wide split
         out = paged_decode_attention(q, k, v, tables, lens, config=cfg)
         assert relative_error(out, ref) < 1e-2
 

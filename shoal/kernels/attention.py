@@ -89,15 +89,6 @@ class AttentionConfig:
     # ptxas's register limit per thread (0: its own choice). Programs per SM follow the registers:
     # at 4 warps, 168 allow three, 169-255 two (`scripts/inspect_gemm_sm90.py`'s programs_per_sm).
     max_registers: int = 0
-    # Decode (no shared prefix): each split's first `preload_keys` keys and values (0, or a power
-    # of two >= 16) are loaded before the PDL wait, overlapping the kernel before (which writes
-    # only the step's own key, loaded after the wait), and attended as one tile before the loop.
-    preload_keys: int = 0
-
-    def __post_init__(self) -> None:
-        keys = self.preload_keys
-        if keys and (keys < 16 or keys & (keys - 1)):
-            raise ValueError(f"preload_keys must be 0 or a power of two >= 16, got {keys}")
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -227,101 +218,28 @@ def _attend_key_range(
         base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        k_scale = 0.0
-        v_scale = 0.0
         if KV_FP8:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
             k_scale = tl.load(k_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + base // HEAD_DIM, mask=valid, other=0.0)
+            s = _dot(q_op, tl.trans(k), UPCAST) * (k_scale * scale_log2e)[None, :]
+        else:
+            s = _dot(q, tl.trans(k), UPCAST) * scale_log2e
         keep = valid[None, :]
         if CAUSAL:
             keep = keep & (tok[None, :] <= query_pos[:, None])
-        acc, m_i, l_i = _online_softmax_step(
-            acc, m_i, l_i, q_op, k, v, k_scale, v_scale, keep, scale_log2e, UPCAST, KV_FP8
-        )
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FP8:
+            acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(v.dtype), v, UPCAST)
+        else:
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def _online_softmax_step(
-    acc, m_i, l_i, q_op, k, v, k_scale, v_scale, keep, scale_log2e, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """One tile of keys (`keep`: the [rows, keys] pairs that count) folded into (acc, m, l).
-    KV_FP8: k and v are e4m3 tiles, scaled per key as `_attend_key_range` says."""
-    if KV_FP8:
-        k = k.to(tl.float16)
-        v = v.to(tl.float16)
-        s = _dot(q_op, tl.trans(k), UPCAST) * (k_scale * scale_log2e)[None, :]
-    else:
-        s = _dot(q_op, tl.trans(k), UPCAST) * scale_log2e
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if KV_FP8:
-        acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(v.dtype), v, UPCAST)
-    else:
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _preloaded_tile(
-    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, seq_len, kv_head, split, num_splits,
-    stride_kp, stride_kt, stride_kh, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRELOAD: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """The first PRELOAD keys and values of a decode split (its range as the kernel computes it
-    after the wait), loaded before the PDL wait: every key but the step's own (position seq_len - 1,
-    written by the kernel just before) was written by an earlier step, so these loads overlap the
-    previous kernel (`kernels/pdl.py`'s rule for reads of older writes; the block table is the
-    step's uploaded metadata). The new key's row is left zero for `_attend_preloaded`."""
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
-    tok = lo + tl.arange(0, PRELOAD)
-    valid = tok < hi
-    old = valid & (tok < seq_len - 1)
-    page = tl.load(table_row_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
-    base = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
-    v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
-    if KV_FP8:
-        k_scale = tl.load(k_scale_ptr + base // HEAD_DIM, mask=old, other=0.0)
-        v_scale = tl.load(v_scale_ptr + base // HEAD_DIM, mask=old, other=0.0)
-    else:
-        k_scale = tl.zeros([PRELOAD], dtype=tl.float32)
-        v_scale = tl.zeros([PRELOAD], dtype=tl.float32)
-    return k, v, k_scale, v_scale, base, tok, valid
-
-
-@triton.jit
-def _attend_preloaded(
-    k, v, k_scale, v_scale, base, tok, valid, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, seq_len,
-    scale_log2e, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """(acc, m, l) of q's rows over a `_preloaded_tile`, after the wait: the step's new key and
-    value (one row of the tile at most, in the split holding position seq_len - 1) loaded now."""
-    fresh = valid & (tok == seq_len - 1)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = base[:, None] + offs_d[None, :]
-    k = tl.where(fresh[:, None], tl.load(k_ptr + rows, mask=fresh[:, None], other=0.0), k)
-    v = tl.where(fresh[:, None], tl.load(v_ptr + rows, mask=fresh[:, None], other=0.0), v)
-    if KV_FP8:
-        k_scale = tl.where(fresh, tl.load(k_scale_ptr + base // HEAD_DIM, mask=fresh, other=0.0), k_scale)
-        v_scale = tl.where(fresh, tl.load(v_scale_ptr + base // HEAD_DIM, mask=fresh, other=0.0), v_scale)
-        q_op = q.to(tl.float16)
-    else:
-        q_op = q
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    return _online_softmax_step(
-        acc, m_i, l_i, q_op, k, v, k_scale, v_scale, valid[None, :], scale_log2e, UPCAST, KV_FP8
-    )
 
 
 @triton.jit
@@ -426,7 +344,7 @@ def _merge_group_partials(
 
 @triton.jit
 def _attend_split(
-    acc, m_i, l_i, q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, k_scale_ptr,
+    q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, k_scale_ptr,
     v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr, scale_ptr,
     scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
     stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
@@ -435,13 +353,12 @@ def _attend_split(
     FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """One split's keys [lo, hi) folded into the state (acc, m, l) of its keys before lo:
-    finished rows, or a partial (and with FUSED_MERGE, the merge by the last split of the
-    (sequence, kv head) to arrive)."""
-    acc, m_i, l_i = _attend_key_range(
-        acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+    """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
+    the last split of the (sequence, kv head) to arrive)."""
+    acc, m_i, l_i = _attend_fresh(
+        q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi, stride_kp, stride_kt,
-        stride_kh, scale_log2e, CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
+        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
     )  # fmt: skip
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
@@ -472,25 +389,18 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
-    (decode only), the last of a (sequence, kv head)'s split programs to finish merges them. PRELOAD
-    (decode without a shared prefix): each split's first PRELOAD keys are loaded before the wait."""
+    (decode only), the last of a (sequence, kv head)'s split programs to finish merges them."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
     if IS_DECODE:  # the step's lengths: read before the wait (`paged_decode_attention`'s contract)
         seq_len = tl.load(seq_lens_ptr + seq)
-        if PRELOAD > 0:
-            k0, v0, k0_scale, v0_scale, base0, tok0, valid0 = _preloaded_tile(
-                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                seq_len, kv_head, split, num_splits, stride_kp, stride_kt, stride_kh,
-                BLOCK_N, PAGE, HEAD_DIM, PRELOAD, KV_FP8,
-            )  # fmt: skip
-        wait_for_inputs(USE_PDL)  # q and the step's new key and value were written just before
+        wait_for_inputs(USE_PDL)  # q and the pages were written just before
     else:
         wait_for_inputs(USE_PDL)
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -521,22 +431,11 @@ def _paged_attention_kernel(
         chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_hi)
-        if PRELOAD > 0:  # decode only (`_launch_attention`)
-            acc, m_i, l_i = _attend_preloaded(
-                k0, v0, k0_scale, v0_scale, base0, tok0, valid0, q, k_ptr, v_ptr, k_scale_ptr,
-                v_scale_ptr, seq_len, scale_log2e, BLOCK_R, HEAD_DIM, UPCAST, KV_FP8,
-            )  # fmt: skip
-            start = lo + PRELOAD
-        else:
-            acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-            m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-            start = lo
         _attend_split(
-            acc, m_i, l_i, q, query_pos, token, head, row_ok, seq, kv_head, split, start, hi, k_ptr, v_ptr,
-            k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr,
-            q8_ptr, scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp,
-            stride_kt, stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
+            q, query_pos, token, head, row_ok, seq, kv_head, split, lo, hi, k_ptr, v_ptr, k_scale_ptr,
+            v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, block_tables_ptr, q8_ptr,
+            scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
+            stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
             GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
             BLOCK_S, UPCAST, QUANT_OUT, KV_FP8,
         )  # fmt: skip
@@ -713,7 +612,6 @@ def _launch_attention(
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
         QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
-        PRELOAD=config.preload_keys if query_start_loc is None and kv_start is None else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
         **_register_limit(config),
     )  # fmt: skip
