@@ -10,11 +10,10 @@ run 133). The count is read off the SASS: a round ends at the first instruction 
 register an outstanding global load writes.
 
 With `--gather` the build is a fast pass's first norm gathering its code embeddings
-(`GatheredRows`): the ids are one round, the rows a second, then the reduction; `--pass0` fast
-pass 0's first norm building its input (`Pass0Rows`).
+(`GatheredRows`): the ids are one round, the rows a second, then the reduction.
 
 Usage: python scripts/inspect_norm_sm90.py [--parts 7] [--partials fp32|bf16] [--slice-groups 4]
-[--warps 8] [--max-registers 255|0] [--gather | --pass0]
+[--warps 8] [--max-registers 255|0] [--gather]
 """
 
 from __future__ import annotations
@@ -32,26 +31,22 @@ from shoal.kernels.quant import FP8_MAX, GROUP, MIN_SCALE
 
 DIM = 2560  # S2-Pro's hidden size
 POINTERS = {"residual_ptr": "*bf16", "residual_out_ptr": "*bf16", "weight_ptr": "*bf16",
-            "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "ids_ptr": "*i32", "eps": "fp32",
-            "hidden_ptr": "*bf16"}  # fmt: skip
+            "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "ids_ptr": "*i32", "eps": "fp32"}  # fmt: skip
 # The integers a launch at S2-Pro's width passes (Triton specializes those divisible by 16).
 INTEGERS = {"dim": DIM, "stride_x": DIM, "stride_xs": DIM, "stride_r": DIM, "stride_ro": DIM, "stride_o": DIM}
 
 
 def compile_decode_norm(
-    parts: int, partials: str, slice_groups: int, warps: int, max_registers: int | None, gather: bool = False,
-    pass0: bool = False,
-):  # fmt: skip
+    parts: int, partials: str, slice_groups: int, warps: int, max_registers: int | None, gather: bool = False
+):
     """The sm_90 build of the decode step's norm: residual add, RMSNorm, fused FP8 quantization,
     a row of S2-Pro's width split over programs of `slice_groups` groups, x the `parts` split-K
     partials (`partials` "fp32" or "bf16"; parts 0: a bf16 row), with PDL. `gather`: no residual
-    add, x a bf16 row gathered by an int32 id (parts must be 0); `pass0`: likewise, fast pass 0's
-    rows (`Pass0Rows`)."""
+    add, x a bf16 row gathered by an int32 id (parts must be 0)."""
     kernel = norm_rope._rms_norm_kernel
     constants = {
         "GROUPS": triton.next_power_of_2(triton.cdiv(DIM, GROUP)), "SLICE_GROUPS": slice_groups,
-        "PARTS": parts, "HAS_RESIDUAL": not (gather or pass0), "GATHER": gather, "PASS0": pass0,
-        "EMULATE": False, "QUANT_OUT": True,
+        "PARTS": parts, "HAS_RESIDUAL": not gather, "GATHER": gather, "EMULATE": False, "QUANT_OUT": True,
         "GROUP_SIZE": GROUP, "FP8_MAX_": FP8_MAX, "MIN_SCALE_": MIN_SCALE, "USE_PDL": True,
     }  # fmt: skip
     names = kernel.arg_names
@@ -110,18 +105,15 @@ def main() -> None:
         "--max-registers", type=int, default=norm_rope.NORM_MAX_REGISTERS, help="0: ptxas's own choice"
     )
     parser.add_argument("--gather", action="store_true", help="a fast pass's first norm gathering its codes")
-    parser.add_argument("--pass0", action="store_true", help="fast pass 0's first norm building its input")
     args = parser.parse_args()
-    if (args.gather or args.pass0) and args.parts:
-        parser.error("--gather and --pass0 read a bf16 row: use --parts 0")
+    if args.gather and args.parts:
+        parser.error("--gather reads a gathered bf16 row: use --parts 0")
     compiled = compile_decode_norm(
-        args.parts, args.partials, args.slice_groups, args.warps, args.max_registers or None, args.gather,
-        args.pass0,
+        args.parts, args.partials, args.slice_groups, args.warps, args.max_registers or None, args.gather
     )
     rounds = load_rounds(sass_lines(compiled))
-    kind = " gathering its rows" if args.gather else " building pass 0's input" if args.pass0 else ""
     print(
-        f"norm{kind}, {args.parts} {args.partials} partials, "
+        f"norm{' gathering its rows' if args.gather else ''}, {args.parts} {args.partials} partials, "
         f"{args.slice_groups} groups per program, "
         f"{args.warps} warps, register limit {args.max_registers or 'none'}: "
         f"{registers_of(compiled)} registers, {len(rounds)} round(s) of loads {rounds}"

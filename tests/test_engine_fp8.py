@@ -508,38 +508,6 @@ def test_norm_gathering_the_codes_equals_the_gather_launch(tmp_path, monkeypatch
         DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
 
 
-def test_norm_building_pass0_input_equals_the_input_launch(tmp_path, monkeypatch) -> None:
-    """`DecodeStep.norm_builds_pass0`: fast pass 0's first norm builds the pass's input rows and
-    writes code 0 (`Pass0Rows`) instead of a `fast_pass0_input` launch; the whole step (every
-    frame, the window, the next tokens) equals the step with the launch bit for bit."""
-    from shoal.kernels import step_inputs
-
-    launches = []
-    original = step_inputs.fast_pass0_input
-    monkeypatch.setattr(
-        step_inputs, "fast_pass0_input", lambda *a, **k: launches.append(1) or original(*a, **k)
-    )
-    model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
-    outputs = []
-    for builds in (True, False):
-        monkeypatch.setenv("SHOAL_NORM_BUILDS_PASS0", "1" if builds else "0")
-        step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
-        assert step.norm_builds_pass0 == builds
-        step.fp8.reserve(graph_row_counts([2]))
-        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
-        for name in fields:
-            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
-        b.frames.fill_(-7)  # poison: every element must be written
-        launches.clear()
-        with torch.no_grad():
-            step(b, True)
-        assert len(launches) == (0 if builds else 1)
-        assert (b.frames >= 0).all()
-        outputs.append((b.frames.clone(), b.window.clone(), b.tokens.clone()))
-    for got, want in zip(*outputs, strict=True):
-        assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize(
     "split_rows,fused_fast", [(False, True), (True, False)], ids=["row-programs", "split-rows-unfused-fast"]
 )

@@ -460,28 +460,6 @@ def test_norms_gathering_the_codes_give_the_same_frames(golden_dir, weight_forma
 
 
 @pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
-def test_norm_building_pass0_input_gives_the_same_frames(golden_dir, weight_format: str, monkeypatch) -> None:
-    """`SHOAL_NORM_BUILDS_PASS0=1` (fast pass 0's input built by its first norm, no launch)
-    through the CUDA graphs, staggered requests at several batch sizes: the default engine's
-    frames exactly."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from model_testing import staggered_request_frames
-
-    frames = {}
-    for builds in ("0", "1"):
-        monkeypatch.setenv("SHOAL_NORM_BUILDS_PASS0", builds)
-        core = first_frame_core(golden_dir, weight_format, None, ignore_eos=True)
-        assert core.runner.step.norm_builds_pass0 == (builds == "1")
-        frames[builds] = staggered_request_frames(core, seed=13)
-        del core
-        torch.cuda.empty_cache()
-    assert len(frames["1"]) == len(frames["0"]) == 7
-    for built, launched in zip(frames["1"], frames["0"], strict=True):
-        assert torch.equal(built, launched)
-
-
-@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
 def test_advancing_on_the_device_gives_the_same_frames(golden_dir, weight_format: str) -> None:
     """`EngineConfig.advance_on_device` (the step's last kernel advances the metadata and stores
     the frames into pinned host memory) through the CUDA graphs, staggered requests at several

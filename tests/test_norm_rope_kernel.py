@@ -288,45 +288,6 @@ def test_rms_norm_of_gathered_rows_equals_gather_then_norm(quantized: bool, slic
     assert_same_normed(fused, plain, quantized)
 
 
-@pytest.mark.parametrize("slice_groups", [None, 1], ids=["row", "split-row"])
-@pytest.mark.parametrize("quantized", [False, True])
-def test_rms_norm_building_pass0_rows_equals_the_input_launch(
-    quantized: bool, slice_groups: int | None
-) -> None:
-    """Fed `Pass0Rows`, the norm writes code 0 into the frames' column 1 and stores exactly the
-    rows `fast_pass0_input` builds (hidden row, then code 0's embedding, main tokens below and
-    above the semantic range clamped), and normalizes them to the bits the norm gives on them."""
-    from shoal.kernels.gather_rows import Pass0Rows
-    from shoal.kernels.step_inputs import fast_pass0_input
-
-    batch, dim, codebook, begin = 3, 320, 40, 100
-    gen = torch.Generator().manual_seed(31 + 2 * quantized + (slice_groups is None))
-    table = random_bf16(codebook, dim, generator=gen, scale=2.0)
-    hidden = random_bf16(batch, dim, generator=gen)
-    weight = random_bf16(dim, generator=gen)
-    frames = torch.randint(0, 1000, (batch, 11), generator=gen, dtype=torch.int32).to(DEVICE)
-    frames[:, 0] = torch.tensor([begin + 7, begin - 5, begin + codebook + 3], dtype=torch.int32)
-    frames[:, 1] = -9  # poison: code 0 must be written
-    launched_frames = frames.clone()
-    built = fast_pass0_input(launched_frames, hidden, table, begin, codebook)
-    assert launched_frames[:, 1].tolist() == [7, 0, codebook - 1]
-
-    def run(x):
-        target = fp8_target(2 * batch, dim) if quantized else None
-        return rms_norm(x, weight, 1e-6, out_fp8=target, slice_groups=slice_groups)
-
-    stored = torch.full((2 * batch, dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    fused, fused_rows = run(Pass0Rows(frames, hidden, table, begin, stored))
-    plain, _ = run(built)
-    assert fused_rows is stored and torch.equal(stored, built)
-    assert torch.equal(frames, launched_frames)
-    assert_same_normed(fused, plain, quantized)
-    with pytest.raises(ValueError, match="no residual add"):
-        rms_norm(Pass0Rows(frames, hidden, table, begin, stored), weight, 1e-6, residual=stored.clone())
-    with pytest.raises(ValueError, match="hidden must be"):
-        rms_norm(Pass0Rows(frames, hidden[:2], table, begin, stored), weight, 1e-6)
-
-
 def test_rms_norm_of_gathered_rows_checks_its_arguments() -> None:
     from shoal.kernels.gather_rows import GatheredRows
 

@@ -51,7 +51,7 @@ from shoal.models.sampling import (
 )
 
 if TYPE_CHECKING:
-    from shoal.kernels.gather_rows import GatheredRows, Pass0Rows
+    from shoal.kernels.gather_rows import GatheredRows
 
 FAST_PAGE = 16  # one page per row holds a frame's fast positions (num_codebooks <= 16)
 # The batches (inclusive) whose fast layers keep two launches (QK-norm/RoPE/KV write, then paged
@@ -198,11 +198,6 @@ class DecodeStep:
         # per pass. On the H200 (docs/performance.md run 166): batch-1 step 0.991x, batch 16
         # 1.003x and 64 1.000x (within their spread). `SHOAL_NORM_GATHERS_CODES=0`: the launch.
         self.norm_gathers_codes = use_kernels and env_switch("SHOAL_NORM_GATHERS_CODES", ("1", "0")) == "1"
-        # Fast pass 0's input (hidden state and code 0's embedding per row, code 0 into the frames)
-        # built by the pass's first norm while loading (`Pass0Rows`) instead of by
-        # `step_inputs.fast_pass0_input`: the same bits, a launch fewer per frame. Not yet timed on
-        # the H200: `SHOAL_NORM_BUILDS_PASS0=1` (or `step:norm_builds_pass0=true`) turns it on.
-        self.norm_builds_pass0 = use_kernels and env_switch("SHOAL_NORM_BUILDS_PASS0", ("0", "1")) == "1"
         # Pinned host ring [R, max_batch, N+1] the step's last kernel writes the frames into while
         # it advances the step's metadata for the next step (`kernels.window.StepAdvance`); set by
         # `ModelRunner.advance_on_device`, None: the metadata comes from the host every step.
@@ -277,15 +272,11 @@ class DecodeStep:
         self.sample_main(logits, buffers, capped)
         fast_input = normed if mc.norm_fastlayer_input else residual
         if self.use_kernels and isinstance(self.model.fast_project_in, torch.nn.Identity):
-            from shoal.kernels.gather_rows import Pass0Rows
             from shoal.kernels.step_inputs import fast_pass0_input
 
-            table = self.model.fast_embeddings.weight
-            if self.norm_builds_pass0:  # by the pass's first norm (no launch here)
-                rows = table.new_empty(2 * frames.shape[0], table.shape[1])
-                x = Pass0Rows(frames, fast_input, table, mc.semantic_begin_id, rows)
-            else:  # code 0 into frames[:, 1], rows (hidden, code 0's embedding) per frame: one launch
-                x = fast_pass0_input(frames, fast_input, table, mc.semantic_begin_id, mc.codebook_size)
+            x = fast_pass0_input(
+                frames, fast_input, self.model.fast_embeddings.weight, mc.semantic_begin_id, mc.codebook_size
+            )  # code 0 into frames[:, 1], rows (hidden, code 0's embedding) per frame: one launch
             fast_logits = self._fast_kernels(x, 0)
         elif self.use_kernels:
             x = self._pass0_input(fast_input, frames)
@@ -366,22 +357,21 @@ class DecodeStep:
         fp8=None,
     ):  # fmt: skip
         """Pre-norm blocks with the fused kernels; returns (residual, final-normed hidden). `residual`
-        may be `GatheredRows` or `Pass0Rows`, which the first norm builds into its `out` (the
-        residual stream). With `norm_slice_groups` and a decode-sized batch the norms split rows
-        over programs and write the residual stream into the other of two buffers (ping-pong),
-        else in place. With FP8
+        may be `GatheredRows`, which the first norm gathers into its `out` (the residual stream). With
+        `norm_slice_groups` and a decode-sized batch the norms split rows over programs and write
+        the residual stream into the other of two buffers (ping-pong), else in place. With FP8
         weights, a norm or attention whose output feeds a W8A8 projection writes it quantized
         (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `pages(i)` gives
         layer i's `LayerKV`; `attend(q, pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair
         it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
         `attend` by one call (the fast transformer's `kernels/fast_attention.py`). `fp8`: the FP8
         projections to run (default `self.fp8`)."""
-        from shoal.kernels.gather_rows import GatheredRows, Pass0Rows
+        from shoal.kernels.gather_rows import GatheredRows
         from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
 
         first_input = residual
-        if isinstance(residual, GatheredRows | Pass0Rows):
+        if isinstance(residual, GatheredRows):
             residual = residual.out  # written by the first norm
         eps = self.config.norm_eps
         tokens = residual.shape[0]
@@ -485,16 +475,16 @@ class DecodeStep:
         """Whether fast passes of this batch run `kernels/fast_attention.py` (one launch per layer)."""
         return not self.two_launch_fast_from <= batch <= self.two_launch_fast_to
 
-    def _fast_kernels(self, x: Tensor | GatheredRows | Pass0Rows, k: int) -> Tensor:
+    def _fast_kernels(self, x: Tensor | GatheredRows, k: int) -> Tensor:
         """Fast pass `k` (0: the 2-token pass over positions 0 and 1) -> logits predicting code k
-        (k = 1 for pass 0), [B, codebook_size]. `x`: the pass's input rows, or the rows its first
-        norm builds (`Pass0Rows` for pass 0, `GatheredRows` for k >= 2)."""
+        (k = 1 for pass 0), [B, codebook_size]. `x`: the pass's input rows, or for k >= 2 the
+        `GatheredRows` its first norm gathers."""
         from shoal.kernels.attention import paged_decode_attention, paged_prefill_attention
-        from shoal.kernels.gather_rows import GatheredRows, Pass0Rows
+        from shoal.kernels.gather_rows import GatheredRows
 
         model = self.model
         if k == 0:
-            batch = x.frames.shape[0] if isinstance(x, Pass0Rows) else x.shape[0] // 2
+            batch = x.shape[0] // 2
             positions, slots = self.pass0_positions[: 2 * batch], self.pass0_slots[: 2 * batch]
             tables, lens, starts = (
                 self.fast_tables[:batch],
@@ -527,7 +517,7 @@ class DecodeStep:
                     out_fp8=out_fp8,
                 )  # fmt: skip
 
-        residual = x if isinstance(x, GatheredRows | Pass0Rows) else x.contiguous()
+        residual = x if isinstance(x, GatheredRows) else x.contiguous()
         residual, normed = self._layers(
             model.fast_layers, residual, model.fast_norm.weight, positions, model.fast_rope,
             lambda i: LayerKV(self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend, rope_attend,

@@ -43,34 +43,6 @@ class GatheredRows:
         out_buffer(self.out, self.ids.shape[0], self.table.shape[1], self.table.dtype, self.table.device)
 
 
-@dataclass(frozen=True)
-class Pass0Rows:
-    """Fast pass 0's input (`step_inputs.fast_pass0_input`) left to the pass's first norm
-    (`kernels.norm_rope.rms_norm`), which builds it while loading: code 0 = clamp(frames[b, 0] -
-    semantic_begin, 0, codebook_size - 1) into frames[b, 1], rows 2b = hidden[b] and 2b+1 =
-    table[code 0] stored into `out` [2B, D] (the residual stream they start) and normalized. The
-    same bits as `fast_pass0_input` followed by the norm, one launch fewer."""
-
-    frames: Tensor  # int32 [B, N+1], any strides
-    hidden: Tensor  # [B, D], contiguous rows
-    table: Tensor  # the fast embeddings [codebook_size, D], contiguous rows
-    semantic_begin: int
-    out: Tensor  # [2B, D] in the table's dtype, contiguous rows
-
-    def check(self) -> None:
-        frames, hidden, table = self.frames, self.hidden, self.table
-        if frames.dim() != 2 or frames.dtype != torch.int32 or frames.shape[1] < 2:
-            raise ValueError(f"frames must be int32 [B, N+1], got {frames.dtype} {tuple(frames.shape)}")
-        if table.dim() != 2 or table.stride(1) != 1 or not table.dtype.is_floating_point:
-            raise ValueError("the table must be a 2-D floating table with contiguous rows")
-        batch, dim = frames.shape[0], table.shape[1]
-        if hidden.shape != (batch, dim) or hidden.dtype != table.dtype or hidden.stride(1) != 1:
-            raise ValueError(f"hidden must be {table.dtype} [{batch}, {dim}] with contiguous rows")
-        if not frames.device == hidden.device == table.device == self.out.device:
-            raise ValueError("frames, hidden, table and out must be on one device")
-        out_buffer(self.out, 2 * batch, dim, table.dtype, table.device)
-
-
 def check_ids_and_table(ids: Tensor, table: Tensor) -> None:
     """Raise unless ids are 1-D integers and the table 2-D with contiguous rows, on one device."""
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:

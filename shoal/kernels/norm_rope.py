@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from shoal.kernels.fp8_gemm import SplitKPartials
-from shoal.kernels.gather_rows import GatheredRows, Pass0Rows
+from shoal.kernels.gather_rows import GatheredRows
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 from shoal.kernels.quant import (
     FP8_MAX,
@@ -268,32 +268,11 @@ def _row_groups(
 
 
 @triton.jit
-def _pass0_row(
-    row, table_ptr, stride_table, hidden_ptr, stride_hidden, frames_ptr, stride_fb, stride_fc,
-    semantic_begin, codebook_size,
-):  # fmt: skip
-    """Row `row` of fast pass 0's input (`Pass0Rows`): hidden row b for row 2b; for row 2b+1 the
-    embedding of code 0, drawn from frames[b, 0] (written by the kernel just before), which the
-    row's first program stores into frames[b, 1] as `step_inputs.fast_pass0_input` does."""
-    b = row // 2
-    if row % 2 == 1:
-        main = tl.load(frames_ptr + b * stride_fb).to(tl.int64)
-        code = tl.minimum(tl.maximum(main - semantic_begin, 0), codebook_size - 1)
-        if tl.program_id(1) == 0:  # one writer per row
-            tl.store(frames_ptr + b * stride_fb + stride_fc, code.to(tl.int32))
-        x_row_ptr = table_ptr + code * stride_table
-    else:
-        x_row_ptr = hidden_ptr + b * stride_hidden
-    return x_row_ptr
-
-
-@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr, scale_ptr, ids_ptr, eps, dim, stride_x,
     stride_xs, stride_r, stride_ro, stride_o, stride_sm, stride_sg, stride_ids, table_rows,
-    hidden_ptr, stride_hidden, stride_id_cols, semantic_begin,
     GROUPS: tl.constexpr, SLICE_GROUPS: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    GATHER: tl.constexpr, PASS0: tl.constexpr, EMULATE: tl.constexpr,
+    GATHER: tl.constexpr, EMULATE: tl.constexpr,
     QUANT_OUT: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -311,9 +290,6 @@ def _rms_norm_kernel(
 
     With GATHER, row r of x is row `ids[r]` of the table x_ptr points to (a zero row for an id
     outside [0, table_rows)), stored into `residual_out` as it is (the residual stream it starts).
-    With PASS0 (`Pass0Rows`; ids_ptr: the frames, whose column 0 is the main token), row 2b is
-    row b of `hidden` and row 2b+1 the table row of code 0 = clamp(main - semantic_begin, 0,
-    table_rows - 1), which the row's first program also writes into the frames' column 1.
 
     Latency, not bytes, is this kernel's cost at decode sizes (3.5 µs per call at batch 1, run
     70), so every load is issued as early as it may be: the weight (a constant of the step)
@@ -330,16 +306,10 @@ def _rms_norm_kernel(
         source = tl.load(ids_ptr + row * stride_ids).to(tl.int64)
         x_valid = (source >= 0) & (source < table_rows)
         source = tl.where(x_valid, source, 0)
-        x_row_ptr = x_ptr + source * stride_x
     else:
+        source = row
         x_valid = True
-        if PASS0:
-            x_row_ptr = _pass0_row(
-                row, x_ptr, stride_x, hidden_ptr, stride_hidden, ids_ptr, stride_ids, stride_id_cols,
-                semantic_begin, table_rows,
-            )  # fmt: skip
-        else:
-            x_row_ptr = x_ptr + row * stride_x
+    x_row_ptr = x_ptr + source * stride_x
     residual_row_ptr = residual_ptr + row * stride_r
     groups, offs, ok, x = _row_groups(
         x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, 0, GROUPS, GROUP_SIZE, PARTS, HAS_RESIDUAL,
@@ -355,7 +325,7 @@ def _rms_norm_kernel(
     if SLICE_GROUPS < GROUPS:
         groups, offs, ok, x = slice_groups, slice_offs, slice_ok, slice_x
         f = x.to(tl.float32)
-    if HAS_RESIDUAL or GATHER or PASS0:
+    if HAS_RESIDUAL or GATHER:
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
     y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
     if QUANT_OUT:
@@ -378,7 +348,7 @@ NORM_MAX_REGISTERS = 255
 
 
 def rms_norm(
-    x: Tensor | SplitKPartials | GatheredRows | Pass0Rows,
+    x: Tensor | SplitKPartials | GatheredRows,
     weight: Tensor,
     eps: float,
     residual: Tensor | None = None,
@@ -411,21 +381,17 @@ def rms_norm(
     x may be a `GatheredRows` (ids, table, out): the norm reads row `ids[r]` of the table as row
     r, stores it into `out` (the residual stream it starts; returned as the second value) and
     normalizes it: the same bits as `gather_rows` then this norm, one launch fewer. No residual
-    add then. Likewise a `Pass0Rows`: fast pass 0's input built while loading (rows 2b, 2b+1 of
-    b's hidden state and code-0 embedding; code 0 written into the frames' column 1).
+    add then.
 
     `max_registers`: the build's register limit (None: ptxas's own choice); decode-sized launches
     want `NORM_MAX_REGISTERS`. Same bits either way."""
     gathered = x if isinstance(x, GatheredRows) else None
-    pass0 = x if isinstance(x, Pass0Rows) else None
-    if gathered is not None or pass0 is not None:
+    if gathered is not None:
         if residual is not None or residual_out is not None:
             raise ValueError("gathered rows start the residual stream: no residual add, no residual_out")
-        (gathered or pass0).check()
-        table = (gathered or pass0).table
-        x, count, stride_xs, x_dtype = table, 0, 0, table.dtype
-        rows = gathered.ids.shape[0] if gathered is not None else 2 * pass0.frames.shape[0]
-        dim = x.shape[1]
+        gathered.check()
+        x, count, stride_xs, x_dtype = gathered.table, 0, 0, gathered.table.dtype
+        rows, dim = gathered.ids.shape[0], x.shape[1]
     else:
         x, count, stride_xs, x_dtype = _consumer_input(x)
         rows, dim = x.shape
@@ -453,23 +419,20 @@ def rms_norm(
         check_activation_scales(scales, rows, dim)
     elif out is None:
         out = torch.empty(rows, dim, dtype=torch.promote_types(x_dtype, weight.dtype), device=x.device)
-    if gathered is not None or pass0 is not None:
-        residual_out = (gathered or pass0).out
+    if gathered is not None:
+        residual_out = gathered.out
     if rows == 0:
         return (out_fp8 if out_fp8 is not None else out), residual_out
     slices = triton.cdiv(triton.cdiv(dim, GROUP), slice_groups)
-    # ids: the gathered ids, or pass 0's frames (main token in column 0); unused otherwise
-    ids = gathered.ids if gathered is not None else pass0.frames if pass0 is not None else x
-    hidden = pass0.hidden if pass0 is not None else x
+    ids = gathered.ids if gathered is not None else x  # an unused pointer without gathering
     _rms_norm_kernel[(rows, slices)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else x, weight,
         out, scales, ids, eps, dim, x.stride(0), stride_xs, residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, out.stride(0),
         scales.stride(0) if out_fp8 is not None else 0, scales.stride(1) if out_fp8 is not None else 0,
-        ids.stride(0) if ids is not x else 0, x.shape[0], hidden, hidden.stride(0),
-        ids.stride(1) if pass0 is not None else 0, pass0.semantic_begin if pass0 is not None else 0,
+        ids.stride(0) if gathered is not None else 0, x.shape[0],
         GROUPS=groups, SLICE_GROUPS=slice_groups, PARTS=count, HAS_RESIDUAL=residual is not None,
-        GATHER=gathered is not None, PASS0=pass0 is not None, EMULATE=interpreting(),
+        GATHER=gathered is not None, EMULATE=interpreting(),
         QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
         num_warps=num_warps, **({"maxnreg": max_registers} if max_registers else {}), **pdl_launch(),
     )  # fmt: skip
