@@ -362,19 +362,22 @@ class ModelRunner:
         batch = self.prefill_batch
         side = self.prefill_stream
         if side is None or not self._ready_marked:  # no decode of this step to go beside
-            bucket = batch.fill_chunks(packed)
-            if self.prefill_graphs is not None:
-                self.prefill_graphs.replay(bucket)
-            else:
-                batch.compute(bucket)
+            self._run_prefill_batch(packed)
             return batch.hidden, batch.normed
         side.wait_event(self._main_ready)
         with torch.cuda.stream(side):
-            bucket = batch.fill_chunks(packed)
-            self.prefill_graphs.replay(bucket)
+            self._run_prefill_batch(packed)
             self._prefill_done.record(side)
         self._prefill_unwaited = True
         return batch.hidden, batch.normed
+
+    def _run_prefill_batch(self, packed: list[Chunk]) -> None:
+        """Fill the static prefill batch and replay its bucket's graph (eagerly without graphs)."""
+        bucket = self.prefill_batch.fill_chunks(packed)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.replay(bucket)
+        else:
+            self.prefill_batch.compute(bucket)
 
     def _first_frames_after_prefill(
         self, completing: list[Request], hidden: Tensor, normed: Tensor | None, last_rows: list[int]
