@@ -246,17 +246,13 @@ def breakdown(core: EngineCore, batches: list[int], context: int) -> list[dict]:
     attention (Triton paged kernel vs SDPA over a gathered contiguous view), each timed as
     CUDA-graph replays on synthetic rows of `context` keys in distinct pages."""
     runner = core.runner
-    results = [_breakdown_one(core, batch, context) for batch in batches if _fits(runner, batch, context)]
+    with runner.step.holding_metadata():  # every replay at the same positions
+        results = [_breakdown_one(core, batch, context) for batch in batches if _fits(runner, batch, context)]
     runner.host.invalidate()
     return results
 
 
 def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
-    with core.runner.step.holding_metadata():  # every replay at the same positions
-        return _breakdown_parts(core, batch, context)
-
-
-def _breakdown_parts(core: EngineCore, batch: int, context: int) -> dict:
     from shoal.kernels.attention import paged_decode_attention
 
     runner, step = core.runner, core.runner.step

@@ -517,16 +517,16 @@ class ModelRunner:
             )
             self.decode_step(self.buffers.view(n, width), capped)
         self._launches += 1
-        event = None
         if ring is None:
             host_frames = self.host_frames
             host_frames[:n].copy_(self.buffers.frames[:n], non_blocking=True)
+        else:  # the step's last kernel wrote the frames there
+            host_frames = ring
+        event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        if ring is not None:  # the step's last kernel wrote the frames there
-            return PendingDecode(n, ring, event, ring_slots)
-        return PendingDecode(n, host_frames, event)
+        return PendingDecode(n, host_frames, event, ring_slots)
 
     def decode(self, requests: list[Request]) -> Tensor:
         """The next frame of each request, int32 [len(requests), N+1] on the host."""
