@@ -381,3 +381,107 @@ def test_scales_ahead_at_s2_shapes_gives_the_tuned_configs_bits(m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, base), (name, m, config)
+
+
+def _swiglu_buffers(m: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Poisoned (e4m3 [m, inter], scales) buffers: every element must be written."""
+    q = torch.full((m, inter), 3.0, device=DEVICE).to(torch.float8_e4m3fn)
+    scales = quant.new_activation_scales(m, inter, DEVICE)
+    scales.fill_(float("nan"))
+    return q, scales
+
+
+@pytest.mark.parametrize(
+    "m,n,config",
+    [
+        (1, 512, gemm.GemmConfig(16, 64, 1, 4, 2, swap_ab=True, gluon=True, tiles_before_wait=2)),
+        (3, 768, gemm.GemmConfig(16, 32, 1, 2, 1, swap_ab=True)),
+        (20, 512, gemm.GemmConfig(16, 64, 1, 2, 1)),  # two M tiles, the second ragged
+        (40, 256, gemm.GemmConfig(64, 64, 1, 4, 1)),  # a 64-row tile quantized 16 rows at a time
+        (5, 512, gemm.GemmConfig(16, 64, 2, 2, 1, swap_ab=True)),  # split: the quantization launch
+    ],
+    ids=["gluon-m1", "swapped-32-columns", "two-m-tiles", "64-row-tile", "split-falls-back"],
+)
+def test_gemm_quantizing_swiglu_of_its_output_gives_the_launchs_bits(
+    m: int, n: int, config: gemm.GemmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`swiglu_into`: the gate | up GEMM's output is unchanged, and the quantized SwiGLU it
+    leaves (every group's last tile computes it) is `swiglu_quantize` of that output bit for bit;
+    the counters are back at 0. A split config runs the quantization launch instead (counted),
+    with the same result."""
+    launches = []
+    original = gemm.swiglu_quantize
+    monkeypatch.setattr(gemm, "swiglu_quantize", lambda *a, **k: launches.append(1) or original(*a, **k))
+    k = 256
+    w_q, w_s = fp8_weight(n, k)
+    x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))
+    q, scales = _swiglu_buffers(m, n // 2)
+    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config, k, swiglu_out=True), DEVICE)
+    out = poisoned_out(m, n)
+    gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=out, workspace=workspace, config=config, swiglu_into=(q, scales))
+    assert torch.equal(out, gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config))
+    want_q, want_scales = quant.swiglu_quantize(out)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert not workspace.counters.any()
+    assert len(launches) == (0 if gemm.fuses_swiglu_out(config) else 1)
+
+
+def test_swiglu_into_is_checked() -> None:
+    """A gate | up output whose halves are not whole 128-column groups, wrong buffers, or a
+    request for partials: clear errors before any launch."""
+    w_q, w_s = fp8_weight(384, 128)
+    x_q, x_s = quant.quantize_activations(torch.randn(2, 128, device=DEVICE).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, swiglu_into=_swiglu_buffers(2, 192))
+    w_q, w_s = fp8_weight(256, 128)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn \[2, 128\]"):
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, swiglu_into=_swiglu_buffers(3, 128))
+    q, _ = _swiglu_buffers(2, 128)
+    with pytest.raises(ValueError, match="activation scales"):
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, swiglu_into=(q, torch.ones(2, 1, device=DEVICE)))
+    with pytest.raises(ValueError, match="not unreduced"):
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, swiglu_into=_swiglu_buffers(2, 128), unreduced=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 128])
+def test_s2_gate_up_quantizing_swiglu_in_a_graph_gpu(m: int) -> None:
+    """S2's gate+up at the tuned configs (the Gluon kernel up to M = 64, Triton's at 128), in a
+    CUDA graph right behind the quantization of its input and before the down projection that
+    reads what it leaves, replayed with new input: the down projection's output is that of the
+    separate `swiglu_quantize` launch bit for bit, every replay."""
+    (n, k), (n2, k2) = S2_SHAPES["gate_up"], S2_SHAPES["down"]
+    w_q, w_s = fp8_weight(n, k)
+    w2_q, w2_s = fp8_weight(n2, k2)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    x_q, x_s = quant.quantize_activations(x)
+    config = gemm.pick_config(n, k, m, x.device, fp8_activations=True)
+    assert gemm.fuses_swiglu_out(config)
+    act = _swiglu_buffers(m, k2)
+    down_config = gemm.pick_config(n2, k2, m, x.device, fp8_activations=True)
+    need = [gemm.SplitKWorkspace.required(m, n, config, k, swiglu_out=True)]
+    need.append(gemm.SplitKWorkspace.required(m, n2, down_config, k2))
+    workspace = gemm.SplitKWorkspace(max(p for p, _ in need), max(t for _, t in need), DEVICE)
+    gate_up = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    down = torch.empty(m, n2, dtype=torch.bfloat16, device=DEVICE)
+
+    def step() -> None:
+        quant.quantize_activations(x, out=x_q, scales=x_s)
+        gemm.fp8_gemm(x_q, x_s, w_q, w_s, out=gate_up, workspace=workspace, swiglu_into=act)
+        gemm.fp8_gemm(*act, w2_q, w2_s, out=down, workspace=workspace)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        down.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_gate_up = gemm.fp8_gemm(*quant.quantize_activations(x), w_q, w_s)
+        want = gemm.fp8_gemm(*quant.swiglu_quantize(want_gate_up), w2_q, w2_s)
+        assert torch.equal(gate_up, want_gate_up) and torch.equal(down, want), m
+    assert not workspace.counters.any()
