@@ -508,50 +508,6 @@ def test_norm_gathering_the_codes_equals_the_gather_launch(tmp_path, monkeypatch
         DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["gate-up-epilogue", "split-gate-up"])
-def test_gate_up_quantizing_swiglu_equals_the_quantization_launch(tmp_path, monkeypatch, split: bool) -> None:
-    """`DecodeStep.swiglu_in_gate_up`: every MLP's gate+up GEMM leaves the down projection's
-    quantized input itself (no `swiglu_quantize` launch in the step); the whole step (frames,
-    window, next tokens) equals the step with the launches bit for bit. With the GEMMs forced to
-    split K the epilogue cannot run and the GEMM launches the quantization itself: again equal."""
-    from shoal.kernels import fp8_gemm, quant
-
-    if split:
-        two_splits = fp8_gemm.GemmConfig(block_m=16, block_n=32, split_k=2, num_warps=2, num_stages=1)
-        monkeypatch.setattr(fp8_gemm, "pick_config", lambda *args, **kwargs: two_splits)
-    launches = {"step": [], "gemm": []}
-    original = quant.swiglu_quantize
-    for module, calls in ((quant, launches["step"]), (fp8_gemm, launches["gemm"])):
-
-        def counting(*args, _calls=calls, **kwargs):
-            _calls.append(1)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(module, "swiglu_quantize", counting)
-    model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
-    mlps = len(model.layers) + (model.config.num_codebooks - 1) * len(model.fast_layers)
-    outputs = []
-    for fused in (True, False):
-        monkeypatch.setenv("SHOAL_SWIGLU_IN_GATE_UP", "1" if fused else "0")
-        step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
-        assert step.swiglu_in_gate_up == fused
-        step.fp8.reserve(graph_row_counts([2]))
-        step.norm_split_max_rows = 1 << 20
-        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
-        for name in fields:
-            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
-        for calls in launches.values():
-            calls.clear()
-        with torch.no_grad():
-            step(b, True)
-        want = {"step": 0, "gemm": mlps if split else 0} if fused else {"step": mlps, "gemm": 0}
-        assert {name: len(calls) for name, calls in launches.items()} == want
-        outputs.append((b.frames.clone(), b.window.clone(), b.tokens.clone()))
-    for got, want in zip(*outputs, strict=True):
-        assert torch.equal(got, want)
-    assert not step.fp8.workspace.counters.any()
-
-
 @pytest.mark.parametrize(
     "split_rows,fused_fast", [(False, True), (True, False)], ids=["row-programs", "split-rows-unfused-fast"]
 )

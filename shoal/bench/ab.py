@@ -40,7 +40,6 @@ STEP_SWITCHES = frozenset(
         "norm_max_registers",
         "sample_chunks",
         "norm_gathers_codes",
-        "swiglu_in_gate_up",
     }
 )
 

@@ -198,11 +198,6 @@ class DecodeStep:
         # per pass. On the H200 (docs/performance.md run 166): batch-1 step 0.991x, batch 16
         # 1.003x and 64 1.000x (within their spread). `SHOAL_NORM_GATHERS_CODES=0`: the launch.
         self.norm_gathers_codes = use_kernels and env_switch("SHOAL_NORM_GATHERS_CODES", ("1", "0")) == "1"
-        # The MLP's gate+up GEMM quantizes SwiGLU of its output for the down projection in its
-        # own epilogue (the last program of each 128-column group; `fp8_gemm`'s `swiglu_into`)
-        # instead of a `swiglu_quantize` launch between the two GEMMs: the same bits, a kernel
-        # boundary fewer per MLP. `SHOAL_SWIGLU_IN_GATE_UP=0`: the launch.
-        self.swiglu_in_gate_up = use_kernels and env_switch("SHOAL_SWIGLU_IN_GATE_UP", ("1", "0")) == "1"
         # Pinned host ring [R, max_batch, N+1] the step's last kernel writes the frames into while
         # it advances the step's metadata for the next step (`kernels.window.StepAdvance`); set by
         # `ModelRunner.advance_on_device`, None: the metadata comes from the host every step.
@@ -443,9 +438,7 @@ class DecodeStep:
                     F.silu(F.linear(normed, ff.w1.weight)) * F.linear(normed, ff.w3.weight), ff.w2.weight
                 )
             else:
-                out = fp8.mlp(
-                    layer, normed, self.norm_reduces_partials, swiglu_in_gate_up=self.swiglu_in_gate_up
-                )
+                out = fp8.mlp(layer, normed, unreduced=self.norm_reduces_partials)
             last = i + 1 == len(layers)
             following = final_weight if last else layers[i + 1].attention_norm.weight
             target = None if last else fp8_target(layers[i + 1], "qkv")

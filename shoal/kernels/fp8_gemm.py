@@ -45,7 +45,6 @@ from shoal.kernels.quant import (
     check_activation_scales,
     round_to_bf16,
     silu_times,
-    swiglu_quantize,
 )
 
 ACT_BF16 = 0
@@ -311,15 +310,9 @@ class SplitKWorkspace:
         self.counters = torch.zeros(max(1, max_tiles), dtype=torch.int32, device=device)
 
     @staticmethod
-    def required(
-        m: int, n: int, config: GemmConfig, k: int | None = None, swiglu_out: bool = False
-    ) -> tuple[int, int]:
+    def required(m: int, n: int, config: GemmConfig, k: int | None = None) -> tuple[int, int]:
         """(fp32 partial elements, counters) a launch with this config needs (bf16 partials
-        take half the fp32 elements). Stream-K configs need K too (their slot count).
-        `swiglu_out`: the launch quantizes SwiGLU of its gate | up output (`swiglu_into`), which
-        where the config lets it (`fuses_swiglu_out`) takes a counter per M tile and group."""
-        if swiglu_out and fuses_swiglu_out(config):
-            return 0, triton.cdiv(m, config.block_m) * (n // 2 // GROUP)
+        take half the fp32 elements). Stream-K configs need K too (their slot count)."""
         if config.stream_k:
             if k is None:
                 raise ValueError("a stream-K config's workspace depends on K: pass k")
@@ -337,10 +330,8 @@ class SplitKWorkspace:
         """The flat partial buffer in the config's partial dtype (one memory, two views)."""
         return self.partials.view(torch.bfloat16) if config.bf16_partials else self.partials
 
-    def check(
-        self, m: int, n: int, config: GemmConfig, k: int | None = None, swiglu_out: bool = False
-    ) -> None:
-        partials, tiles = self.required(m, n, config, k, swiglu_out)
+    def check(self, m: int, n: int, config: GemmConfig, k: int | None = None) -> None:
+        partials, tiles = self.required(m, n, config, k)
         if partials > self.partials.numel() or tiles > self.counters.numel():
             raise ValueError(
                 f"split-K workspace too small: need {partials} partials and {tiles} counters, "
@@ -380,35 +371,12 @@ class SplitKPartials:
         return total.to(torch.bfloat16)
 
 
-def fuses_swiglu_out(config: GemmConfig) -> bool:
-    """Whether a launch with this config quantizes SwiGLU of its gate | up output in its own
-    epilogue (`swiglu_into`): one program per output tile (no split, no stream-K), so a tile's
-    values are final when its program arrives at the group's counter. Otherwise `swiglu_quantize`
-    runs right after the GEMM: the same bits, one launch more."""
-    return config.split_k == 1 and not config.stream_k
-
-
-def _check_swiglu_into(swiglu_into: tuple[torch.Tensor, torch.Tensor], m: int, n: int) -> int:
-    """Raise unless `swiglu_into` is (e4m3 [m, n/2], scales) for a gate | up output of n columns
-    whose halves are whole 128-column groups; returns the intermediate size n/2."""
-    q, scales = swiglu_into
-    inter = n // 2
-    if n % (2 * GROUP):
-        raise ValueError(f"a gate | up output quantized as SwiGLU needs N a multiple of {2 * GROUP}, got {n}")
-    if q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (m, inter) or q.stride(1) != 1:
-        raise ValueError(f"SwiGLU activations must be float8_e4m3fn [{m}, {inter}] with unit column stride")
-    check_activation_scales(scales, m, inter)
-    return inter
-
-
 _default_workspaces: dict[torch.device, SplitKWorkspace] = {}
 
 
-def _workspace_for(
-    device: torch.device, m: int, n: int, k: int, config: GemmConfig, swiglu_out: bool = False
-) -> SplitKWorkspace:
+def _workspace_for(device: torch.device, m: int, n: int, k: int, config: GemmConfig) -> SplitKWorkspace:
     """A lazily grown per-device workspace, for callers (tests, eager use) that pass none."""
-    need_partials, need_tiles = SplitKWorkspace.required(m, n, config, k, swiglu_out)
+    need_partials, need_tiles = SplitKWorkspace.required(m, n, config, k)
     current = _default_workspaces.get(device)
     if current is None or current.partials.numel() < need_partials or current.counters.numel() < need_tiles:
         have_p = current.partials.numel() if current else 0
@@ -430,27 +398,6 @@ def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, S
     return tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _swiglu_quantize_group(
-    out_ptr, q_ptr, q_scale_ptr, first_row, group, M, inter, stride_om, stride_qm, stride_qsm, stride_qsg,
-    BLOCK_M: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
-):  # fmt: skip
-    """`swiglu_quantize` of one 128-column group for rows [first_row, first_row + BLOCK_M) of the
-    gate | up output this launch stored (read back from L2), in 16-row slices: its bits."""
-    ROWS: tl.constexpr = 16 if BLOCK_M > 16 else BLOCK_M
-    cols = group * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
-    for r in tl.static_range(0, BLOCK_M, ROWS):
-        rows = first_row + r + tl.arange(0, ROWS)
-        row_ok = rows < M
-        mask = row_ok[:, None] & (cols < inter)[None, :]
-        gate_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-        gate = tl.load(gate_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        up = tl.load(gate_ptrs + inter, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        q, scale = _quantize_groups(silu_times(gate, up), FP8_MAX_, MIN_SCALE_)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
-        tl.store(q_scale_ptr + rows * stride_qsm + group * stride_qsg, scale, mask=row_ok)
-
-
 # M (and the activation-scale stride, which equals M) is not specialized: one binary per (shape,
 # config) serves every M of a bucket, which keeps the benchmark's sweep affordable.
 @triton.jit(do_not_specialize=["M", "stride_asg"])
@@ -464,8 +411,6 @@ def _fp8_gemm_kernel(
     out_ptr,
     partial_ptr,
     counter_ptr,
-    q_ptr,
-    q_scale_ptr,
     M,
     N,
     K,
@@ -477,12 +422,8 @@ def _fp8_gemm_kernel(
     stride_wsn,
     stride_wsk,
     stride_om,
-    stride_qm,
-    stride_qsm,
-    stride_qsg,
     ACT_MODE: tl.constexpr,
     SWIGLU: tl.constexpr,
-    SWIGLU_OUT_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr,
@@ -611,18 +552,6 @@ def _fp8_gemm_kernel(
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, round_to_bf16(acc), mask=out_mask)
-        if SWIGLU_OUT_GROUPS:  # the output is gate | up: the group's last tile quantizes SwiGLU
-            tl.debug_barrier()  # every thread's store is written before the release below
-            inter = N // 2
-            group = (pid_n * BLOCK_N % inter) // BLOCK_K_  # a gate tile, or the up tile of the same columns
-            counter = counter_ptr + pid_m * SWIGLU_OUT_GROUPS + group
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == 2 * (BLOCK_K_ // BLOCK_N) - 1:
-                _swiglu_quantize_group(
-                    out_ptr, q_ptr, q_scale_ptr, pid_m * BLOCK_M, group, M, inter, stride_om, stride_qm,
-                    stride_qsm, stride_qsg, BLOCK_M, BLOCK_K_, FP8_MAX_, MIN_SCALE_,
-                )  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         tile_offsets = offs_m[:, None] * N + offs_n[None, :]  # int32: split_k * M * N < 2**31
         split_stride = M * N
@@ -662,9 +591,7 @@ def check_weight_layout(w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
         raise ValueError(f"weight_scale must be row-major contiguous, got strides {w_scale.stride()}")
 
 
-def kernel_constants(
-    mode: int, swiglu: bool, k: int, config: GemmConfig, leave_partials: bool, swiglu_out_groups: int = 0
-) -> dict:
+def kernel_constants(mode: int, swiglu: bool, k: int, config: GemmConfig, leave_partials: bool) -> dict:
     """The split-K kernel's compile-time arguments for a launch (all but USE_PDL), in one place
     for `_launch` and for `scripts/inspect_gemm_sm90.py`, which compiles what a launch would."""
     steps = triton.cdiv(triton.cdiv(k, BLOCK_K), config.split_k)
@@ -672,7 +599,6 @@ def kernel_constants(
     return {
         "ACT_MODE": mode,
         "SWIGLU": swiglu,
-        "SWIGLU_OUT_GROUPS": swiglu_out_groups,
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K_": BLOCK_K,
@@ -702,7 +628,6 @@ def _launch(
     workspace: SplitKWorkspace | None,
     config: GemmConfig | None,
     unreduced: bool = False,
-    swiglu_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | SplitKPartials:
     check_weight_layout(w_q, w_scale)
     n, k = w_q.shape
@@ -717,10 +642,6 @@ def _launch(
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
         raise ValueError(f"out must be bfloat16 [{m}, {n}] with unit column stride")
-    if swiglu_into is not None:
-        if unreduced:
-            raise ValueError("a GEMM quantizing SwiGLU of its output (swiglu_into) reduces it: not unreduced")
-        inter = _check_swiglu_into(swiglu_into, m, n)
     if m == 0:
         return out
     if config is None:
@@ -733,18 +654,11 @@ def _launch(
         config = dataclasses.replace(config, scales_ahead=False)  # the scales of quantized inputs
     if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK_K} (one weight-scale row per tile): {config}")
-    fused_swiglu = swiglu_into is not None and fuses_swiglu_out(config)
     if workspace is None:
-        workspace = _workspace_for(a.device, m, n, k, config, fused_swiglu)
-    workspace.check(m, n, config, k, fused_swiglu)
-    if swiglu_into is not None and not fused_swiglu:  # the GEMM, then the quantization launch
-        result = _launch(mode, a, a_scale, w_q, w_scale, swiglu, out, workspace, config)
-        swiglu_quantize(result, out=swiglu_into[0], scales=swiglu_into[1])
-        return result
+        workspace = _workspace_for(a.device, m, n, k, config)
+    workspace.check(m, n, config, k)
     if config.stream_k:
         return _launch_stream_k(mode, a, a_scale, w_q, w_scale, out, workspace, config, unreduced)
-    q, q_scale = swiglu_into if fused_swiglu else (out, w_scale)  # else unused
-    swiglu_groups = inter // GROUP if fused_swiglu else 0
     if a_scale is None:
         a_scale_arg, stride_asm, stride_asg = w_scale, 0, 0  # unused by the bf16/inline modes
     else:
@@ -760,7 +674,7 @@ def _launch(
             swapped=config.swap_ab, num_stages=config.num_stages, tiles_before_wait=config.tiles_before_wait,
             num_warps=config.num_warps, bf16_partials=config.bf16_partials,
             leave_partials=leave_partials, launch=pdl_launch(), tma_scales=config.tma_scales,
-            vector_stores=config.vector_stores, swiglu_into=swiglu_into if fused_swiglu else None,
+            vector_stores=config.vector_stores,
         )  # fmt: skip
         return _result(out, workspace, config, m, n, leave_partials)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
@@ -783,8 +697,6 @@ def _launch(
         out,
         workspace.partials_for(config),
         workspace.counters,
-        q,
-        q_scale,
         m,
         n,
         k,
@@ -796,10 +708,7 @@ def _launch(
         w_scale.stride(0),
         w_scale.stride(1),
         out.stride(0),
-        q.stride(0),
-        q_scale.stride(0),
-        q_scale.stride(1),
-        **kernel_constants(mode, swiglu, k, config, leave_partials, swiglu_groups),
+        **kernel_constants(mode, swiglu, k, config, leave_partials),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(),
@@ -882,21 +791,13 @@ def fp8_gemm(
     workspace: SplitKWorkspace | None = None,
     config: GemmConfig | None = None,
     unreduced: bool = False,
-    swiglu_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | SplitKPartials:
     """W8A8 with pre-quantized activations (`kernels.quant`): [M, K] e4m3 x [N, K] e4m3 -> bf16 [M, N].
     `unreduced`: a split-K launch returns its `SplitKPartials` instead (`out` is then not written);
-    a launch without split returns `out` as usual.
-
-    `swiglu_into` = (e4m3 [M, N/2], scales [M, N/256] group-major): the output is the MLP's
-    gate | up, and these receive `swiglu_quantize(out)`, the down projection's input, with its
-    bits. Where one program owns each output tile (`fuses_swiglu_out`) the launch does it itself:
-    each program arrives at a counter of its 128-column group (the group's gate tiles and up
-    tiles: four of 64 columns) and the last to arrive reads the group's gate and up back from L2 and quantizes
-    them, so no quantization launch (a kernel boundary) sits between the MLP's two GEMMs."""
+    a launch without split returns `out` as usual."""
     if x_q.dtype != torch.float8_e4m3fn:
         raise ValueError("fp8_gemm takes e4m3 activations; use fp8_linear for bf16 input")
-    return _launch(ACT_FP8, x_q, x_scale, w_q, w_scale, False, out, workspace, config, unreduced, swiglu_into)
+    return _launch(ACT_FP8, x_q, x_scale, w_q, w_scale, False, out, workspace, config, unreduced)
 
 
 def fp8_linear(

@@ -47,12 +47,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from shoal.kernels.quant import FP8_MAX, MIN_SCALE, quantize_by, scale_from_amax, silu_times
-
 BLOCK = 128  # K columns per step: one weight-scale column
 BLOCK_K = gl.constexpr(BLOCK)
-FP8_MAX_ = gl.constexpr(FP8_MAX)
-MIN_SCALE_ = gl.constexpr(MIN_SCALE)
 
 
 @gluon.jit
@@ -99,13 +95,12 @@ def _next_scales(
 
 @gluon.jit
 def _fp8_gemm_prefetch_kernel(
-    w_desc, a_desc, s_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr, q_ptr, q_scale_ptr,
-    M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om, stride_qm, stride_qsm, stride_qsg,
+    w_desc, a_desc, s_desc, w_scale_ptr, a_scale_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, k_blocks, stride_wsn, stride_asm, stride_asg, stride_om,
     STEPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
     SWAPPED: gl.constexpr, LEAVE_PARTIALS: gl.constexpr, BF16_PARTIALS: gl.constexpr,
     TMA_SCALES: gl.constexpr, SCALES_FIRST: gl.constexpr, VECTOR_STORES: gl.constexpr,
-    STORE_BYTES: gl.constexpr, SWIGLU_OUT_GROUPS: gl.constexpr, USE_PDL: gl.constexpr,
-    num_warps: gl.constexpr,
+    STORE_BYTES: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = w_desc.block_type.shape[0]  # weight rows of the tile
     BM: gl.constexpr = a_desc.block_type.shape[0]  # activation rows of the tile
@@ -224,18 +219,6 @@ def _fp8_gemm_prefetch_kernel(
     out_ptrs = out_ptr + rows_m.to(gl.int64) * stride_om + rows_n
     if SPLIT_K == 1:
         gl.store(out_ptrs, acc.to(gl.bfloat16), mask=mask)
-        if SWIGLU_OUT_GROUPS:  # the output is gate | up: the group's last tile quantizes SwiGLU
-            gl.thread_barrier()  # every thread's store is written before the release below
-            inter = N // 2
-            group = (off_n % inter) // BLOCK_K  # a gate tile, or the up tile of the same columns
-            counter = counter_ptr + pid_m * SWIGLU_OUT_GROUPS + group
-            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == 2 * (BLOCK_K // BN) - 1:
-                _swiglu_quantize_group(
-                    out_ptr, q_ptr, q_scale_ptr, off_m, group, M, inter, stride_om, stride_qm, stride_qsm,
-                    stride_qsg, BM, num_warps,
-                )  # fmt: skip
-                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         split_stride = M * N
         if BF16_PARTIALS:
@@ -257,31 +240,6 @@ def _fp8_gemm_prefetch_kernel(
                     ).to(gl.float32)
                 gl.store(out_ptrs, total.to(gl.bfloat16), mask=mask)
                 gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
-def _swiglu_quantize_group(
-    out_ptr, q_ptr, q_scale_ptr, first_row, group, M, inter, stride_om, stride_qm, stride_qsm, stride_qsg,
-    BM: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    """`swiglu_quantize` of one 128-column group for rows [first_row, first_row + BM) of the gate |
-    up output this launch stored (read back from L2), in slices of at most 16 rows, with
-    `kernels/quant.py`'s functions: its bits (`fp8_gemm._swiglu_quantize_group` in Triton)."""
-    ROWS: gl.constexpr = 16 if BM > 16 else BM
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
-    cols = group * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    for r in gl.static_range(0, BM, ROWS):
-        rows = first_row + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        row_ok = rows < M
-        mask = row_ok[:, None] & (cols < inter)[None, :]
-        gate_ptrs = out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :]
-        gate = gl.load(gate_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
-        up = gl.load(gate_ptrs + inter, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
-        x = silu_times(gate, up)
-        scale = scale_from_amax(gl.max(gl.abs(x), axis=1), FP8_MAX_, MIN_SCALE_)
-        q = quantize_by(x, scale[:, None], FP8_MAX_)
-        gl.store(q_ptr + rows[:, None].to(gl.int64) * stride_qm + cols[None, :], q, mask=mask)
-        gl.store(q_scale_ptr + rows * stride_qsm + group * stride_qsg, scale, mask=row_ok)
 
 
 @gluon.constexpr_function
@@ -328,7 +286,6 @@ def check_tile(block_m: int, block_n: int, swapped: bool, num_warps: int) -> Non
 def _kernel_constants(
     k: int, *, split_k: int, swapped: bool, num_stages: int, tiles_before_wait: int,
     leave_partials: bool, bf16_partials: bool, tma_scales: bool, scales_first: bool, vector_stores: bool,
-    swiglu_out_groups: int = 0,
 ) -> dict:  # fmt: skip
     """The kernel's compile-time constants for one launch shape (USE_PDL comes with the launch)."""
     return {
@@ -338,7 +295,6 @@ def _kernel_constants(
         "TMA_SCALES": tma_scales, "SCALES_FIRST": scales_first, "VECTOR_STORES": vector_stores,
         # the bytes of what the epilogue stores: fp32 partials, else bf16 (its layout's vector width)
         "STORE_BYTES": 4 if split_k > 1 and not bf16_partials else 2,
-        "SWIGLU_OUT_GROUPS": swiglu_out_groups,
     }  # fmt: skip
 
 
@@ -406,10 +362,8 @@ def launch_prefetch_gemm(
     launch: dict,
     tma_scales: bool = False,
     vector_stores: bool = False,
-    swiglu_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace,
-    and that a launch with `swiglu_into` (`fp8_gemm.fp8_gemm`'s) has no split."""
+    """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     check_tile(block_m, block_n, swapped, num_warps)
     (m, k), n = a.shape, w_q.shape[0]
     if k % 16:
@@ -419,15 +373,12 @@ def launch_prefetch_gemm(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=flat is not None,
         scales_first=tma_scales, vector_stores=vector_stores,
-        swiglu_out_groups=n // 2 // BLOCK if swiglu_into is not None else 0,
     )  # fmt: skip
     s_desc = _scale_descriptor(flat, block_m) if flat is not None else a_scale  # else unused
-    q, q_scale = swiglu_into if swiglu_into is not None else (out, a_scale)  # else unused
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _fp8_gemm_prefetch_kernel[grid](
         _descriptor(w_q, block_n), _descriptor(a, block_m), s_desc, w_scale, a_scale, out, partials, counters,
-        q, q_scale, m, n, triton.cdiv(k, BLOCK), w_scale.stride(0), a_scale.stride(0), a_scale.stride(1),
-        out.stride(0), q.stride(0), q_scale.stride(0), q_scale.stride(1),
+        m, n, triton.cdiv(k, BLOCK), w_scale.stride(0), a_scale.stride(0), a_scale.stride(1), out.stride(0),
         **constants, num_warps=num_warps, **launch,
     )  # fmt: skip
 
@@ -436,7 +387,6 @@ def compile_for_hopper(
     m: int, n: int, k: int, *, block_m: int, block_n: int, split_k: int, num_stages: int,
     tiles_before_wait: int, leave_partials: bool, bf16_partials: bool = False, use_pdl: bool = True,
     num_warps: int = 4, swapped: bool = True, tma_scales: bool = False, vector_stores: bool = False,
-    swiglu_out: bool = False,
 ):  # fmt: skip
     """The sm_90 build of one launch, on any machine (no GPU needed): for tests that read its PTX
     (where the weight copies sit against the PDL wait) and for `scripts/`-style inspection."""
@@ -449,7 +399,6 @@ def compile_for_hopper(
         k, split_k=split_k, swapped=swapped, num_stages=num_stages, tiles_before_wait=tiles_before_wait,
         leave_partials=leave_partials, bf16_partials=bf16_partials, tma_scales=tma_scales,
         scales_first=tma_scales, vector_stores=vector_stores,
-        swiglu_out_groups=n // 2 // BLOCK if swiglu_out else 0,
     ) | {"USE_PDL": use_pdl, "num_warps": num_warps}  # fmt: skip
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta")
@@ -459,8 +408,7 @@ def compile_for_hopper(
         w_desc=mangle_type(_descriptor(w, block_n)), a_desc=mangle_type(_descriptor(a, block_m)),
         s_desc=mangle_type(_scale_descriptor(scales, block_m)) if tma_scales else "*fp32",
         w_scale_ptr="*fp32", a_scale_ptr="*fp32", out_ptr="*bf16",
-        partial_ptr="*bf16" if bf16_partials else "*fp32", counter_ptr="*i32", q_ptr="*fp8e4nv",
-        q_scale_ptr="*fp32",
+        partial_ptr="*bf16" if bf16_partials else "*fp32", counter_ptr="*i32",
     )  # fmt: skip
     names = kernel.arg_names
     constexprs = {(names.index(name),): value for name, value in constants.items()}
@@ -468,8 +416,7 @@ def compile_for_hopper(
     # whether a store can be vectorized, so a reading without it is not the GPU's build).
     k_blocks = triton.cdiv(k, BLOCK)
     values = {"M": m, "N": n, "k_blocks": k_blocks, "stride_wsn": k_blocks, "stride_asm": 1,
-              "stride_asg": m, "stride_om": n, "stride_qm": n // 2, "stride_qsm": 1,
-              "stride_qsg": m}  # fmt: skip
+              "stride_asg": m, "stride_om": n}  # fmt: skip
     aligned = [i for i, name in enumerate(names) if name.endswith("_ptr") or values.get(name, 1) % 16 == 0]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)

@@ -293,8 +293,6 @@ class Fp8Projections:
             for block in self.blocks.values():
                 if block.gate_up is None and ("halves", block.w1.n, m) not in self._buffers:
                     self._buffers[("halves", block.w1.n, m)] = self._halves(m, block.w1.n, device)
-                if block.gate_up is not None:
-                    self._act_buffers(m, block.w2.k, device, "swiglu")
             if self.backend == "triton":
                 p, t = self._workspace_need(m)
                 partials, tiles = max(partials, p), max(tiles, t)
@@ -308,12 +306,9 @@ class Fp8Projections:
         from shoal.kernels.fp8_gemm import SplitKWorkspace, pick_config
 
         partials, tiles = 0, 0
-        gate_ups = {id(b.gate_up) for b in self.blocks.values()}
         for w in self.weights():  # every FP8 variant, so that the table may change after reserve
             for fp8_activations in (True, False):
                 config = pick_config(w.n, w.k, m, w.q.device, fp8_activations=fp8_activations)
-                p, t = SplitKWorkspace.required(m, w.n, config, w.k, swiglu_out=id(w) in gate_ups)
-                partials, tiles = max(partials, p), max(tiles, t)
                 p, t = SplitKWorkspace.required(m, w.n, config, w.k)
                 partials, tiles = max(partials, p), max(tiles, t)
         return partials, tiles
@@ -329,14 +324,11 @@ class Fp8Projections:
             buffer = self._buffers[key] = make()
         return buffer
 
-    def _act_buffers(self, m: int, k: int, device, use: str = "act") -> tuple[Tensor, Tensor]:
-        """Quantized activations (e4m3 [m, k], scales) for a K of k; `use="swiglu"`: the ones the
-        gate+up GEMM writes for the down projection, never those it reads (when the model's dim
-        equals its intermediate size, the two K are equal)."""
+    def _act_buffers(self, m: int, k: int, device) -> tuple[Tensor, Tensor]:
         from shoal.kernels.quant import new_activation_scales
 
-        q = self._buffer((use, k, m), lambda: torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device))
-        scales = self._buffer((use + " scales", k, m), lambda: new_activation_scales(m, k, device))
+        q = self._buffer(("act", k, m), lambda: torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device))
+        scales = self._buffer(("scale", k, m), lambda: new_activation_scales(m, k, device))
         return q, scales
 
     def _static(self, m: int) -> bool:
@@ -380,25 +372,12 @@ class Fp8Projections:
         """The o projection; `unreduced`: see `_linear`."""
         return self._linear(self.blocks[id(block)].wo, x, unreduced=unreduced)
 
-    def mlp(
-        self,
-        block: nn.Module,
-        x: Tensor | tuple[Tensor, Tensor],
-        unreduced: bool = False,
-        swiglu_in_gate_up: bool = False,
-    ):
+    def mlp(self, block: nn.Module, x: Tensor | tuple[Tensor, Tensor], unreduced: bool = False):
         """w2(silu(w1 x) * w3 x) with SwiGLU fused into the down projection's activation load;
-        `unreduced` applies to the down projection (see `_linear`). `swiglu_in_gate_up`: where
-        both GEMMs run W8A8 from reserved buffers on one [w1; w3] weight, the gate+up GEMM writes
-        the down projection's quantized input itself (`fp8_gemm`'s `swiglu_into`): no
-        quantization launch between them, the same bits."""
+        `unreduced` applies to the down projection (see `_linear`)."""
         b = self.blocks[id(block)]
         out_dtype = torch.bfloat16 if isinstance(x, tuple) else x.dtype
         m, device = x[0].shape[0] if isinstance(x, tuple) else x.shape[0], b.w2.q.device
-        if swiglu_in_gate_up and self._quantizes_swiglu_in_gate_up(b, m):
-            act = self._act_buffers(m, b.w2.k, device, "swiglu")
-            self._linear(b.gate_up, x, keep_bf16=True, swiglu_into=act)
-            return self._linear(b.w2, act, out_dtype=out_dtype, unreduced=unreduced)
         if b.gate_up is not None:
             gate_up = self._linear(b.gate_up, x, keep_bf16=True)
         else:
@@ -412,16 +391,6 @@ class Fp8Projections:
             self._linear(b.w1, x, keep_bf16=True, out=gate_up[:, :inter])
             self._linear(b.w3, x, keep_bf16=True, out=gate_up[:, inter:])
         return self._linear(b.w2, gate_up, swiglu=True, out_dtype=out_dtype, unreduced=unreduced)
-
-    def _quantizes_swiglu_in_gate_up(self, b: _Block, m: int) -> bool:
-        return (
-            self.backend == "triton"
-            and b.gate_up is not None
-            and b.gate_up.bias is None  # a bias is added after the GEMM: too late for its epilogue
-            and self._static(m)
-            and self.variant(b.gate_up.n, b.gate_up.k, m) == "w8a8"
-            and self.variant(b.w2.n, b.w2.k, m) == "w8a8"
-        )
 
     @staticmethod
     def _halves(m: int, inter: int, device) -> Tensor:
@@ -437,7 +406,6 @@ class Fp8Projections:
         out: Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         unreduced: bool = False,
-        swiglu_into: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | SplitKPartials:
         """x [M, K] (gate | up [M, 2K] with `swiglu`) -> [M, N]: bf16 with `keep_bf16` (an
         intermediate), else the input's dtype (`out_dtype` when given). x may be an already
@@ -446,8 +414,7 @@ class Fp8Projections:
         `unreduced`: where our split-K kernel runs (bias-free, bf16 result), return its
         `kernels.fp8_gemm.SplitKPartials` for the kernel reading the output (`rms_norm` or
         `qk_norm_rope_kv_write` of `kernels/norm_rope.py`) to sum; it must be the next kernel to
-        run. Other variants return the tensor as usual. `swiglu_into`: see `fp8_gemm.fp8_gemm`
-        (W8A8 only)."""
+        run. Other variants return the tensor as usual."""
         quantized = x if isinstance(x, tuple) else None  # (e4m3, scales) from `fp8_input`
         lead = x[0] if quantized is not None else x
         m = lead.shape[0]
@@ -476,10 +443,7 @@ class Fp8Projections:
         if quantized is not None:
             from shoal.kernels.fp8_gemm import fp8_gemm
 
-            result = fp8_gemm(
-                *quantized, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced,
-                swiglu_into=swiglu_into,
-            )  # fmt: skip
+            result = fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
         elif variant == "bf16":
             a = x.to(torch.bfloat16)
             if swiglu:  # as the bf16 model computes it: silu and product in bf16
@@ -494,9 +458,7 @@ class Fp8Projections:
             q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
             quantize = swiglu_quantize if swiglu else quantize_activations
             q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
-            result = fp8_gemm(
-                q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced, swiglu_into=swiglu_into
-            )
+            result = fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
         else:
             from shoal.kernels.fp8_gemm import fp8_linear
 
