@@ -515,24 +515,25 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
     tmp_path, monkeypatch, split_rows: bool, fused_fast: bool
 ) -> None:
     """Every FP8 GEMM forced to split K in two: the o and down projections hand their partials to
-    the norm after them, qkv to the QK-norm/RoPE/KV-write kernel (which the fused fast attention
-    replaces: there qkv reduces itself). Each hand-over must actually happen, and the step's
+    the norm after them, qkv to the QK-norm/RoPE/KV-write kernel, or in the fast layers to the
+    fused fast attention that replaces it. Each hand-over must actually happen, and the step's
     outputs equal, bit for bit, those of the step whose GEMMs all reduce their own partials; both
     row layouts of the norm (one program per row; rows split over programs, the residual stream in
     two buffers), the fast layers fused or not."""
-    from shoal.kernels import fp8_gemm, norm_rope
+    from shoal.kernels import fast_attention, fp8_gemm, norm_rope
 
     two_splits = fp8_gemm.GemmConfig(block_m=16, block_n=32, split_k=2, num_warps=2, num_stages=1)
     monkeypatch.setattr(fp8_gemm, "pick_config", lambda *args, **kwargs: two_splits)
-    handed = {"rms_norm": [], "qk_norm_rope_kv_write": []}
+    handed = {"rms_norm": [], "qk_norm_rope_kv_write": [], "fast_rope_attention": []}
     for name, calls in handed.items():
-        original = getattr(norm_rope, name)
+        module = fast_attention if name == "fast_rope_attention" else norm_rope
+        original = getattr(module, name)
 
         def counting(x, *args, _original=original, _calls=calls, **kwargs):
             _calls.append(isinstance(x, fp8_gemm.SplitKPartials))
             return _original(x, *args, **kwargs)
 
-        monkeypatch.setattr(norm_rope, name, counting)
+        monkeypatch.setattr(module, name, counting)
     model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
     outputs = []
     for switch in ("1", "0"):
@@ -548,8 +549,9 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
         outputs.append(_slow_and_first_fast_pass(step, model, runner, fields))
         layers = len(model.layers) + len(model.fast_layers)
         rope_layers = len(model.layers) + (0 if fused_fast else len(model.fast_layers))
-        expected = (2 * layers, rope_layers) if switch == "1" else (0, 0)
-        assert (sum(handed["rms_norm"]), sum(handed["qk_norm_rope_kv_write"])) == expected, handed
+        fast_attention_layers = len(model.fast_layers) if fused_fast else 0
+        expected = (2 * layers, rope_layers, fast_attention_layers) if switch == "1" else (0, 0, 0)
+        assert tuple(sum(calls) for calls in handed.values()) == expected, handed
     for got, want in zip(*outputs, strict=True):
         assert torch.equal(got, want)
 

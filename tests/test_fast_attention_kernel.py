@@ -235,3 +235,58 @@ def test_full_s2_shapes(batch: int, with_norm: bool) -> None:
         want_q8, want_scales = quantize_activations(out.reshape(tokens, -1))
         assert torch.equal(q8.view(torch.uint8), want_q8.view(torch.uint8))
         assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
+
+
+def run_frame_on_partials(
+    batch: int, hq: int, hkv: int, d: int, with_norm: bool, part_dtype: torch.dtype
+) -> None:
+    """Each pass of a frame twice on copies of the pages: once on a split-K GEMM's partials (3
+    splits), once on their reduction (`SplitKPartials.reduce`, the GEMM's own bits): the same
+    output, FP8 output and pages, bit for bit."""
+    from shoal.kernels.fp8_gemm import SplitKPartials
+
+    gen = torch.Generator().manual_seed(7 * batch + with_norm)
+    table = rope_table(CODEBOOKS, d, 1e6).to(DEVICE)
+    weights = norm_weights(d, with_norm, gen)
+    k_pages, v_pages = poisoned_pages(batch, hkv, d), poisoned_pages(batch, hkv, d)
+    k_ref, v_ref = k_pages.clone(), v_pages.clone()
+    width = (hq + 2 * hkv) * d
+    for tokens_per_row, positions in frame_passes(batch):
+        tokens = positions.shape[0]
+        parts = (torch.randn(3, tokens, width, generator=gen) * 0.7).to(part_dtype).to(DEVICE)
+        partials = SplitKPartials(parts)
+        reduced = partials.reduce()
+        common = (positions, table)
+        rest = (tokens_per_row, hq, hkv, *weights)
+        got = fast_rope_attention(partials, *common, k_pages, v_pages, *rest)
+        want = fast_rope_attention(reduced, *common, k_ref, v_ref, *rest)
+        assert_same_bits(got, want)
+        assert_same_bits(k_pages, k_ref)
+        assert_same_bits(v_pages, v_ref)
+        if d == 128:
+            pairs = [(torch.empty(tokens, hq * d, dtype=torch.float8_e4m3fn, device=DEVICE),
+                      new_activation_scales(tokens, hq * d, DEVICE)) for _ in range(2)]  # fmt: skip
+            fast_rope_attention(partials, *common, k_pages, v_pages, *rest, out_fp8=pairs[0])
+            fast_rope_attention(reduced, *common, k_ref, v_ref, *rest, out_fp8=pairs[1])
+            assert torch.equal(pairs[0][0].view(torch.uint8), pairs[1][0].view(torch.uint8))
+            assert torch.equal(pairs[0][1], pairs[1][1])
+
+
+@pytest.mark.parametrize(
+    "part_dtype", [torch.float32, torch.bfloat16], ids=["fp32-partials", "bf16-partials"]
+)
+@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "norm"])
+def test_split_k_partials_give_the_reduced_qkvs_bits(with_norm: bool, part_dtype: torch.dtype) -> None:
+    run_frame_on_partials(batch=2, hq=4, hkv=2, d=32, with_norm=with_norm, part_dtype=part_dtype)
+
+
+def test_split_k_partials_with_fp8_output() -> None:
+    run_frame_on_partials(batch=1, hq=2, hkv=1, d=128, with_norm=False, part_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_split_k_partials_at_s2_shapes(batch: int) -> None:
+    """S2-Pro's fast layers on bf16 partials of 3 splits: the reduced qkv's bits."""
+    run_frame_on_partials(batch=batch, hq=32, hkv=8, d=128, with_norm=False, part_dtype=torch.bfloat16)

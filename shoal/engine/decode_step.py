@@ -172,11 +172,13 @@ class DecodeStep:
         # FP8 projections leave their split-K partials to the kernel that reads their output
         # (`kernels.fp8_gemm.SplitKPartials`): the GEMM skips its arrival atomic and reduction,
         # the consumer sums the partials while loading (same bits). o and down: the norm after
-        # them; qkv: the QK-norm/RoPE/KV-write kernel (not the fused fast attention).
+        # them; qkv: the QK-norm/RoPE/KV-write kernel, and in the fast transformer the fused fast
+        # attention (`fast_attention_reduces_partials`, on its own for `shoal bench ab`).
         # `SHOAL_SPLITK_CONSUMER=1|norm|0`: all of them, o and down only, none.
         switch = env_switch("SHOAL_SPLITK_CONSUMER", ("1", "norm", "0"))
         self.norm_reduces_partials = switch != "0"
         self.rope_reduces_partials = switch == "1"
+        self.fast_attention_reduces_partials = switch == "1"
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
         # (`kernels/fast_attention.py`) except for batches `two_launch_fast_from..to`: on the H200
         # the fused launch took the step from 4.46 to 4.42 ms at batch 1 (run 20), 5.41 to 5.37 at
@@ -410,8 +412,10 @@ class DecodeStep:
             attn = layer.attention
             if fp8 is None:
                 qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
-            else:  # partials (when unreduced) go to the QK-norm/RoPE kernel right after
-                qkv = fp8.qkv(layer, normed, unreduced=self.rope_reduces_partials and rope_attend is None)
+            else:  # partials (when unreduced) go to the QK-norm/RoPE kernel or fast attention after
+                fast = rope_attend is not None
+                summed = self.fast_attention_reduces_partials if fast else self.rope_reduces_partials
+                qkv = fp8.qkv(layer, normed, unreduced=summed)
             head_dim = qkv.shape[1] // (attn.n_head + 2 * attn.n_local_heads)
             target = fp8_target(layer, "out") if head_dim == GROUP else None  # a head per group
             if rope_attend is not None:

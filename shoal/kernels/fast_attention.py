@@ -47,7 +47,15 @@ import triton.language as tl
 from torch import Tensor
 
 from shoal.kernels.attention import _LOG2E, _check_out_fp8, _dot, _write_rows
-from shoal.kernels.norm_rope import _rms_scale, cast_rne, interpreting, norm_weight_halves
+from shoal.kernels.fp8_gemm import SplitKPartials
+from shoal.kernels.norm_rope import (
+    _consumer_input,
+    _rms_scale,
+    cast_rne,
+    interpreting,
+    load_summing_partials,
+    norm_weight_halves,
+)
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 # With QK-norm, one warp: the norm's 1-D reductions then run in the order of
@@ -60,10 +68,23 @@ PLAIN_WARPS = 4
 
 
 @triton.jit
+def _qkv_values(ptr, offs, split_stride, PARTS: tl.constexpr, EMULATE: tl.constexpr):
+    """ptr[offs] of qkv, or with PARTS > 0 of the qkv GEMM's split-K partials: their sum in fp32
+    from 0 in split order, rounded to bf16 once (`norm_rope.load_summing_partials`, unmasked)."""
+    if PARTS > 0:
+        total = tl.zeros(offs.shape, dtype=tl.float32)
+        for part in tl.static_range(PARTS):
+            total += tl.load(ptr + part * split_stride + offs).to(tl.float32)
+        return cast_rne(total, tl.bfloat16, EMULATE)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
 def _q_norm_rows(
-    x0, x1, qkv_ptr, first_token, stride_qkv, kv_head, w0, w1, offs, eps,
+    x0, x1, qkv_ptr, first_token, stride_qkv, split_stride, kv_head, w0, w1, offs, eps,
     TOKENS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-    HEAD_DIM: tl.constexpr, EMULATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PARTS: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     """`norm_rope._rms_scale` of the q tile's heads (x0/x1 [BLOCK_R, D/2] even/odd halves, row
     t * BLOCK_G + i = token t, head i of the group). Each head's mean square is reduced from the
@@ -75,8 +96,8 @@ def _q_norm_rows(
     for t in tl.static_range(TOKENS):
         for i in tl.static_range(GROUP):
             head = qkv_ptr + (first_token + t) * stride_qkv + (kv_head * GROUP + i) * HEAD_DIM
-            f0 = tl.load(head + 2 * offs).to(tl.float32)
-            f1 = tl.load(head + 2 * offs + 1).to(tl.float32)
+            f0 = _qkv_values(head, 2 * offs, split_stride, PARTS, EMULATE).to(tl.float32)
+            f1 = _qkv_values(head, 2 * offs + 1, split_stride, PARTS, EMULATE).to(tl.float32)
             mean_square = (tl.sum(f0 * f0, 0) + tl.sum(f1 * f1, 0)) / HEAD_DIM
             inv = tl.where(rows == t * BLOCK_G + i, 1.0 / tl.sqrt(mean_square + eps), inv)
     x0 = cast_rne(x0.to(tl.float32) * inv[:, None] * w0[None, :], x0.dtype, EMULATE)
@@ -98,16 +119,18 @@ def _rotation(position_ptr, table_ptr, stride_table, offs_h, position_limit):
 def _fast_rope_attention_kernel(
     qkv_ptr, positions_ptr, table_ptr, q_norm_ptr, k_norm_ptr, k_pages_ptr, v_pages_ptr,
     out_ptr, q8_ptr, scale_ptr, eps, scale_log2e, position_limit,
-    stride_qkv, stride_table, stride_page, stride_pos, stride_head,
+    stride_qkv, split_stride, stride_table, stride_page, stride_pos, stride_head,
     stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
     TOKENS: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, EMULATE: tl.constexpr,
-    UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (batch, Hkv): row b's TOKENS tokens x kv head h (module docstring). Tile rows of q
     are (token, head in group) pairs; a position outside [0, position_limit) writes nothing and
-    reads only its own page (padding rows of a CUDA-graph batch stay inside their page).
+    reads only its own page (padding rows of a CUDA-graph batch stay inside their page). With
+    PARTS > 0 qkv is the qkv GEMM's split-K partials (split stride `split_stride`), each value
+    summed while loading (`norm_rope.load_summing_partials`: the GEMM's own reduction's bits).
 
     Loads before the PDL wait: the norm weights, the positions and their RoPE rows
     (`fast_rope_attention`'s contract) and the page (written by earlier passes); after it qkv,
@@ -157,16 +180,15 @@ def _fast_rope_attention_kernel(
     # token per row went to memory in 3 dependent rounds, of two tokens in 7; here in 2 and 3
     # (each load's own layout change still follows it; docs/performance.md run 135).
     pair = tl.arange(0, 2)
+    pair_offsets = (2 * offs_h)[:, None] + pair[None, :]
     k_pairs = ()
     v_rows = ()
     for t in tl.static_range(TOKENS):
         src = qkv_ptr + (row * TOKENS + t) * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-        k_pairs = k_pairs + (tl.load(src + (2 * offs_h)[:, None] + pair[None, :]),)
-        v_rows = v_rows + (tl.load(src + NUM_KV_HEADS * HEAD_DIM + offs_d),)
-    q_pairs = tl.load(
-        qkv_ptr + (token_r * stride_qkv + head_r * HEAD_DIM)[:, None, None] + (2 * offs_h)[None, :, None]
-        + pair[None, None, :], mask=row_ok[:, None, None], other=0.0,
-    )  # fmt: skip
+        k_pairs = k_pairs + (_qkv_values(src, pair_offsets, split_stride, PARTS, EMULATE),)
+        v_rows = v_rows + (_qkv_values(src + NUM_KV_HEADS * HEAD_DIM, offs_d, split_stride, PARTS, EMULATE),)
+    q_offsets = (token_r * stride_qkv + head_r * HEAD_DIM)[:, None, None] + pair_offsets[None, :, :]
+    q_pairs = load_summing_partials(qkv_ptr, q_offsets, row_ok[:, None, None], split_stride, PARTS, EMULATE)
 
     # This row's new keys: normalized and rotated exactly as `_qk_norm_rope_kv_kernel` does, stored,
     # and put into the tiles in place of whatever the page held at their positions.
@@ -204,12 +226,12 @@ def _fast_rope_attention_kernel(
     x0, x1 = tl.split(q_pairs)
     if HAS_Q_NORM:
         x0, x1 = _q_norm_rows(
-            x0, x1, qkv_ptr, row * TOKENS, stride_qkv, kv_head, q_w0, q_w1, offs_h, eps,
-            TOKENS, GROUP, BLOCK_G, BLOCK_R, HEAD_DIM, EMULATE,
+            x0, x1, qkv_ptr, row * TOKENS, stride_qkv, split_stride, kv_head, q_w0, q_w1, offs_h, eps,
+            TOKENS, GROUP, BLOCK_G, BLOCK_R, HEAD_DIM, PARTS, EMULATE,
         )  # fmt: skip
     f0 = x0.to(tl.float32)
     f1 = x1.to(tl.float32)
-    q_type = qkv_ptr.dtype.element_ty
+    q_type = k_pages_ptr.dtype.element_ty  # qkv's (partials: what their sum is rounded to)
     q = tl.interleave(
         cast_rne(f0 * cos - f1 * sin, q_type, EMULATE), cast_rne(f1 * cos + f0 * sin, q_type, EMULATE)
     )
@@ -231,6 +253,7 @@ def _fast_rope_attention_kernel(
 
 def _check_inputs(
     qkv: Tensor,
+    qkv_dtype: torch.dtype,
     positions: Tensor,
     rope_table: Tensor,
     k_pages: Tensor,
@@ -271,8 +294,8 @@ def _check_inputs(
         raise ValueError(f"pages hold {list(k_pages.shape[2:])} per slot, need [{n_kv_heads}, {head_dim}]")
     if k_pages.shape[0] < tokens // tokens_per_row:
         raise ValueError(f"{tokens // tokens_per_row} rows need as many pages, got {k_pages.shape[0]}")
-    if not (qkv.dtype == k_pages.dtype == v_pages.dtype) or not qkv.dtype.is_floating_point:
-        dtypes = f"{qkv.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+    if not (qkv_dtype == k_pages.dtype == v_pages.dtype) or not qkv_dtype.is_floating_point:
+        dtypes = f"{qkv_dtype}, {k_pages.dtype}, {v_pages.dtype}"
         raise ValueError(f"qkv and the pages must share one floating dtype, got {dtypes}")
     for name, weight in zip(("q_norm_weight", "k_norm_weight"), norm_weights, strict=True):
         if weight is not None and (weight.shape != (head_dim,) or weight.stride(0) != 1):
@@ -281,7 +304,7 @@ def _check_inputs(
 
 
 def fast_rope_attention(
-    qkv: Tensor,
+    qkv: Tensor | SplitKPartials,
     positions: Tensor,
     rope_table: Tensor,
     k_pages: Tensor,
@@ -302,6 +325,9 @@ def fast_rope_attention(
     rope_table as `models.layers.rope_table`; k_pages/v_pages [num_pages >= batch, page_size,
     Hkv, D], row b in page b: its tokens' k/v land at slot b * page_size + position (where
     `qk_norm_rope_kv_write` puts them) and it attends causally over its keys 0..position.
+    qkv may be the qkv GEMM's `SplitKPartials` (bf16 pages): each value is summed from them while
+    loading, with the bits the GEMM's own reduction would store, so the GEMM skips its arrival
+    atomic, fence and last-program reduction on its tail.
     Norm weights: QK-norm (S1/S2 models that have it; None skips). Returns the attention output
     [T, Hq, D] (`out`, or new), or with `out_fp8` = (e4m3 [T, Hq*D], scales from
     `quant.new_activation_scales(T, Hq*D)`), D == 128, that pair filled for the FP8 o-projection.
@@ -313,8 +339,9 @@ def fast_rope_attention(
     Under PDL (`kernels/pdl.py`) `positions` and the table are read before the wait for the
     previous kernel: no kernel of the same graph or chain may write them (the engine's pass
     positions are constant buffers)."""
+    qkv, parts, split_stride, qkv_dtype = _consumer_input(qkv)
     head_dim = _check_inputs(
-        qkv, positions, rope_table, k_pages, v_pages, tokens_per_row, n_q_heads, n_kv_heads,
+        qkv, qkv_dtype, positions, rope_table, k_pages, v_pages, tokens_per_row, n_q_heads, n_kv_heads,
         (q_norm_weight, k_norm_weight),
     )  # fmt: skip
     tokens = qkv.shape[0]
@@ -334,10 +361,10 @@ def fast_rope_attention(
         out = q8  # never written (QUANT_OUT): only its pointer and strides travel
     else:
         if out is None:
-            out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
-        elif out.shape != shape or out.dtype != qkv.dtype or out.stride(-1) != 1:
+            out = torch.empty(shape, dtype=qkv_dtype, device=qkv.device)
+        elif out.shape != shape or out.dtype != qkv_dtype or out.stride(-1) != 1:
             got = f"{out.dtype} {list(out.shape)}"
-            raise ValueError(f"out must be {qkv.dtype} {list(shape)} with head_dim contiguous, got {got}")
+            raise ValueError(f"out must be {qkv_dtype} {list(shape)} with head_dim contiguous, got {got}")
         q8, scales = out, out  # never touched without QUANT_OUT
     result = out if out_fp8 is None else out_fp8
     if tokens == 0:
@@ -350,13 +377,14 @@ def fast_rope_attention(
         q_norm_weight if q_norm_weight is not None else dummy,
         k_norm_weight if k_norm_weight is not None else dummy,
         k_pages, v_pages, out, q8, scales, eps, 1.0 / math.sqrt(head_dim) * _LOG2E, position_limit,
-        qkv.stride(0), rope_table.stride(0), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        qkv.stride(0), split_stride, rope_table.stride(0),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         out.stride(0), out.stride(1), q8.stride(0), scales.stride(0), scales.stride(1),
         TOKENS=tokens_per_row, NUM_Q_HEADS=n_q_heads, NUM_KV_HEADS=n_kv_heads, GROUP=group,
         BLOCK_G=block_g, BLOCK_R=max(16, tokens_per_row * block_g), HEAD_DIM=head_dim, PAGE=page_size,
         BLOCK_N=max(16, triton.next_power_of_2(page_size)),
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
-        EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None,
+        EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None, PARTS=parts,
         num_warps=NORM_WARPS if q_norm_weight is not None or k_norm_weight is not None else PLAIN_WARPS,
         **pdl_launch("attention"),
     )  # fmt: skip
