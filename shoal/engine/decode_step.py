@@ -179,6 +179,9 @@ class DecodeStep:
         self.norm_reduces_partials = switch != "0"
         self.rope_reduces_partials = switch == "1"
         self.fast_attention_reduces_partials = switch == "1"
+        # Warps of the fused fast attention's launch for layers without QK-norm (S2's); None: the
+        # kernel's own `PLAIN_WARPS`. For `shoal bench ab`.
+        self.fast_attention_warps: int | None = None
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
         # (`kernels/fast_attention.py`) except for batches `two_launch_fast_from..to`: on the H200
         # the fused launch took the step from 4.46 to 4.42 ms at batch 1 (run 20), 5.41 to 5.37 at
@@ -511,6 +514,7 @@ class DecodeStep:
             from shoal.kernels.fast_attention import fast_rope_attention
 
             tokens_per_row = 2 if k == 0 else 1
+            warps = {} if self.fast_attention_warps is None else {"plain_warps": self.fast_attention_warps}
 
             def rope_attend(i, qkv, out_fp8):
                 attn = model.fast_layers[i].attention
@@ -518,7 +522,7 @@ class DecodeStep:
                     qkv, positions, model.fast_rope, self.fast_k[i], self.fast_v[i], tokens_per_row,
                     attn.n_head, attn.n_local_heads, attn.q_norm.weight if attn.qk_norm else None,
                     attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
-                    out_fp8=out_fp8,
+                    out_fp8=out_fp8, **warps,
                 )  # fmt: skip
 
         residual = x if isinstance(x, GatheredRows) else x.contiguous()

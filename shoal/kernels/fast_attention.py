@@ -72,9 +72,12 @@ def _qkv_values(ptr, offs, split_stride, PARTS: tl.constexpr, EMULATE: tl.conste
     """ptr[offs] of qkv, or with PARTS > 0 of the qkv GEMM's split-K partials: their sum in fp32
     from 0 in split order, rounded to bf16 once (`norm_rope.load_summing_partials`, unmasked)."""
     if PARTS > 0:
+        parts = ()
+        for part in tl.static_range(PARTS):  # every load issued before the first add
+            parts = parts + (tl.load(ptr + part * split_stride + offs),)
         total = tl.zeros(offs.shape, dtype=tl.float32)
         for part in tl.static_range(PARTS):
-            total += tl.load(ptr + part * split_stride + offs).to(tl.float32)
+            total += parts[part].to(tl.float32)
         return cast_rne(total, tl.bfloat16, EMULATE)
     else:
         return tl.load(ptr + offs)
@@ -317,6 +320,7 @@ def fast_rope_attention(
     eps: float = 1e-6,
     out: Tensor | None = None,
     out_fp8: tuple[Tensor, Tensor] | None = None,
+    plain_warps: int = PLAIN_WARPS,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One fast-transformer attention layer: `qk_norm_rope_kv_write` + paged attention, one launch.
 
@@ -328,7 +332,8 @@ def fast_rope_attention(
     qkv may be the qkv GEMM's `SplitKPartials` (bf16 pages): each value is summed from them while
     loading, with the bits the GEMM's own reduction would store, so the GEMM skips its arrival
     atomic, fence and last-program reduction on its tail.
-    Norm weights: QK-norm (S1/S2 models that have it; None skips). Returns the attention output
+    Norm weights: QK-norm (S1/S2 models that have it; None skips; with it the launch takes
+    NORM_WARPS, without it `plain_warps`). Returns the attention output
     [T, Hq, D] (`out`, or new), or with `out_fp8` = (e4m3 [T, Hq*D], scales from
     `quant.new_activation_scales(T, Hq*D)`), D == 128, that pair filled for the FP8 o-projection.
 
@@ -385,7 +390,7 @@ def fast_rope_attention(
         BLOCK_N=max(16, triton.next_power_of_2(page_size)),
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
         EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None, PARTS=parts,
-        num_warps=NORM_WARPS if q_norm_weight is not None or k_norm_weight is not None else PLAIN_WARPS,
+        num_warps=NORM_WARPS if q_norm_weight is not None or k_norm_weight is not None else plain_warps,
         **pdl_launch("attention"),
     )  # fmt: skip
     return result
