@@ -40,8 +40,7 @@ STEP_SWITCHES = frozenset(
         "norm_max_registers",
         "sample_chunks",
         "norm_gathers_codes",
-        "fast_attention_reduces_partials",
-        "fast_attention_warps",
+        "fast_attention_partials_max_batch",
     }
 )
 

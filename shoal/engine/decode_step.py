@@ -72,6 +72,11 @@ NORM_SPLIT_MAX_ROWS = 16
 # The largest batch whose output heads run `kernels/output_head.py` (weights loaded before the PDL
 # wait, one activation row at a time) instead of cuBLAS; larger batches keep cuBLAS.
 HEAD_KERNEL_MAX_ROWS = 1
+# The largest batch whose fast qkv GEMM leaves its split-K partials to the fused fast attention
+# (which then sums them on 8 warps) instead of reducing them itself: batch-1 step 0.997x, batch 16
+# 0.992x, but batch 64 1.044x (docs/performance.md run 178). Batches 17-39 run no fused fast
+# attention (TWO_LAUNCH_FAST_BATCHES).
+FAST_ATTENTION_PARTIALS_MAX_BATCH = 16
 
 
 def env_switch(name: str, choices: tuple[str, ...]) -> str:
@@ -173,15 +178,12 @@ class DecodeStep:
         # (`kernels.fp8_gemm.SplitKPartials`): the GEMM skips its arrival atomic and reduction,
         # the consumer sums the partials while loading (same bits). o and down: the norm after
         # them; qkv: the QK-norm/RoPE/KV-write kernel, and in the fast transformer the fused fast
-        # attention (`fast_attention_reduces_partials`, on its own for `shoal bench ab`).
+        # attention up to batch `fast_attention_partials_max_batch` (FAST_ATTENTION_PARTIALS_MAX_BATCH).
         # `SHOAL_SPLITK_CONSUMER=1|norm|0`: all of them, o and down only, none.
         switch = env_switch("SHOAL_SPLITK_CONSUMER", ("1", "norm", "0"))
         self.norm_reduces_partials = switch != "0"
         self.rope_reduces_partials = switch == "1"
-        self.fast_attention_reduces_partials = switch == "1"
-        # Warps of the fused fast attention's launch for layers without QK-norm (S2's); None: the
-        # kernel's own `PLAIN_WARPS`. For `shoal bench ab`.
-        self.fast_attention_warps: int | None = None
+        self.fast_attention_partials_max_batch = FAST_ATTENTION_PARTIALS_MAX_BATCH if switch == "1" else 0
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
         # (`kernels/fast_attention.py`) except for batches `two_launch_fast_from..to`: on the H200
         # the fused launch took the step from 4.46 to 4.42 ms at batch 1 (run 20), 5.41 to 5.37 at
@@ -359,7 +361,7 @@ class DecodeStep:
 
     def _layers(
         self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None,
-        fp8=None,
+        fp8=None, fast_qkv_partials=False,
     ):  # fmt: skip
         """Pre-norm blocks with the fused kernels; returns (residual, final-normed hidden). `residual`
         may be `GatheredRows`, which the first norm gathers into its `out` (the residual stream). With
@@ -369,8 +371,9 @@ class DecodeStep:
         (`Fp8Projections.fp8_input`), so no separate quantization launch runs. `pages(i)` gives
         layer i's `LayerKV`; `attend(q, pages, out_fp8)` returns [T, Hq, D], or the `out_fp8` pair
         it filled. `rope_attend(i, qkv, out_fp8)`, when given, replaces QK-norm/RoPE/KV write and
-        `attend` by one call (the fast transformer's `kernels/fast_attention.py`). `fp8`: the FP8
-        projections to run (default `self.fp8`)."""
+        `attend` by one call (the fast transformer's `kernels/fast_attention.py`), which is handed
+        the qkv GEMM's split-K partials with `fast_qkv_partials`. `fp8`: the FP8 projections to
+        run (default `self.fp8`)."""
         from shoal.kernels.gather_rows import GatheredRows
         from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
@@ -416,8 +419,7 @@ class DecodeStep:
             if fp8 is None:
                 qkv = F.linear(normed, attn.wqkv.weight, attn.wqkv.bias)
             else:  # partials (when unreduced) go to the QK-norm/RoPE kernel or fast attention after
-                fast = rope_attend is not None
-                summed = self.fast_attention_reduces_partials if fast else self.rope_reduces_partials
+                summed = self.rope_reduces_partials if rope_attend is None else fast_qkv_partials
                 qkv = fp8.qkv(layer, normed, unreduced=summed)
             head_dim = qkv.shape[1] // (attn.n_head + 2 * attn.n_local_heads)
             target = fp8_target(layer, "out") if head_dim == GROUP else None  # a head per group
@@ -514,7 +516,6 @@ class DecodeStep:
             from shoal.kernels.fast_attention import fast_rope_attention
 
             tokens_per_row = 2 if k == 0 else 1
-            warps = {} if self.fast_attention_warps is None else {"plain_warps": self.fast_attention_warps}
 
             def rope_attend(i, qkv, out_fp8):
                 attn = model.fast_layers[i].attention
@@ -522,13 +523,14 @@ class DecodeStep:
                     qkv, positions, model.fast_rope, self.fast_k[i], self.fast_v[i], tokens_per_row,
                     attn.n_head, attn.n_local_heads, attn.q_norm.weight if attn.qk_norm else None,
                     attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
-                    out_fp8=out_fp8, **warps,
+                    out_fp8=out_fp8,
                 )  # fmt: skip
 
         residual = x if isinstance(x, GatheredRows) else x.contiguous()
         residual, normed = self._layers(
             model.fast_layers, residual, model.fast_norm.weight, positions, model.fast_rope,
             lambda i: LayerKV(self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend, rope_attend,
+            fast_qkv_partials=batch <= self.fast_attention_partials_max_batch,
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]

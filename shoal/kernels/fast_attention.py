@@ -62,9 +62,13 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 # `qk_norm_rope_kv_write`'s launch (also one warp), which keeps normalized keys and queries
 # bit-identical. Without it every value is elementwise and any warp count gives the same bits;
 # one warp measured 1 µs slower per layer than the two launches it replaces (performance.md run
-# 19), so the [16, D] tiles get four.
+# 19), so the [16, D] tiles get four; on split-K partials eight: at four the build (196
+# registers with a reduced qkv, 255 with three partials) issued the partials' loads in 9
+# dependent rounds after the PDL wait, at eight in 3 (run 178: batch-1 step 0.986x, batch 16
+# 0.988x of four).
 NORM_WARPS = 1
 PLAIN_WARPS = 4
+PARTIALS_WARPS = 8
 
 
 @triton.jit
@@ -320,7 +324,6 @@ def fast_rope_attention(
     eps: float = 1e-6,
     out: Tensor | None = None,
     out_fp8: tuple[Tensor, Tensor] | None = None,
-    plain_warps: int = PLAIN_WARPS,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One fast-transformer attention layer: `qk_norm_rope_kv_write` + paged attention, one launch.
 
@@ -332,8 +335,7 @@ def fast_rope_attention(
     qkv may be the qkv GEMM's `SplitKPartials` (bf16 pages): each value is summed from them while
     loading, with the bits the GEMM's own reduction would store, so the GEMM skips its arrival
     atomic, fence and last-program reduction on its tail.
-    Norm weights: QK-norm (S1/S2 models that have it; None skips; with it the launch takes
-    NORM_WARPS, without it `plain_warps`). Returns the attention output
+    Norm weights: QK-norm (S1/S2 models that have it; None skips). Returns the attention output
     [T, Hq, D] (`out`, or new), or with `out_fp8` = (e4m3 [T, Hq*D], scales from
     `quant.new_activation_scales(T, Hq*D)`), D == 128, that pair filled for the FP8 o-projection.
 
@@ -376,6 +378,7 @@ def fast_rope_attention(
         return result
     group = n_q_heads // n_kv_heads
     block_g = triton.next_power_of_2(group)
+    plain_warps = PARTIALS_WARPS if parts else PLAIN_WARPS
     dummy = rope_table
     _fast_rope_attention_kernel[(tokens // tokens_per_row, n_kv_heads)](
         qkv, positions, rope_table,
