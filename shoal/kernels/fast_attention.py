@@ -76,12 +76,9 @@ def _qkv_values(ptr, offs, split_stride, PARTS: tl.constexpr, EMULATE: tl.conste
     """ptr[offs] of qkv, or with PARTS > 0 of the qkv GEMM's split-K partials: their sum in fp32
     from 0 in split order, rounded to bf16 once (`norm_rope.load_summing_partials`, unmasked)."""
     if PARTS > 0:
-        parts = ()
-        for part in tl.static_range(PARTS):  # every load issued before the first add
-            parts = parts + (tl.load(ptr + part * split_stride + offs),)
         total = tl.zeros(offs.shape, dtype=tl.float32)
         for part in tl.static_range(PARTS):
-            total += parts[part].to(tl.float32)
+            total += tl.load(ptr + part * split_stride + offs).to(tl.float32)
         return cast_rne(total, tl.bfloat16, EMULATE)
     else:
         return tl.load(ptr + offs)
