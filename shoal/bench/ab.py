@@ -41,7 +41,6 @@ STEP_SWITCHES = frozenset(
         "sample_chunks",
         "norm_gathers_codes",
         "fast_attention_partials_max_batch",
-        "fast_attention_partials_warps",
     }
 )
 

@@ -184,8 +184,6 @@ class DecodeStep:
         self.norm_reduces_partials = switch != "0"
         self.rope_reduces_partials = switch == "1"
         self.fast_attention_partials_max_batch = FAST_ATTENTION_PARTIALS_MAX_BATCH if switch == "1" else 0
-        # That launch's warps (None: `kernels.fast_attention.PARTIALS_WARPS`), a `shoal bench ab` switch.
-        self.fast_attention_partials_warps: int | None = None
         # The fast transformer's QK-norm/RoPE/KV write and attention as one launch per layer
         # (`kernels/fast_attention.py`) except for batches `two_launch_fast_from..to`: on the H200
         # the fused launch took the step from 4.46 to 4.42 ms at batch 1 (run 20), 5.41 to 5.37 at
@@ -518,8 +516,6 @@ class DecodeStep:
             from shoal.kernels.fast_attention import fast_rope_attention
 
             tokens_per_row = 2 if k == 0 else 1
-            warps = self.fast_attention_partials_warps
-            partials_warps = {} if warps is None else {"partials_warps": warps}
 
             def rope_attend(i, qkv, out_fp8):
                 attn = model.fast_layers[i].attention
@@ -527,7 +523,7 @@ class DecodeStep:
                     qkv, positions, model.fast_rope, self.fast_k[i], self.fast_v[i], tokens_per_row,
                     attn.n_head, attn.n_local_heads, attn.q_norm.weight if attn.qk_norm else None,
                     attn.k_norm.weight if attn.qk_norm else None, attn.q_norm.eps if attn.qk_norm else 1e-6,
-                    out_fp8=out_fp8, **partials_warps,
+                    out_fp8=out_fp8,
                 )  # fmt: skip
 
         residual = x if isinstance(x, GatheredRows) else x.contiguous()

@@ -321,7 +321,6 @@ def fast_rope_attention(
     eps: float = 1e-6,
     out: Tensor | None = None,
     out_fp8: tuple[Tensor, Tensor] | None = None,
-    partials_warps: int = PARTIALS_WARPS,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One fast-transformer attention layer: `qk_norm_rope_kv_write` + paged attention, one launch.
 
@@ -332,8 +331,7 @@ def fast_rope_attention(
     `qk_norm_rope_kv_write` puts them) and it attends causally over its keys 0..position.
     qkv may be the qkv GEMM's `SplitKPartials` (bf16 pages): each value is summed from them while
     loading, with the bits the GEMM's own reduction would store, so the GEMM skips its arrival
-    atomic, fence and last-program reduction on its tail; the launch then takes `partials_warps`
-    (without QK-norm).
+    atomic, fence and last-program reduction on its tail.
     Norm weights: QK-norm (S1/S2 models that have it; None skips). Returns the attention output
     [T, Hq, D] (`out`, or new), or with `out_fp8` = (e4m3 [T, Hq*D], scales from
     `quant.new_activation_scales(T, Hq*D)`), D == 128, that pair filled for the FP8 o-projection.
@@ -377,7 +375,7 @@ def fast_rope_attention(
         return result
     group = n_q_heads // n_kv_heads
     block_g = triton.next_power_of_2(group)
-    plain_warps = partials_warps if parts else PLAIN_WARPS
+    plain_warps = PARTIALS_WARPS if parts else PLAIN_WARPS
     dummy = rope_table
     _fast_rope_attention_kernel[(tokens // tokens_per_row, n_kv_heads)](
         qkv, positions, rope_table,
