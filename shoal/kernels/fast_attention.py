@@ -49,9 +49,9 @@ from torch import Tensor
 from shoal.kernels.attention import _LOG2E, _check_out_fp8, _dot, _write_rows
 from shoal.kernels.fp8_gemm import SplitKPartials
 from shoal.kernels.norm_rope import (
-    _consumer_input,
     _rms_scale,
     cast_rne,
+    consumer_input,
     interpreting,
     load_summing_partials,
     norm_weight_halves,
@@ -343,7 +343,7 @@ def fast_rope_attention(
     Under PDL (`kernels/pdl.py`) `positions` and the table are read before the wait for the
     previous kernel: no kernel of the same graph or chain may write them (the engine's pass
     positions are constant buffers)."""
-    qkv, parts, split_stride, qkv_dtype = _consumer_input(qkv)
+    qkv, parts, split_stride, qkv_dtype = consumer_input(qkv)
     head_dim = _check_inputs(
         qkv, qkv_dtype, positions, rope_table, k_pages, v_pages, tokens_per_row, n_q_heads, n_kv_heads,
         (q_norm_weight, k_norm_weight),

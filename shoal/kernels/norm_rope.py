@@ -177,7 +177,7 @@ def _qk_norm_rope_kv_kernel(
                 tl.store(v_pages_ptr + place + full, v.to(v_pages_ptr.dtype.element_ty))
 
 
-def _consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch.dtype]:
+def consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch.dtype]:
     """(the [M, N] tensor the kernel indexes, PARTS, split stride, the value dtype): for a
     `SplitKPartials`, partial 0, their count and stride, and bf16 (what their sum is rounded to);
     for a tensor, itself, 0, 0 and its dtype."""
@@ -212,7 +212,7 @@ def qk_norm_rope_kv_write(
 
     Under PDL (`kernels/pdl.py`) `positions`, `slot_mapping` and the table are read before the
     wait for the previous kernel: no kernel of the same graph or chain may write them."""
-    qkv, count, split_stride, qkv_dtype = _consumer_input(qkv)
+    qkv, count, split_stride, qkv_dtype = consumer_input(qkv)
     tokens, width = qkv.shape
     head_dim = width // (n_q_heads + 2 * n_kv_heads)
     if qkv.stride(1) != 1 or rope_table.stride(-1) != 1 or rope_table.stride(-2) != 2:
@@ -393,7 +393,7 @@ def rms_norm(
         x, count, stride_xs, x_dtype = gathered.table, 0, 0, gathered.table.dtype
         rows, dim = gathered.ids.shape[0], x.shape[1]
     else:
-        x, count, stride_xs, x_dtype = _consumer_input(x)
+        x, count, stride_xs, x_dtype = consumer_input(x)
         rows, dim = x.shape
     if x.stride(1) != 1 or weight.stride(0) != 1:
         raise ValueError("rows of x and the weight must be contiguous")
