@@ -530,11 +530,18 @@ class DecodeStep:
         residual, normed = self._layers(
             model.fast_layers, residual, model.fast_norm.weight, positions, model.fast_rope,
             lambda i: LayerKV(self.fast_k[i][:batch], self.fast_v[i][:batch]), slots, attend, rope_attend,
-            fast_qkv_partials=batch <= self.fast_attention_partials_max_batch,
+            fast_qkv_partials=self.hands_fast_qkv_partials(batch),
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]
         return self._head(normed, model.fast_output.weight)
+
+    def hands_fast_qkv_partials(self, batch: int) -> bool:
+        """Whether the fast qkv GEMM of this batch leaves its partials to the fused fast attention:
+        up to `fast_attention_partials_max_batch`, and only for fast layers without QK-norm (all
+        three model families'), whose launch sums them on 8 warps; with QK-norm it runs on one
+        warp, where the sums were never measured."""
+        return batch <= self.fast_attention_partials_max_batch and not self.config.fast_attention_qk_norm
 
     def _head(self, normed: Tensor, weight: Tensor, rows: int | None = None) -> Tensor:
         """Logits of an output head (the first `rows` rows of `weight`), on the head kernel for
