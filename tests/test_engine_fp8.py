@@ -556,6 +556,25 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
         assert torch.equal(got, want)
 
 
+def test_fast_qkv_partials_go_to_the_fast_attention_only_where_measured(tmp_path, monkeypatch) -> None:
+    """The fast qkv GEMM hands its partials over up to FAST_ATTENTION_PARTIALS_MAX_BATCH rows, for
+    fast layers without QK-norm (the 8-warp launch measured in run 178), and never with
+    `SHOAL_SPLITK_CONSUMER=norm`."""
+    import dataclasses
+
+    from shoal.engine.decode_step import FAST_ATTENTION_PARTIALS_MAX_BATCH
+
+    model, runner, _ = _two_requests_on_tiny_s2(tmp_path)
+    step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
+    assert not step.config.fast_attention_qk_norm
+    assert step.hands_fast_qkv_partials(1) and step.hands_fast_qkv_partials(FAST_ATTENTION_PARTIALS_MAX_BATCH)
+    assert not step.hands_fast_qkv_partials(FAST_ATTENTION_PARTIALS_MAX_BATCH + 1)
+    step.config = dataclasses.replace(step.config, fast_attention_qk_norm=True)
+    assert not step.hands_fast_qkv_partials(1)
+    monkeypatch.setenv("SHOAL_SPLITK_CONSUMER", "norm")
+    assert not DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True).hands_fast_qkv_partials(1)
+
+
 # ---- the correctness gate through the engine ----------------------------------------------------
 
 
