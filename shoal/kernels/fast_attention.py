@@ -72,19 +72,6 @@ PARTIALS_WARPS = 8
 
 
 @triton.jit
-def _qkv_values(ptr, offs, split_stride, PARTS: tl.constexpr, EMULATE: tl.constexpr):
-    """ptr[offs] of qkv, or with PARTS > 0 of the qkv GEMM's split-K partials: their sum in fp32
-    from 0 in split order, rounded to bf16 once (`norm_rope.load_summing_partials`, unmasked)."""
-    if PARTS > 0:
-        total = tl.zeros(offs.shape, dtype=tl.float32)
-        for part in tl.static_range(PARTS):
-            total += tl.load(ptr + part * split_stride + offs).to(tl.float32)
-        return cast_rne(total, tl.bfloat16, EMULATE)
-    else:
-        return tl.load(ptr + offs)
-
-
-@triton.jit
 def _q_norm_rows(
     x0, x1, qkv_ptr, first_token, stride_qkv, split_stride, kv_head, w0, w1, offs, eps,
     TOKENS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -100,8 +87,8 @@ def _q_norm_rows(
     for t in tl.static_range(TOKENS):
         for i in tl.static_range(GROUP):
             head = qkv_ptr + (first_token + t) * stride_qkv + (kv_head * GROUP + i) * HEAD_DIM
-            f0 = _qkv_values(head, 2 * offs, split_stride, PARTS, EMULATE).to(tl.float32)
-            f1 = _qkv_values(head, 2 * offs + 1, split_stride, PARTS, EMULATE).to(tl.float32)
+            f0 = load_summing_partials(head, 2 * offs, None, split_stride, PARTS, EMULATE).to(tl.float32)
+            f1 = load_summing_partials(head, 2 * offs + 1, None, split_stride, PARTS, EMULATE).to(tl.float32)
             mean_square = (tl.sum(f0 * f0, 0) + tl.sum(f1 * f1, 0)) / HEAD_DIM
             inv = tl.where(rows == t * BLOCK_G + i, 1.0 / tl.sqrt(mean_square + eps), inv)
     x0 = cast_rne(x0.to(tl.float32) * inv[:, None] * w0[None, :], x0.dtype, EMULATE)
@@ -189,8 +176,10 @@ def _fast_rope_attention_kernel(
     v_rows = ()
     for t in tl.static_range(TOKENS):
         src = qkv_ptr + (row * TOKENS + t) * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-        k_pairs = k_pairs + (_qkv_values(src, pair_offsets, split_stride, PARTS, EMULATE),)
-        v_rows = v_rows + (_qkv_values(src + NUM_KV_HEADS * HEAD_DIM, offs_d, split_stride, PARTS, EMULATE),)
+        k_pairs = k_pairs + (load_summing_partials(src, pair_offsets, None, split_stride, PARTS, EMULATE),)
+        v_rows = v_rows + (
+            load_summing_partials(src + NUM_KV_HEADS * HEAD_DIM, offs_d, None, split_stride, PARTS, EMULATE),
+        )
     q_offsets = (token_r * stride_qkv + head_r * HEAD_DIM)[:, None, None] + pair_offsets[None, :, :]
     q_pairs = load_summing_partials(qkv_ptr, q_offsets, row_ok[:, None, None], split_stride, PARTS, EMULATE)
 

@@ -58,17 +58,26 @@ def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _load_masked(ptr, mask):
+    """tl.load with masked-out lanes 0; `mask` None: an unmasked load."""
+    if mask is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def load_summing_partials(ptr, offs, mask, split_stride, PARTS: tl.constexpr, EMULATE: tl.constexpr):
-    """ptr[offs]; with PARTS > 0, ptr holds a split-K GEMM's partials (`SplitKPartials`, fp32 or
-    bf16, split stride `split_stride`): their sum in fp32 from 0 in split order, rounded to bf16
-    once, which is the bits the GEMM's own reduction stores."""
+    """ptr[offs] (`mask` None: unmasked); with PARTS > 0, ptr holds a split-K GEMM's partials
+    (`SplitKPartials`, fp32 or bf16, split stride `split_stride`): their sum in fp32 from 0 in
+    split order, rounded to bf16 once, which is the bits the GEMM's own reduction stores."""
     if PARTS > 0:
         total = tl.zeros(offs.shape, dtype=tl.float32)
         for part in tl.static_range(PARTS):
-            total += tl.load(ptr + part * split_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            total += _load_masked(ptr + part * split_stride + offs, mask).to(tl.float32)
         return cast_rne(total, tl.bfloat16, EMULATE)
     else:
-        return tl.load(ptr + offs, mask=mask, other=0.0)
+        return _load_masked(ptr + offs, mask)
 
 
 @triton.jit
