@@ -62,6 +62,25 @@ def test_step_switches_are_set_and_restored() -> None:
         ab.parse_variant("step:max_batch=3")
 
 
+def test_kernel_switches_are_set_and_restored() -> None:
+    """`kernel:` changes set a launcher's module constant for the variant only (also when a later
+    change of the same variant fails), without a DecodeStep; unknown names are refused."""
+    from shoal.kernels import fast_attention
+
+    changes = ab.parse_variant("kernel:packed_pairs=false,stack_q=false")
+    assert changes == [ab.Change("kernel", None, {"packed_pairs": False, "stack_q": False})]
+    assert fast_attention.PACKED_PAIRS and fast_attention.STACK_Q
+    with ab.applied(changes):
+        assert not fast_attention.PACKED_PAIRS and not fast_attention.STACK_Q
+    assert fast_attention.PACKED_PAIRS and fast_attention.STACK_Q
+    with pytest.raises(KeyError):
+        with ab.applied(ab.parse_variant("kernel:packed_pairs=false+gemm@1x2x3:split_k=1")):
+            pass
+    assert fast_attention.PACKED_PAIRS
+    with pytest.raises(ValueError, match="kernel switches are"):
+        ab.parse_variant("kernel:PACKED_PAIRS=false")
+
+
 def test_wildcard_gemm_keys_expand_to_the_matching_entries() -> None:
     changes = ab.concrete(ab.parse_variant("gemm@*x*x1:scales_ahead=true+attention@16:block_n=128"))
     ones = sorted(key for key in TUNED_CONFIGS_FP8 if key[2] == 1)

@@ -238,11 +238,11 @@ def test_full_s2_shapes(batch: int, with_norm: bool) -> None:
 
 
 def run_frame_on_partials(
-    batch: int, hq: int, hkv: int, d: int, with_norm: bool, part_dtype: torch.dtype
+    batch: int, hq: int, hkv: int, d: int, with_norm: bool, part_dtype: torch.dtype, splits: int = 3
 ) -> None:
-    """Each pass of a frame twice on copies of the pages: once on a split-K GEMM's partials (3
-    splits), once on their reduction (`SplitKPartials.reduce`, the GEMM's own bits): the same
-    output, FP8 output and pages, bit for bit."""
+    """Each pass of a frame twice on copies of the pages: once on a split-K GEMM's partials,
+    once on their reduction (`SplitKPartials.reduce`, the GEMM's own bits): the same output, FP8
+    output and pages, bit for bit."""
     from shoal.kernels.fp8_gemm import SplitKPartials
 
     gen = torch.Generator().manual_seed(7 * batch + with_norm)
@@ -253,7 +253,7 @@ def run_frame_on_partials(
     width = (hq + 2 * hkv) * d
     for tokens_per_row, positions in frame_passes(batch):
         tokens = positions.shape[0]
-        parts = (torch.randn(3, tokens, width, generator=gen) * 0.7).to(part_dtype).to(DEVICE)
+        parts = (torch.randn(splits, tokens, width, generator=gen) * 0.7).to(part_dtype).to(DEVICE)
         partials = SplitKPartials(parts)
         reduced = partials.reduce()
         common = (positions, table)
@@ -278,6 +278,62 @@ def run_frame_on_partials(
 @pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "norm"])
 def test_split_k_partials_give_the_reduced_qkvs_bits(with_norm: bool, part_dtype: torch.dtype) -> None:
     run_frame_on_partials(batch=2, hq=4, hkv=2, d=32, with_norm=with_norm, part_dtype=part_dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 5])
+def test_any_number_of_partials(splits: int) -> None:
+    """Up to 4 partials the query tile's are one stacked load, split back in split order; 5 take
+    one load each (`_load_pairs`)."""
+    run_frame_on_partials(2, 4, 2, 32, with_norm=False, part_dtype=torch.bfloat16, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "norm"])
+def test_word_reads_give_the_same_bits(monkeypatch, splits: int, with_norm: bool) -> None:
+    """bf16 pairs read as 32-bit words (and the query's partials stacked) against [..., 2] tiles
+    and one load per partial: the same outputs and pages, bit for bit, over a frame."""
+    from shoal.kernels import fast_attention
+    from shoal.kernels.fp8_gemm import SplitKPartials
+
+    batch, hq, hkv, d = 2, 4, 2, 32
+    gen = torch.Generator().manual_seed(11 + splits)
+    table = rope_table(CODEBOOKS, d, 1e6).to(DEVICE)
+    weights = norm_weights(d, with_norm, gen)
+    pages = [poisoned_pages(batch, hkv, d) for _ in range(4)]  # k, v as words; k, v as tiles
+    for tokens_per_row, positions in frame_passes(batch):
+        shape = (splits, positions.shape[0], (hq + 2 * hkv) * d) if splits else (positions.shape[0], -1)
+        qkv = random_bf16(positions.shape[0] * (hq + 2 * hkv) * d * max(splits, 1), generator=gen)
+        qkv = SplitKPartials(qkv.view(shape)) if splits else qkv.view(shape)
+        rest = (tokens_per_row, hq, hkv, *weights)
+        words = fast_rope_attention(qkv, positions, table, pages[0], pages[1], *rest)
+        monkeypatch.setattr(fast_attention, "PACKED_PAIRS", False)
+        tiles = fast_rope_attention(qkv, positions, table, pages[2], pages[3], *rest)
+        monkeypatch.setattr(fast_attention, "PACKED_PAIRS", True)
+        assert_same_bits(words, tiles)
+        assert_same_bits(pages[0], pages[2])
+        assert_same_bits(pages[1], pages[3])
+
+
+def test_unaligned_pairs_are_read_as_elements() -> None:
+    """A qkv view starting 2 bytes into its storage cannot be read as aligned words: the launch
+    falls back to element reads and gives the bits of an aligned copy."""
+    from shoal.kernels.fast_attention import _reads_words
+
+    batch, hq, hkv, d = 2, 4, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    table = rope_table(CODEBOOKS, d, 1e6).to(DEVICE)
+    width = (hq + 2 * hkv) * d
+    for tokens_per_row, positions in frame_passes(batch)[:2]:
+        tokens = positions.shape[0]
+        storage = random_bf16(tokens * width + 1, generator=gen)
+        shifted = storage[1:].view(tokens, width)
+        assert not _reads_words(shifted, shifted.stride(0)) and _reads_words(shifted.clone(), width)
+        pages = [poisoned_pages(batch, hkv, d) for _ in range(4)]
+        rest = (tokens_per_row, hq, hkv)
+        got = fast_rope_attention(shifted, positions, table, pages[0], pages[1], *rest)
+        want = fast_rope_attention(shifted.clone(), positions, table, pages[2], pages[3], *rest)
+        assert_same_bits(got, want)
+        assert_same_bits(pages[0], pages[2])
 
 
 def test_split_k_partials_with_fp8_output() -> None:

@@ -13,6 +13,8 @@ A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,fie
 - `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
   (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part, so
   `gemm@*x*x1:scales_ahead=true` changes every M = 1 entry and `gemm@*x*x*:...` every entry.
+- `kernel:packed_pairs=false`: a module constant a kernel's launcher reads at every launch
+  (`KERNEL_SWITCHES`: name -> (module, constant));
 - `step:head_kernel_max_rows=16`: a switch of the engine's `DecodeStep` (`STEP_SWITCHES`: the ones
   its constructor reads from `SHOAL_*` variables, which would otherwise need a process per value).
 `--kv-cache-dtype fp8` times the step with an e4m3 KV cache, whose attention configs are the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,10 +47,16 @@ STEP_SWITCHES = frozenset(
     }
 )
 
+# Kernel launchers' module constants a `kernel:` change may set: name -> (module, constant).
+KERNEL_SWITCHES = {
+    "packed_pairs": ("shoal.kernels.fast_attention", "PACKED_PAIRS"),
+    "stack_q": ("shoal.kernels.fast_attention", "STACK_Q"),
+}
+
 
 @dataclass(frozen=True)
 class Change:
-    table: str  # "attention", "attention-fp8kv", "gemm" or "step"
+    table: str  # "attention", "attention-fp8kv", "gemm", "kernel" or "step"
     key: int | tuple[int, int, int] | None  # None for "step"
     fields: dict
 
@@ -85,8 +94,8 @@ def parse_variant(spec: str) -> list[Change]:
     for part in spec.split("+"):
         try:
             head, assignments = part.split(":", 1)
-            table, key_text = head.split("@", 1) if head != "step" else (head, "")
-            if table == "step":
+            table, key_text = head.split("@", 1) if head not in ("step", "kernel") else (head, "")
+            if table in ("step", "kernel"):
                 key = None
             elif table in ("attention", "attention-fp8kv"):
                 key: int | tuple[int, int, int] = int(key_text)
@@ -94,10 +103,13 @@ def parse_variant(spec: str) -> list[Change]:
                 n, k, m = (None if v == "*" else int(v) for v in key_text.split("x"))
                 key = (n, k, m)
             else:
-                raise ValueError(f"unknown table {table!r} (attention, attention-fp8kv, gemm or step)")
+                tables = "attention, attention-fp8kv, gemm, kernel or step"
+                raise ValueError(f"unknown table {table!r} ({tables})")
             fields = parse_fields(assignments)
             if table == "step" and not fields.keys() <= STEP_SWITCHES:
                 raise ValueError(f"step switches are {', '.join(sorted(STEP_SWITCHES))}")
+            if table == "kernel" and not fields.keys() <= KERNEL_SWITCHES.keys():
+                raise ValueError(f"kernel switches are {', '.join(sorted(KERNEL_SWITCHES))}")
         except ValueError as error:
             raise ValueError(f"bad variant part {part!r}: {error}") from None
         changes.append(Change(table, key, fields))
@@ -125,8 +137,8 @@ def concrete(changes: list[Change]) -> list[Change]:
 @contextlib.contextmanager
 def applied(changes: list[Change], step=None) -> Iterator[None]:
     """The tuned tables with `changes` applied (entries replaced by modified copies), and `step`'s
-    switches set, restored afterwards. A key must already be in its table, and a field must be one
-    of its config's; `step:` changes need the engine's `DecodeStep`."""
+    switches and kernel constants set, restored afterwards. A key must already be in its table, and a
+    field must be one of its config's; `step:` changes need the engine's `DecodeStep`."""
     tables = _tables()
     saved = []
     switched = []
@@ -136,8 +148,15 @@ def applied(changes: list[Change], step=None) -> Iterator[None]:
                 if step is None:
                     raise ValueError("step: changes need the engine's DecodeStep")
                 for name, value in change.fields.items():
-                    switched.append((name, getattr(step, name)))
+                    switched.append((step, name, getattr(step, name)))
                     setattr(step, name, value)
+                continue
+            if change.table == "kernel":
+                for name, value in change.fields.items():
+                    module = importlib.import_module(KERNEL_SWITCHES[name][0])
+                    constant = KERNEL_SWITCHES[name][1]
+                    switched.append((module, constant, getattr(module, constant)))
+                    setattr(module, constant, value)
                 continue
             table = tables[change.table]
             if change.key not in table:
@@ -149,8 +168,8 @@ def applied(changes: list[Change], step=None) -> Iterator[None]:
     finally:
         for table, key, value in reversed(saved):
             table[key] = value
-        for name, value in reversed(switched):
-            setattr(step, name, value)
+        for owner, name, value in reversed(switched):
+            setattr(owner, name, value)
 
 
 def interleaved(names: list[str], rounds: int) -> list[str]:

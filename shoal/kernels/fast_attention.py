@@ -49,6 +49,7 @@ from torch import Tensor
 from shoal.kernels.attention import _LOG2E, _check_out_fp8, _dot, _write_rows
 from shoal.kernels.fp8_gemm import SplitKPartials
 from shoal.kernels.norm_rope import (
+    _load_masked,
     _rms_scale,
     cast_rne,
     consumer_input,
@@ -69,6 +70,12 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 NORM_WARPS = 1
 PLAIN_WARPS = 4
 PARTIALS_WARPS = 8
+# bf16 qkv (or partials) and RoPE table read as 32-bit (even, odd) words, and the query tile's
+# partials (up to 4) in one load (`_load_pairs`): with both, the sm_90 build at 8 warps issues all
+# of a 1-token pass's qkv loads on 3 partials in one round (before: 3 rounds); False: the
+# [..., 2] tiles and one load per partial (`shoal bench ab --variant kernel:packed_pairs=false`).
+PACKED_PAIRS = True
+STACK_Q = True
 
 
 @triton.jit
@@ -97,13 +104,79 @@ def _q_norm_rows(
 
 
 @triton.jit
-def _rotation(position_ptr, table_ptr, stride_table, offs_h, position_limit):
+def _split_words(word):
+    """A tile of 32-bit words holding bf16 (even, odd) pairs -> (even, odd) in fp32: the low half
+    is the even element, and a bf16 widens to fp32 by moving its bits up."""
+    return (word << 16).to(tl.float32, bitcast=True), (word & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stacked_parts(words, mask, split_stride, PARTS: tl.constexpr):
+    """The words of up to 4 partials in one [..., 4] load (slots past PARTS masked off), split
+    back into four tiles in slot order."""
+    last: tl.constexpr = len(words.shape)
+    slots = tl.arange(0, 4)
+    slot_mask = slots < PARTS
+    if mask is not None:
+        slot_mask = slot_mask & tl.expand_dims(mask, last)
+    tile = tl.load(tl.expand_dims(words, last) + slots * (split_stride // 2), mask=slot_mask, other=0)
+    first, second = tl.split(tile.reshape(words.shape + [2, 2]))  # slots (0, 2) and (1, 3)
+    w0, w2 = tl.split(first)
+    w1, w3 = tl.split(second)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _load_pairs(
+    ptr, pair_index, mask, split_stride, PARTS: tl.constexpr, PACKED: tl.constexpr, STACK: tl.constexpr,
+    EMULATE: tl.constexpr,
+):  # fmt: skip
+    """The (even, odd) halves of pairs: ptr[2 * pair_index] and ptr[2 * pair_index + 1], in ptr's
+    element type, or bf16 when summed from PARTS partials (`norm_rope.load_summing_partials`'s
+    bits).
+
+    PACKED (bf16 storage, 4-byte aligned pairs): each pair is one 32-bit word, split by shifts
+    after loading; [..., 2] tiles split afterwards cost the sm_90 build a shared-memory layout
+    conversion of each partial's tile, with a barrier between the partials' loads. STACK (PACKED,
+    PARTS <= 4): all partials in one [..., 4] load, so a tile big enough to keep the load's own
+    layout (an anchor of Triton's layout pass: at least as many elements as threads) is converted
+    once, after all partials' loads went out; a smaller tile is loaded per partial straight into
+    the layout of its use (docs/performance.md run 185)."""
+    if PACKED:
+        words = ptr.to(tl.pointer_type(tl.uint32)) + pair_index
+        if PARTS > 0:
+            even = tl.zeros(pair_index.shape, dtype=tl.float32)
+            odd = tl.zeros(pair_index.shape, dtype=tl.float32)
+            if STACK:
+                stacked = _stacked_parts(words, mask, split_stride, PARTS)
+            for part in tl.static_range(PARTS):
+                if STACK:
+                    word = stacked[part]
+                else:
+                    word = _load_masked(words + part * (split_stride // 2), mask)
+                part_even, part_odd = _split_words(word)
+                even += part_even
+                odd += part_odd
+            return cast_rne(even, tl.bfloat16, EMULATE), cast_rne(odd, tl.bfloat16, EMULATE)
+        else:
+            even, odd = _split_words(_load_masked(words, mask))
+            return even.to(tl.bfloat16), odd.to(tl.bfloat16)
+    else:
+        last: tl.constexpr = len(pair_index.shape)
+        pair_offsets = 2 * tl.expand_dims(pair_index, last) + tl.arange(0, 2)
+        pairs_mask = None if mask is None else tl.expand_dims(mask, last)
+        return tl.split(load_summing_partials(ptr, pair_offsets, pairs_mask, split_stride, PARTS, EMULATE))
+
+
+@triton.jit
+def _rotation(
+    position_ptr, table_ptr, stride_table, offs_h, position_limit, PACKED: tl.constexpr, EMULATE: tl.constexpr
+):
     """(position, cos, sin) of one token; a position outside [0, position_limit) reads row 0."""
     position = tl.load(position_ptr).to(tl.int32)
     at = tl.where((position >= 0) & (position < position_limit), position, 0).to(tl.int64)
-    cos = tl.load(table_ptr + at * stride_table + 2 * offs_h).to(tl.float32)
-    sin = tl.load(table_ptr + at * stride_table + 2 * offs_h + 1).to(tl.float32)
-    return position, cos, sin
+    cos, sin = _load_pairs(table_ptr, at * (stride_table // 2) + offs_h, None, 0, 0, PACKED, False, EMULATE)
+    return position, cos.to(tl.float32), sin.to(tl.float32)
 
 
 @triton.jit
@@ -115,7 +188,8 @@ def _fast_rope_attention_kernel(
     TOKENS: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, EMULATE: tl.constexpr,
-    UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr, PARTS: tl.constexpr, PACKED: tl.constexpr,
+    PACKED_TABLE: tl.constexpr, STACK_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (batch, Hkv): row b's TOKENS tokens x kv head h (module docstring). Tile rows of q
     are (token, head in group) pairs; a position outside [0, position_limit) writes nothing and
@@ -134,12 +208,18 @@ def _fast_rope_attention_kernel(
     q_w0, q_w1 = norm_weight_halves(q_norm_ptr, offs_h, HAS_Q_NORM)
     # The new tokens' rotations (k side: TOKENS is 1 or 2), then the query rows' (q side).
     position_0, cos_0, sin_0 = _rotation(
-        positions_ptr + row * TOKENS, table_ptr, stride_table, offs_h, position_limit
+        positions_ptr + row * TOKENS, table_ptr, stride_table, offs_h, position_limit, PACKED_TABLE, EMULATE
     )
     position_1, cos_1, sin_1 = position_0, cos_0, sin_0
     if TOKENS == 2:
         position_1, cos_1, sin_1 = _rotation(
-            positions_ptr + row * TOKENS + 1, table_ptr, stride_table, offs_h, position_limit
+            positions_ptr + row * TOKENS + 1,
+            table_ptr,
+            stride_table,
+            offs_h,
+            position_limit,
+            PACKED_TABLE,
+            EMULATE,
         )
     rows = tl.arange(0, BLOCK_R)
     in_group = rows % BLOCK_G
@@ -149,9 +229,8 @@ def _fast_rope_attention_kernel(
     head_r = kv_head * GROUP + in_group
     position_r = tl.load(positions_ptr + token_r, mask=row_ok, other=0).to(tl.int32)
     at_r = tl.where((position_r >= 0) & (position_r < position_limit), position_r, 0).to(tl.int64)
-    trig = table_ptr + at_r[:, None] * stride_table + 2 * offs_h[None, :]
-    q_cos = tl.load(trig, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_sin = tl.load(trig + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    trig = (at_r * (stride_table // 2))[:, None] + offs_h[None, :]
+    q_cos, q_sin = _load_pairs(table_ptr, trig, row_ok[:, None], 0, 0, PACKED_TABLE, False, EMULATE)
     # The page: every key this program reads from it was written by an earlier pass's launch, at
     # least two kernels back, so it is complete before this program starts (module docstring);
     # the keys of this launch's own tokens are put into the tiles from registers below. Read at
@@ -170,18 +249,16 @@ def _fast_rope_attention_kernel(
     # were used, each came after the layout changes of the one before: the sm_90 build of one
     # token per row went to memory in 3 dependent rounds, of two tokens in 7; here in 2 and 3
     # (each load's own layout change still follows it; docs/performance.md run 135).
-    pair = tl.arange(0, 2)
-    pair_offsets = (2 * offs_h)[:, None] + pair[None, :]
-    k_pairs = ()
+    k_halves = ()
     v_rows = ()
     for t in tl.static_range(TOKENS):
         src = qkv_ptr + (row * TOKENS + t) * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-        k_pairs = k_pairs + (load_summing_partials(src, pair_offsets, None, split_stride, PARTS, EMULATE),)
+        k_halves = k_halves + (_load_pairs(src, offs_h, None, split_stride, PARTS, PACKED, False, EMULATE),)
         v_rows = v_rows + (
             load_summing_partials(src + NUM_KV_HEADS * HEAD_DIM, offs_d, None, split_stride, PARTS, EMULATE),
         )
-    q_offsets = (token_r * stride_qkv + head_r * HEAD_DIM)[:, None, None] + pair_offsets[None, :, :]
-    q_pairs = load_summing_partials(qkv_ptr, q_offsets, row_ok[:, None, None], split_stride, PARTS, EMULATE)
+    q_pairs = ((token_r * stride_qkv + head_r * HEAD_DIM) // 2)[:, None] + offs_h[None, :]
+    q_halves = _load_pairs(qkv_ptr, q_pairs, row_ok[:, None], split_stride, PARTS, PACKED, STACK_Q, EMULATE)
 
     # This row's new keys: normalized and rotated exactly as `_qk_norm_rope_kv_kernel` does, stored,
     # and put into the tiles in place of whatever the page held at their positions.
@@ -193,7 +270,7 @@ def _fast_rope_attention_kernel(
             position, cos, sin = position_1, cos_1, sin_1
         valid = (position >= 0) & (position < position_limit)
         at = tl.where(valid, position, 0).to(tl.int64)
-        x0, x1 = tl.split(k_pairs[t])
+        x0, x1 = k_halves[t]
         v = v_rows[t].to(v_pages_ptr.dtype.element_ty)
         x0, x1 = _rms_scale(x0, x1, k_w0, k_w1, eps, HEAD_DIM, HAS_K_NORM, EMULATE)
         f0 = x0.to(tl.float32)
@@ -214,9 +291,9 @@ def _fast_rope_attention_kernel(
     values = tl.where((keys_at <= last)[:, None], values, 0.0)
 
     # Queries: rows (token, head in group), rotated as `_qk_norm_rope_kv_kernel` rotates q heads.
-    cos = q_cos
-    sin = q_sin
-    x0, x1 = tl.split(q_pairs)
+    cos = q_cos.to(tl.float32)
+    sin = q_sin.to(tl.float32)
+    x0, x1 = q_halves
     if HAS_Q_NORM:
         x0, x1 = _q_norm_rows(
             x0, x1, qkv_ptr, row * TOKENS, stride_qkv, split_stride, kv_head, q_w0, q_w1, offs_h, eps,
@@ -296,6 +373,13 @@ def _check_inputs(
     return head_dim
 
 
+def _reads_words(tensor: Tensor, *strides: int) -> bool:
+    """Whether the kernel may read `tensor`'s bf16 (even, odd) pairs as 32-bit words (`_load_pairs`
+    PACKED): every pair must start 4-byte aligned."""
+    aligned = tensor.data_ptr() % 4 == 0 and all(stride % 2 == 0 for stride in strides)
+    return PACKED_PAIRS and tensor.dtype == torch.bfloat16 and aligned
+
+
 def fast_rope_attention(
     qkv: Tensor | SplitKPartials,
     positions: Tensor,
@@ -365,6 +449,7 @@ def fast_rope_attention(
     group = n_q_heads // n_kv_heads
     block_g = triton.next_power_of_2(group)
     plain_warps = PARTIALS_WARPS if parts else PLAIN_WARPS
+    packed = _reads_words(qkv, qkv.stride(0), split_stride)
     dummy = rope_table
     _fast_rope_attention_kernel[(tokens // tokens_per_row, n_kv_heads)](
         qkv, positions, rope_table,
@@ -379,6 +464,8 @@ def fast_rope_attention(
         BLOCK_N=max(16, triton.next_power_of_2(page_size)),
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
         EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None, PARTS=parts,
+        PACKED=packed, PACKED_TABLE=_reads_words(rope_table, rope_table.stride(0)),
+        STACK_Q=STACK_Q and packed and parts <= 4,
         num_warps=NORM_WARPS if q_norm_weight is not None or k_norm_weight is not None else plain_warps,
         **pdl_launch("attention"),
     )  # fmt: skip
