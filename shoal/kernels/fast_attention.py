@@ -449,7 +449,11 @@ def fast_rope_attention(
     group = n_q_heads // n_kv_heads
     block_g = triton.next_power_of_2(group)
     plain_warps = PARTIALS_WARPS if parts else PLAIN_WARPS
-    packed = _reads_words(qkv, qkv.stride(0), split_stride)
+    # With QK-norm the halves must keep the layout of `qk_norm_rope_kv_write`'s, whose norm
+    # reductions they repeat bit for bit: words reach them in another one (run 185: S2 shapes with
+    # QK-norm at batch 64 wrote keys an ulp apart).
+    with_norm = q_norm_weight is not None or k_norm_weight is not None
+    packed = not with_norm and _reads_words(qkv, qkv.stride(0), split_stride)
     dummy = rope_table
     _fast_rope_attention_kernel[(tokens // tokens_per_row, n_kv_heads)](
         qkv, positions, rope_table,
@@ -464,9 +468,9 @@ def fast_rope_attention(
         BLOCK_N=max(16, triton.next_power_of_2(page_size)),
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
         EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None, PARTS=parts,
-        PACKED=packed, PACKED_TABLE=_reads_words(rope_table, rope_table.stride(0)),
+        PACKED=packed, PACKED_TABLE=not with_norm and _reads_words(rope_table, rope_table.stride(0)),
         STACK_Q=STACK_Q and packed and parts <= 4,
-        num_warps=NORM_WARPS if q_norm_weight is not None or k_norm_weight is not None else plain_warps,
+        num_warps=NORM_WARPS if with_norm else plain_warps,
         **pdl_launch("attention"),
     )  # fmt: skip
     return result
