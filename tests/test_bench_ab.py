@@ -67,12 +67,12 @@ def test_kernel_switches_are_set_and_restored() -> None:
     change of the same variant fails), without a DecodeStep; unknown names are refused."""
     from shoal.kernels import fast_attention
 
-    changes = ab.parse_variant("kernel:packed_pairs=false,stack_q=false")
-    assert changes == [ab.Change("kernel", None, {"packed_pairs": False, "stack_q": False})]
-    assert fast_attention.PACKED_PAIRS and fast_attention.STACK_Q
+    changes = ab.parse_variant("kernel:packed_pairs=false,words_min_rows=9")
+    assert changes == [ab.Change("kernel", None, {"packed_pairs": False, "words_min_rows": 9})]
+    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 2
     with ab.applied(changes):
-        assert not fast_attention.PACKED_PAIRS and not fast_attention.STACK_Q
-    assert fast_attention.PACKED_PAIRS and fast_attention.STACK_Q
+        assert not fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 9
+    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 2
     with pytest.raises(KeyError):
         with ab.applied(ab.parse_variant("kernel:packed_pairs=false+gemm@1x2x3:split_k=1")):
             pass

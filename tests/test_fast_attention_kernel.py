@@ -282,20 +282,20 @@ def test_split_k_partials_give_the_reduced_qkvs_bits(with_norm: bool, part_dtype
 
 @pytest.mark.parametrize("splits", [1, 2, 4, 5])
 def test_any_number_of_partials(splits: int) -> None:
-    """Up to 4 partials the query tile's are one stacked load, split back in split order; 5 take
-    one load each (`_load_pairs`)."""
+    """Any split count, read as words (batch 2), gives the reduced qkv's bits."""
     run_frame_on_partials(2, 4, 2, 32, with_norm=False, part_dtype=torch.bfloat16, splits=splits)
 
 
 @pytest.mark.parametrize("splits", [0, 3])
 def test_word_reads_give_the_same_bits(monkeypatch, splits: int) -> None:
-    """bf16 pairs read as 32-bit words (and the query's partials stacked) against [..., 2] tiles
-    and one load per partial: the same outputs and pages, bit for bit, over a frame (layers
-    without QK-norm: with it the launch reads elements, `fast_rope_attention`)."""
+    """bf16 pairs read as 32-bit words against [..., 2] tiles: the same outputs and pages, bit for
+    bit, over a frame (layers without QK-norm: with it the launch reads elements), at batch 1 too
+    (words from `WORDS_MIN_ROWS` rows up in the engine)."""
     from shoal.kernels import fast_attention
     from shoal.kernels.fp8_gemm import SplitKPartials
 
-    batch, hq, hkv, d = 2, 4, 2, 32
+    monkeypatch.setattr(fast_attention, "WORDS_MIN_ROWS", 1)
+    batch, hq, hkv, d = 1 + splits % 2, 4, 2, 32
     gen = torch.Generator().manual_seed(11 + splits)
     table = rope_table(CODEBOOKS, d, 1e6).to(DEVICE)
     pages = [poisoned_pages(batch, hkv, d) for _ in range(4)]  # k, v as words; k, v as tiles

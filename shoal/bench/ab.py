@@ -50,7 +50,7 @@ STEP_SWITCHES = frozenset(
 # Kernel launchers' module constants a `kernel:` change may set: name -> (module, constant).
 KERNEL_SWITCHES = {
     "packed_pairs": ("shoal.kernels.fast_attention", "PACKED_PAIRS"),
-    "stack_q": ("shoal.kernels.fast_attention", "STACK_Q"),
+    "words_min_rows": ("shoal.kernels.fast_attention", "WORDS_MIN_ROWS"),
 }
 
 

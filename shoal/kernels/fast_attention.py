@@ -70,12 +70,12 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 NORM_WARPS = 1
 PLAIN_WARPS = 4
 PARTIALS_WARPS = 8
-# bf16 qkv (or partials) and RoPE table read as 32-bit (even, odd) words, and the query tile's
-# partials (up to 4) in one load (`_load_pairs`): with both, the sm_90 build at 8 warps issues all
-# of a 1-token pass's qkv loads on 3 partials in one round (before: 3 rounds); False: the
-# [..., 2] tiles and one load per partial (`shoal bench ab --variant kernel:packed_pairs=false`).
+# bf16 qkv (or partials) and RoPE table read as 32-bit (even, odd) words (`_load_pairs`) from
+# WORDS_MIN_ROWS rows up: the batch-16 step 0.992x, batch 64 0.994x of [..., 2] tiles, but batch
+# 1 1.007x (docs/performance.md runs 185-187). False: tiles everywhere (`shoal bench ab --variant
+# kernel:packed_pairs=false`; `kernel:words_min_rows=N`).
 PACKED_PAIRS = True
-STACK_Q = True
+WORDS_MIN_ROWS = 2
 
 
 @triton.jit
@@ -111,50 +111,23 @@ def _split_words(word):
 
 
 @triton.jit
-def _stacked_parts(words, mask, split_stride, PARTS: tl.constexpr):
-    """The words of up to 4 partials in one [..., 4] load (slots past PARTS masked off), split
-    back into four tiles in slot order."""
-    last: tl.constexpr = len(words.shape)
-    slots = tl.arange(0, 4)
-    slot_mask = slots < PARTS
-    if mask is not None:
-        slot_mask = slot_mask & tl.expand_dims(mask, last)
-    tile = tl.load(tl.expand_dims(words, last) + slots * (split_stride // 2), mask=slot_mask, other=0)
-    first, second = tl.split(tile.reshape(words.shape + [2, 2]))  # slots (0, 2) and (1, 3)
-    w0, w2 = tl.split(first)
-    w1, w3 = tl.split(second)
-    return w0, w1, w2, w3
-
-
-@triton.jit
 def _load_pairs(
-    ptr, pair_index, mask, split_stride, PARTS: tl.constexpr, PACKED: tl.constexpr, STACK: tl.constexpr,
-    EMULATE: tl.constexpr,
-):  # fmt: skip
+    ptr, pair_index, mask, split_stride, PARTS: tl.constexpr, PACKED: tl.constexpr, EMULATE: tl.constexpr
+):
     """The (even, odd) halves of pairs: ptr[2 * pair_index] and ptr[2 * pair_index + 1], in ptr's
     element type, or bf16 when summed from PARTS partials (`norm_rope.load_summing_partials`'s
     bits).
 
     PACKED (bf16 storage, 4-byte aligned pairs): each pair is one 32-bit word, split by shifts
-    after loading; [..., 2] tiles split afterwards cost the sm_90 build a shared-memory layout
-    conversion of each partial's tile, with a barrier between the partials' loads. STACK (PACKED,
-    PARTS <= 4): all partials in one [..., 4] load, so a tile big enough to keep the load's own
-    layout (an anchor of Triton's layout pass: at least as many elements as threads) is converted
-    once, after all partials' loads went out; a smaller tile is loaded per partial straight into
-    the layout of its use (docs/performance.md run 185)."""
+    after loading, not a [..., 2] tile split after a layout conversion through shared memory
+    (docs/performance.md runs 185-187)."""
     if PACKED:
         words = ptr.to(tl.pointer_type(tl.uint32)) + pair_index
         if PARTS > 0:
             even = tl.zeros(pair_index.shape, dtype=tl.float32)
             odd = tl.zeros(pair_index.shape, dtype=tl.float32)
-            if STACK:
-                stacked = _stacked_parts(words, mask, split_stride, PARTS)
             for part in tl.static_range(PARTS):
-                if STACK:
-                    word = stacked[part]
-                else:
-                    word = _load_masked(words + part * (split_stride // 2), mask)
-                part_even, part_odd = _split_words(word)
+                part_even, part_odd = _split_words(_load_masked(words + part * (split_stride // 2), mask))
                 even += part_even
                 odd += part_odd
             return cast_rne(even, tl.bfloat16, EMULATE), cast_rne(odd, tl.bfloat16, EMULATE)
@@ -175,7 +148,7 @@ def _rotation(
     """(position, cos, sin) of one token; a position outside [0, position_limit) reads row 0."""
     position = tl.load(position_ptr).to(tl.int32)
     at = tl.where((position >= 0) & (position < position_limit), position, 0).to(tl.int64)
-    cos, sin = _load_pairs(table_ptr, at * (stride_table // 2) + offs_h, None, 0, 0, PACKED, False, EMULATE)
+    cos, sin = _load_pairs(table_ptr, at * (stride_table // 2) + offs_h, None, 0, 0, PACKED, EMULATE)
     return position, cos.to(tl.float32), sin.to(tl.float32)
 
 
@@ -189,7 +162,7 @@ def _fast_rope_attention_kernel(
     BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, EMULATE: tl.constexpr,
     UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr, PARTS: tl.constexpr, PACKED: tl.constexpr,
-    PACKED_TABLE: tl.constexpr, STACK_Q: tl.constexpr, USE_PDL: tl.constexpr,
+    PACKED_TABLE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (batch, Hkv): row b's TOKENS tokens x kv head h (module docstring). Tile rows of q
     are (token, head in group) pairs; a position outside [0, position_limit) writes nothing and
@@ -230,7 +203,7 @@ def _fast_rope_attention_kernel(
     position_r = tl.load(positions_ptr + token_r, mask=row_ok, other=0).to(tl.int32)
     at_r = tl.where((position_r >= 0) & (position_r < position_limit), position_r, 0).to(tl.int64)
     trig = (at_r * (stride_table // 2))[:, None] + offs_h[None, :]
-    q_cos, q_sin = _load_pairs(table_ptr, trig, row_ok[:, None], 0, 0, PACKED_TABLE, False, EMULATE)
+    q_cos, q_sin = _load_pairs(table_ptr, trig, row_ok[:, None], 0, 0, PACKED_TABLE, EMULATE)
     # The page: every key this program reads from it was written by an earlier pass's launch, at
     # least two kernels back, so it is complete before this program starts (module docstring);
     # the keys of this launch's own tokens are put into the tiles from registers below. Read at
@@ -253,12 +226,12 @@ def _fast_rope_attention_kernel(
     v_rows = ()
     for t in tl.static_range(TOKENS):
         src = qkv_ptr + (row * TOKENS + t) * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-        k_halves = k_halves + (_load_pairs(src, offs_h, None, split_stride, PARTS, PACKED, False, EMULATE),)
+        k_halves = k_halves + (_load_pairs(src, offs_h, None, split_stride, PARTS, PACKED, EMULATE),)
         v_rows = v_rows + (
             load_summing_partials(src + NUM_KV_HEADS * HEAD_DIM, offs_d, None, split_stride, PARTS, EMULATE),
         )
     q_pairs = ((token_r * stride_qkv + head_r * HEAD_DIM) // 2)[:, None] + offs_h[None, :]
-    q_halves = _load_pairs(qkv_ptr, q_pairs, row_ok[:, None], split_stride, PARTS, PACKED, STACK_Q, EMULATE)
+    q_halves = _load_pairs(qkv_ptr, q_pairs, row_ok[:, None], split_stride, PARTS, PACKED, EMULATE)
 
     # This row's new keys: normalized and rotated exactly as `_qk_norm_rope_kv_kernel` does, stored,
     # and put into the tiles in place of whatever the page held at their positions.
@@ -453,9 +426,10 @@ def fast_rope_attention(
     # reductions they repeat bit for bit: words reach them in another one (run 185: S2 shapes with
     # QK-norm at batch 64 wrote keys an ulp apart).
     with_norm = q_norm_weight is not None or k_norm_weight is not None
-    packed = not with_norm and _reads_words(qkv, qkv.stride(0), split_stride)
+    rows = tokens // tokens_per_row
+    packed = not with_norm and rows >= WORDS_MIN_ROWS and _reads_words(qkv, qkv.stride(0), split_stride)
     dummy = rope_table
-    _fast_rope_attention_kernel[(tokens // tokens_per_row, n_kv_heads)](
+    _fast_rope_attention_kernel[(rows, n_kv_heads)](
         qkv, positions, rope_table,
         q_norm_weight if q_norm_weight is not None else dummy,
         k_norm_weight if k_norm_weight is not None else dummy,
@@ -468,8 +442,7 @@ def fast_rope_attention(
         BLOCK_N=max(16, triton.next_power_of_2(page_size)),
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
         EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None, PARTS=parts,
-        PACKED=packed, PACKED_TABLE=not with_norm and _reads_words(rope_table, rope_table.stride(0)),
-        STACK_Q=STACK_Q and packed and parts <= 4,
+        PACKED=packed, PACKED_TABLE=packed and _reads_words(rope_table, rope_table.stride(0)),
         num_warps=NORM_WARPS if with_norm else plain_warps,
         **pdl_launch("attention"),
     )  # fmt: skip
