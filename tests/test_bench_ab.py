@@ -69,10 +69,10 @@ def test_kernel_switches_are_set_and_restored() -> None:
 
     changes = ab.parse_variant("kernel:packed_pairs=false,words_min_rows=9")
     assert changes == [ab.Change("kernel", None, {"packed_pairs": False, "words_min_rows": 9})]
-    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 2
+    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 8
     with ab.applied(changes):
         assert not fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 9
-    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 2
+    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 8
     with pytest.raises(KeyError):
         with ab.applied(ab.parse_variant("kernel:packed_pairs=false+gemm@1x2x3:split_k=1")):
             pass

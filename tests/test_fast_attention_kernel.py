@@ -281,8 +281,11 @@ def test_split_k_partials_give_the_reduced_qkvs_bits(with_norm: bool, part_dtype
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4, 5])
-def test_any_number_of_partials(splits: int) -> None:
-    """Any split count, read as words (batch 2), gives the reduced qkv's bits."""
+def test_any_number_of_partials(monkeypatch, splits: int) -> None:
+    """Any split count, read as words, gives the reduced qkv's bits."""
+    from shoal.kernels import fast_attention
+
+    monkeypatch.setattr(fast_attention, "WORDS_MIN_ROWS", 1)
     run_frame_on_partials(2, 4, 2, 32, with_norm=False, part_dtype=torch.bfloat16, splits=splits)
 
 
@@ -313,10 +316,13 @@ def test_word_reads_give_the_same_bits(monkeypatch, splits: int) -> None:
         assert_same_bits(pages[1], pages[3])
 
 
-def test_unaligned_pairs_are_read_as_elements() -> None:
+def test_unaligned_pairs_are_read_as_elements(monkeypatch) -> None:
     """A qkv view starting 2 bytes into its storage cannot be read as aligned words: the launch
-    falls back to element reads and gives the bits of an aligned copy."""
+    falls back to element reads and gives the bits of an aligned copy (read as words)."""
+    from shoal.kernels import fast_attention
     from shoal.kernels.fast_attention import _reads_words
+
+    monkeypatch.setattr(fast_attention, "WORDS_MIN_ROWS", 1)
 
     batch, hq, hkv, d = 2, 4, 2, 32
     gen = torch.Generator().manual_seed(5)

@@ -71,11 +71,11 @@ NORM_WARPS = 1
 PLAIN_WARPS = 4
 PARTIALS_WARPS = 8
 # bf16 qkv (or partials) and RoPE table read as 32-bit (even, odd) words (`_load_pairs`) from
-# WORDS_MIN_ROWS rows up: the batch-16 step 0.992x, batch 64 0.994x of [..., 2] tiles, but batch
-# 1 1.007x (docs/performance.md runs 185-187). False: tiles everywhere (`shoal bench ab --variant
-# kernel:packed_pairs=false`; `kernel:words_min_rows=N`).
+# WORDS_MIN_ROWS rows up. Against [..., 2] tiles (steps, run 187): batch 8 0.995x, 16 0.992x, 64
+# 0.993x, but batch 1 1.009x and 4 1.006x (docs/performance.md runs 185-187). False: tiles
+# everywhere (`shoal bench ab --variant kernel:packed_pairs=false`; `kernel:words_min_rows=N`).
 PACKED_PAIRS = True
-WORDS_MIN_ROWS = 2
+WORDS_MIN_ROWS = 8
 
 
 @triton.jit
