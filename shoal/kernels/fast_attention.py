@@ -112,20 +112,20 @@ def _split_words(word):
 
 @triton.jit
 def _load_pairs(
-    ptr, pair_index, mask, split_stride, PARTS: tl.constexpr, PACKED: tl.constexpr, EMULATE: tl.constexpr
+    ptr, base, lane, mask, split_stride, PARTS: tl.constexpr, PACKED: tl.constexpr, EMULATE: tl.constexpr
 ):
-    """The (even, odd) halves of pairs: ptr[2 * pair_index] and ptr[2 * pair_index + 1], in ptr's
-    element type, or bf16 when summed from PARTS partials (`norm_rope.load_summing_partials`'s
-    bits).
+    """The (even, odd) halves of pairs: ptr[base + 2 * lane] and the element after it (`base`
+    broadcasts against `lane`), in ptr's element type, or bf16 when summed from PARTS partials
+    (`norm_rope.load_summing_partials`'s bits).
 
-    PACKED (bf16 storage, 4-byte aligned pairs): each pair is one 32-bit word, split by shifts
-    after loading, not a [..., 2] tile split after a layout conversion through shared memory
-    (docs/performance.md runs 185-187)."""
+    PACKED (bf16 storage; `base`, the split stride and ptr 4-byte aligned: `_reads_words`): each
+    pair is one 32-bit word, split by shifts after loading, not a [..., 2] tile split after a
+    layout conversion through shared memory (docs/performance.md runs 185-188)."""
     if PACKED:
-        words = ptr.to(tl.pointer_type(tl.uint32)) + pair_index
+        words = ptr.to(tl.pointer_type(tl.uint32)) + (base // 2 + lane)
         if PARTS > 0:
-            even = tl.zeros(pair_index.shape, dtype=tl.float32)
-            odd = tl.zeros(pair_index.shape, dtype=tl.float32)
+            even = tl.zeros(words.shape, dtype=tl.float32)
+            odd = tl.zeros(words.shape, dtype=tl.float32)
             for part in tl.static_range(PARTS):
                 part_even, part_odd = _split_words(_load_masked(words + part * (split_stride // 2), mask))
                 even += part_even
@@ -135,21 +135,35 @@ def _load_pairs(
             even, odd = _split_words(_load_masked(words, mask))
             return even.to(tl.bfloat16), odd.to(tl.bfloat16)
     else:
-        last: tl.constexpr = len(pair_index.shape)
-        pair_offsets = 2 * tl.expand_dims(pair_index, last) + tl.arange(0, 2)
+        even_offsets = base + 2 * lane
+        last: tl.constexpr = len(even_offsets.shape)
+        pair_offsets = tl.expand_dims(even_offsets, last) + tl.arange(0, 2)
         pairs_mask = None if mask is None else tl.expand_dims(mask, last)
         return tl.split(load_summing_partials(ptr, pair_offsets, pairs_mask, split_stride, PARTS, EMULATE))
 
 
 @triton.jit
-def _rotation(
-    position_ptr, table_ptr, stride_table, offs_h, position_limit, PACKED: tl.constexpr, EMULATE: tl.constexpr
-):
+def _load_cos_sin(table_ptr, base, lane, mask, PACKED: tl.constexpr):
+    """(cos, sin) in fp32 at table_ptr[base + 2 * lane] and the element after it: as one word
+    each with PACKED (`_load_pairs`), else by two strided loads."""
+    if PACKED:
+        cos, sin = _split_words(
+            _load_masked(table_ptr.to(tl.pointer_type(tl.uint32)) + (base // 2 + lane), mask)
+        )
+    else:
+        pairs = table_ptr + base + 2 * lane
+        cos = _load_masked(pairs, mask).to(tl.float32)
+        sin = _load_masked(pairs + 1, mask).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotation(position_ptr, table_ptr, stride_table, offs_h, position_limit, PACKED: tl.constexpr):
     """(position, cos, sin) of one token; a position outside [0, position_limit) reads row 0."""
     position = tl.load(position_ptr).to(tl.int32)
     at = tl.where((position >= 0) & (position < position_limit), position, 0).to(tl.int64)
-    cos, sin = _load_pairs(table_ptr, at * (stride_table // 2) + offs_h, None, 0, 0, PACKED, EMULATE)
-    return position, cos.to(tl.float32), sin.to(tl.float32)
+    cos, sin = _load_cos_sin(table_ptr, at * stride_table, offs_h, None, PACKED)
+    return position, cos, sin
 
 
 @triton.jit
@@ -181,18 +195,12 @@ def _fast_rope_attention_kernel(
     q_w0, q_w1 = norm_weight_halves(q_norm_ptr, offs_h, HAS_Q_NORM)
     # The new tokens' rotations (k side: TOKENS is 1 or 2), then the query rows' (q side).
     position_0, cos_0, sin_0 = _rotation(
-        positions_ptr + row * TOKENS, table_ptr, stride_table, offs_h, position_limit, PACKED_TABLE, EMULATE
+        positions_ptr + row * TOKENS, table_ptr, stride_table, offs_h, position_limit, PACKED_TABLE
     )
     position_1, cos_1, sin_1 = position_0, cos_0, sin_0
     if TOKENS == 2:
         position_1, cos_1, sin_1 = _rotation(
-            positions_ptr + row * TOKENS + 1,
-            table_ptr,
-            stride_table,
-            offs_h,
-            position_limit,
-            PACKED_TABLE,
-            EMULATE,
+            positions_ptr + row * TOKENS + 1, table_ptr, stride_table, offs_h, position_limit, PACKED_TABLE
         )
     rows = tl.arange(0, BLOCK_R)
     in_group = rows % BLOCK_G
@@ -202,8 +210,9 @@ def _fast_rope_attention_kernel(
     head_r = kv_head * GROUP + in_group
     position_r = tl.load(positions_ptr + token_r, mask=row_ok, other=0).to(tl.int32)
     at_r = tl.where((position_r >= 0) & (position_r < position_limit), position_r, 0).to(tl.int64)
-    trig = (at_r * (stride_table // 2))[:, None] + offs_h[None, :]
-    q_cos, q_sin = _load_pairs(table_ptr, trig, row_ok[:, None], 0, 0, PACKED_TABLE, EMULATE)
+    q_cos, q_sin = _load_cos_sin(
+        table_ptr, at_r[:, None] * stride_table, offs_h[None, :], row_ok[:, None], PACKED_TABLE
+    )
     # The page: every key this program reads from it was written by an earlier pass's launch, at
     # least two kernels back, so it is complete before this program starts (module docstring);
     # the keys of this launch's own tokens are put into the tiles from registers below. Read at
@@ -226,12 +235,14 @@ def _fast_rope_attention_kernel(
     v_rows = ()
     for t in tl.static_range(TOKENS):
         src = qkv_ptr + (row * TOKENS + t) * stride_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-        k_halves = k_halves + (_load_pairs(src, offs_h, None, split_stride, PARTS, PACKED, EMULATE),)
+        k_halves = k_halves + (_load_pairs(src, 0, offs_h, None, split_stride, PARTS, PACKED, EMULATE),)
         v_rows = v_rows + (
             load_summing_partials(src + NUM_KV_HEADS * HEAD_DIM, offs_d, None, split_stride, PARTS, EMULATE),
         )
-    q_pairs = ((token_r * stride_qkv + head_r * HEAD_DIM) // 2)[:, None] + offs_h[None, :]
-    q_halves = _load_pairs(qkv_ptr, q_pairs, row_ok[:, None], split_stride, PARTS, PACKED, EMULATE)
+    q_rows = (token_r * stride_qkv + head_r * HEAD_DIM)[:, None]
+    q_halves = _load_pairs(
+        qkv_ptr, q_rows, offs_h[None, :], row_ok[:, None], split_stride, PARTS, PACKED, EMULATE
+    )
 
     # This row's new keys: normalized and rotated exactly as `_qk_norm_rope_kv_kernel` does, stored,
     # and put into the tiles in place of whatever the page held at their positions.
@@ -264,8 +275,8 @@ def _fast_rope_attention_kernel(
     values = tl.where((keys_at <= last)[:, None], values, 0.0)
 
     # Queries: rows (token, head in group), rotated as `_qk_norm_rope_kv_kernel` rotates q heads.
-    cos = q_cos.to(tl.float32)
-    sin = q_sin.to(tl.float32)
+    cos = q_cos
+    sin = q_sin
     x0, x1 = q_halves
     if HAS_Q_NORM:
         x0, x1 = _q_norm_rows(
