@@ -71,9 +71,9 @@ NORM_WARPS = 1
 PLAIN_WARPS = 4
 PARTIALS_WARPS = 8
 # bf16 qkv (or partials) and RoPE table read as 32-bit (even, odd) words (`_load_pairs`) from
-# WORDS_MIN_ROWS rows up. Against [..., 2] tiles (steps, run 187): batch 8 0.995x, 16 0.992x, 64
-# 0.993x, but batch 1 1.009x and 4 1.006x (docs/performance.md runs 185-187). False: tiles
-# everywhere (`shoal bench ab --variant kernel:packed_pairs=false`; `kernel:words_min_rows=N`).
+# WORDS_MIN_ROWS rows up. Against [..., 2] tiles (steps): batch 8 0.996x, 16 0.998x, 64 0.997x
+# (run 189), but batch 1 1.009x and 4 1.006x (run 187; docs/performance.md runs 185-189).
+# False: tiles everywhere (`shoal bench ab --variant kernel:packed_pairs=false`; `kernel:words_min_rows=N`).
 PACKED_PAIRS = True
 WORDS_MIN_ROWS = 8
 
