@@ -317,8 +317,9 @@ def test_word_reads_give_the_same_bits(monkeypatch, splits: int) -> None:
 
 
 def test_unaligned_pairs_are_read_as_elements(monkeypatch) -> None:
-    """A qkv view starting 2 bytes into its storage cannot be read as aligned words: the launch
-    falls back to element reads and gives the bits of an aligned copy (read as words)."""
+    """A qkv view starting 2 bytes into its storage, or with an odd row stride, cannot be read as
+    aligned words: the launch falls back to element reads and gives the bits of an aligned copy
+    (read as words)."""
     from shoal.kernels import fast_attention
     from shoal.kernels.fast_attention import _reads_words
 
@@ -330,15 +331,17 @@ def test_unaligned_pairs_are_read_as_elements(monkeypatch) -> None:
     width = (hq + 2 * hkv) * d
     for tokens_per_row, positions in frame_passes(batch)[:2]:
         tokens = positions.shape[0]
-        storage = random_bf16(tokens * width + 1, generator=gen)
-        shifted = storage[1:].view(tokens, width)
-        assert not _reads_words(shifted, shifted.stride(0)) and _reads_words(shifted.clone(), width)
-        pages = [poisoned_pages(batch, hkv, d) for _ in range(4)]
-        rest = (tokens_per_row, hq, hkv)
-        got = fast_rope_attention(shifted, positions, table, pages[0], pages[1], *rest)
-        want = fast_rope_attention(shifted.clone(), positions, table, pages[2], pages[3], *rest)
-        assert_same_bits(got, want)
-        assert_same_bits(pages[0], pages[2])
+        shifted = random_bf16(tokens * width + 1, generator=gen)[1:].view(tokens, width)
+        odd_rows = random_bf16(tokens, width + 1, generator=gen)[:, :width]
+        for unaligned in (shifted, odd_rows):
+            assert not _reads_words(unaligned, unaligned.stride(0)) and _reads_words(unaligned.clone(), width)
+            pages = [poisoned_pages(batch, hkv, d) for _ in range(4)]
+            rest = (tokens_per_row, hq, hkv)
+            got = fast_rope_attention(unaligned, positions, table, pages[0], pages[1], *rest)
+            want = fast_rope_attention(unaligned.clone(), positions, table, pages[2], pages[3], *rest)
+            assert_same_bits(got, want)
+            assert_same_bits(pages[0], pages[2])
+            assert_same_bits(pages[1], pages[3])
 
 
 def test_split_k_partials_with_fp8_output() -> None:
