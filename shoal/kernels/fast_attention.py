@@ -111,6 +111,13 @@ def _split_words(word):
 
 
 @triton.jit
+def _pair_words(ptr, base, lane):
+    """Pointers to the 32-bit words holding the bf16 pairs at ptr[base + 2 * lane] (base even and
+    ptr 4-byte aligned: `_reads_words`)."""
+    return ptr.to(tl.pointer_type(tl.uint32)) + (base // 2 + lane)
+
+
+@triton.jit
 def _load_pairs(
     ptr, base, lane, mask, split_stride, PARTS: tl.constexpr, PACKED: tl.constexpr, EMULATE: tl.constexpr
 ):
@@ -120,9 +127,9 @@ def _load_pairs(
 
     PACKED (bf16 storage; `base`, the split stride and ptr 4-byte aligned: `_reads_words`): each
     pair is one 32-bit word, split by shifts after loading, not a [..., 2] tile split after a
-    layout conversion through shared memory (docs/performance.md runs 185-188)."""
+    layout conversion through shared memory (docs/performance.md runs 185-189)."""
     if PACKED:
-        words = ptr.to(tl.pointer_type(tl.uint32)) + (base // 2 + lane)
+        words = _pair_words(ptr, base, lane)
         if PARTS > 0:
             even = tl.zeros(words.shape, dtype=tl.float32)
             odd = tl.zeros(words.shape, dtype=tl.float32)
@@ -147,9 +154,7 @@ def _load_cos_sin(table_ptr, base, lane, mask, PACKED: tl.constexpr):
     """(cos, sin) in fp32 at table_ptr[base + 2 * lane] and the element after it: as one word
     each with PACKED (`_load_pairs`), else by two strided loads."""
     if PACKED:
-        cos, sin = _split_words(
-            _load_masked(table_ptr.to(tl.pointer_type(tl.uint32)) + (base // 2 + lane), mask)
-        )
+        cos, sin = _split_words(_load_masked(_pair_words(table_ptr, base, lane), mask))
     else:
         pairs = table_ptr + base + 2 * lane
         cos = _load_masked(pairs, mask).to(tl.float32)
