@@ -52,6 +52,9 @@ class EngineConfig:
     weight_format: str = "bf16"
     # FP8 only: quantize activations per token per 128 columns (W8A8) instead of W8A16.
     fp8_quantize_activations: bool = True
+    # FP8 only: the fast transformer's output head rounded to e4m3 with power-of-two block scales
+    # (`quant/fp8_head.py`), read as FP8 bytes at batch 1; False keeps the checkpoint's bf16 head.
+    fp8_fast_head: bool = True
 
     # Batching
     max_running_requests: int = 256  # requests in the decode batch at once ("running slots")

@@ -45,6 +45,7 @@ from shoal.quant.engine_fp8 import (  # noqa: E402
     prepare_model,
     variant_for,
 )
+from shoal.quant.fp8_head import Fp8RoundedHead  # noqa: E402
 from shoal.quant.fp8_linear import Fp8Linear, LayoutError, fp8_layers, quantize_model_  # noqa: E402
 
 
@@ -77,6 +78,7 @@ def test_fp8_engine_equals_reference_generator_on_the_quantized_model(golden_dir
     assert len(layers) == 5 * (model.config.n_layer + model.config.n_fast_layer)
     assert all(layer.quantize_input for _, layer in layers)
     assert model.embeddings.weight.dtype == torch.float32 and not isinstance(model.fast_output, Fp8Linear)
+    assert isinstance(model.fast_output, Fp8RoundedHead)  # the reference below decodes with it too
     jobs = []
     for i in range(4):
         params = SamplingParams(

@@ -14,6 +14,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from shoal.bench.timing import capture_graph  # noqa: E402
 from shoal.kernels.output_head import output_head  # noqa: E402
+from shoal.kernels.reference import dequantize_weight  # noqa: E402
+from shoal.quant.fp8_head import round_to_e4m3_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -61,6 +63,39 @@ def test_several_strided_rows_into_out() -> None:
     assert_one_rounding(out, x, weight, 30)
 
 
+@pytest.mark.parametrize("rows_per_program", [16, 128])
+def test_e4m3_weight_with_block_scales_is_its_dequantized_weight(rows_per_program: int) -> None:
+    """The rounded fast head's codes and power-of-two scales (`quant/fp8_head.py`): the logits of
+    the dequantized weight (exact in bf16), for two row blocks (the second partial), three chunks
+    of columns (the last masked, mid-block) and bf16 or fp32 activations."""
+    gen = torch.Generator().manual_seed(rows_per_program)
+    weight = torch.randn(200, 1100, generator=gen) / 30
+    weight[:, 640:768] *= 40  # blocks of very different scales
+    codes, scales = round_to_e4m3_blocks(weight)
+    dequantized = dequantize_weight(codes, scales)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(1, 1100, generator=gen).to(dtype)
+        codes, scales = codes.to(DEVICE), scales.to(DEVICE)
+        got = output_head(x.to(DEVICE), codes, rows=190, rows_per_program=rows_per_program, scales=scales)
+        assert got.dtype == dtype
+        assert_one_rounding(got.cpu(), x, dequantized.to(dtype), 190)
+
+
+def test_bad_scales_are_refused() -> None:
+    x = torch.zeros(1, 256, dtype=torch.bfloat16, device=DEVICE)
+    codes, scales = (t.to(DEVICE) for t in round_to_e4m3_blocks(torch.randn(384, 256)))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        output_head(x, codes.to(torch.bfloat16), scales=scales)
+    with pytest.raises(ValueError, match=r"scales must be float32 \[3, 2\]"):
+        output_head(x, codes, scales=scales.t().contiguous())  # transposed: [2, 3]
+    with pytest.raises(ValueError, match="contiguous rows"):
+        output_head(x, codes, scales=torch.zeros(2, 3, device=DEVICE).t())  # [3, 2], re-strided
+    with pytest.raises(ValueError, match="float32"):
+        output_head(x, codes, scales=scales.double())
+    with pytest.raises(ValueError, match="divide 128"):
+        output_head(x, codes, scales=scales, rows_per_program=256)
+
+
 def test_bad_inputs_are_refused() -> None:
     x = torch.zeros(1, 8, dtype=torch.bfloat16, device=DEVICE)
     weight = torch.zeros(4, 8, dtype=torch.bfloat16, device=DEVICE)
@@ -95,11 +130,15 @@ def test_s2_heads_in_a_graph_behind_the_writer_gpu(batch: int) -> None:
     x = torch.zeros_like(source)
     main_out = torch.empty(batch, 4097, dtype=torch.bfloat16, device=DEVICE)
     codebook_out = torch.empty(batch, 4096, dtype=torch.bfloat16, device=DEVICE)
+    codes, scales = round_to_e4m3_blocks(codebook)  # the rounded fast head, read as e4m3
+    rounded = dequantize_weight(codes, scales).to(torch.bfloat16)
+    rounded_out = torch.empty(batch, 4096, dtype=torch.bfloat16, device=DEVICE)
 
     def step() -> None:
         x.copy_(source)
         output_head(x, main, rows=4097, out=main_out)
         output_head(x, codebook, out=codebook_out)
+        output_head(x, codes, out=rounded_out, scales=scales)
 
     graph = capture_graph(step)  # warm-up calls outside the capture
     for seed in range(3):
@@ -108,4 +147,6 @@ def test_s2_heads_in_a_graph_behind_the_writer_gpu(batch: int) -> None:
         torch.cuda.synchronize()
         assert_one_rounding(main_out, source, main, 4097)
         assert_one_rounding(codebook_out, source, codebook, 4096)
+        assert_one_rounding(rounded_out, source, rounded, 4096)
+        assert (rounded_out == F.linear(source, rounded)).float().mean() > 0.9
         assert (main_out == F.linear(source, main)[:, :4097]).float().mean() > 0.9

@@ -441,6 +441,7 @@ def assert_chunked_draws_equal(shape: str, rows: int, k: int, values: str, chunk
     "shape,rows,k,values,chunks",
     [
         ("codebook-4096", 1, 64, "fp32", (8,)),
+        ("codebook-4096", 1, 32, "bf16", (16,)),
         ("codebook-4096", 1, 8, "bf16-ties", (2, 4, 8)),
         ("codebook-1024", 3, 8, "bf16", (4,)),
         ("codebook-256", 16, 8, "bf16-ties", (8,)),
@@ -465,7 +466,7 @@ def test_chunked_full_shapes() -> None:
     """Every chunk count at the step's shapes and batches, and inside a replayed CUDA graph."""
     for shape in ("codebook-4096", "main-4097"):
         for rows in (1, 3, 16, 64):
-            for k in (64, 8):
+            for k in (64, 32, 8):
                 for values in ("fp32", "bf16", "bf16-ties"):
                     assert_chunked_draws_equal(shape, rows, k, values, (2, 4, 8, 16))
     gen = torch.Generator().manual_seed(5)

@@ -16,7 +16,8 @@ A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,fie
 - `kernel:packed_pairs=false`: a module constant a kernel's launcher reads at every launch
   (`KERNEL_SWITCHES`: name -> (module, constant));
 - `step:head_kernel_max_rows=16`: a switch of the engine's `DecodeStep` (`STEP_SWITCHES`: the ones
-  its constructor reads from `SHOAL_*` variables, which would otherwise need a process per value).
+  its constructor reads from `SHOAL_*` variables, which would otherwise need a process per value,
+  and `max_top_k`, the sampling kernels' candidate count from `EngineConfig.sample_max_top_k`).
 `--kv-cache-dtype fp8` times the step with an e4m3 KV cache, whose attention configs are the
 `attention-fp8kv` table (`kernels.attention.TUNED_DECODE_CONFIGS_FP8_KV`).
 A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
@@ -44,6 +45,8 @@ STEP_SWITCHES = frozenset(
         "sample_chunks",
         "norm_gathers_codes",
         "fast_attention_partials_max_batch",
+        "max_top_k",
+        "fp8_fast_head",
     }
 )
 
@@ -51,6 +54,8 @@ STEP_SWITCHES = frozenset(
 KERNEL_SWITCHES = {
     "packed_pairs": ("shoal.kernels.fast_attention", "PACKED_PAIRS"),
     "words_min_rows": ("shoal.kernels.fast_attention", "WORDS_MIN_ROWS"),
+    "sample_warps": ("shoal.kernels.sample", "NUM_WARPS"),
+    "head_rows_per_program": ("shoal.kernels.output_head", "ROWS_PER_PROGRAM"),
 }
 
 

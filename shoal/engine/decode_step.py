@@ -199,6 +199,9 @@ class DecodeStep:
         switch = env_switch("SHOAL_HEAD_KERNEL", ("auto", "0", "1"))
         limits = {"auto": HEAD_KERNEL_MAX_ROWS, "0": 0, "1": 2 * max_batch}
         self.head_kernel_max_rows = limits[switch] if use_kernels else 0
+        # The head kernel reads a rounded fast head's e4m3 codes (`quant/fp8_head.py`) rather than
+        # its bf16 weight, which holds the same values: half the bytes.
+        self.fp8_fast_head = True
         # Fast passes 2..N start from the embeddings of the codes just drawn: the pass's first norm
         # gathers them itself (`GatheredRows`) instead of a `kernels/gather_rows.py` launch whose
         # output the norm would read back: the same bits, a launch and a round trip to L2 fewer
@@ -534,7 +537,9 @@ class DecodeStep:
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]
-        return self._head(normed, model.fast_output.weight)
+        head = model.fast_output
+        rounded = self.fp8_fast_head and hasattr(head, "weight_fp8")
+        return self._head(normed, head.weight, fp8=(head.weight_fp8, head.weight_scale) if rounded else None)
 
     def hands_fast_qkv_partials(self, batch: int) -> bool:
         """Whether the fast qkv GEMM of this batch leaves its partials to the fused fast attention:
@@ -543,12 +548,17 @@ class DecodeStep:
         warp, where the sums were never measured."""
         return batch <= self.fast_attention_partials_max_batch and not self.config.fast_attention_qk_norm
 
-    def _head(self, normed: Tensor, weight: Tensor, rows: int | None = None) -> Tensor:
+    def _head(
+        self, normed: Tensor, weight: Tensor, rows: int | None = None, fp8: tuple[Tensor, ...] | None = None
+    ) -> Tensor:
         """Logits of an output head (the first `rows` rows of `weight`), on the head kernel for
-        batches up to `head_kernel_max_rows`, else cuBLAS."""
+        batches up to `head_kernel_max_rows` (reading `fp8`'s codes and scales instead of `weight`
+        where given: `quant/fp8_head.py`, the same weights), else cuBLAS."""
         if normed.shape[0] <= self.head_kernel_max_rows:
             from shoal.kernels.output_head import output_head
 
+            if fp8 is not None:
+                return output_head(normed, fp8[0], rows, scales=fp8[1])
             return output_head(normed, weight, rows)
         logits = F.linear(normed, weight)
         return logits if rows is None else logits[:, :rows]

@@ -536,12 +536,16 @@ class ModelRunner:
 
 
 def _prepare_weights(model, config: EngineConfig) -> None:
-    """weight_format="fp8": quantize (unless loaded FP8) and verify in place; "bf16": refuse a
-    model holding FP8 layers, which the bf16 step cannot multiply."""
+    """weight_format="fp8": quantize (unless loaded FP8) and verify in place, and with
+    `fp8_fast_head` round the fast head (`quant/fp8_head.py`); "bf16": refuse a model holding FP8
+    layers, which the bf16 step cannot multiply."""
     from shoal.quant.engine_fp8 import has_fp8_layers, prepare_model
+    from shoal.quant.fp8_head import round_fast_head_
 
     if config.weight_format == "fp8":
         prepare_model(model, config.fp8_quantize_activations)
+        if config.fp8_fast_head:
+            round_fast_head_(model)
     elif has_fp8_layers(model):
         raise ValueError("the model holds FP8 layers: run it with weight_format='fp8'")
 

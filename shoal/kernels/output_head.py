@@ -20,10 +20,17 @@ engine uses the kernel at batch 1 only (`DecodeStep`'s `head_kernel_max_rows`).
 Arithmetic: fp32 products summed in fp32 (per chunk in Triton's reduction order, chunks in
 order), rounded once to the output dtype, which is what a bf16 `F.linear` does up to its
 summation order.
+
+An e4m3 weight with fp32 scales per 128 x 128 block (`scales`, `quant/fp8_head.py`'s rounded
+fast head) halves the bytes: each activation column is multiplied by its block's scale before the
+products. With power-of-two scales that multiplication is exact, so every product equals the one
+of the dequantized weight (`q * scale`, exact in bf16) with the activation: the logits are those
+of the bf16 head holding the dequantized weight, up to the summation order.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -45,25 +52,31 @@ def _weight_chunk(w_rows, row_ok, chunk, k, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _activation_chunk(x_row, chunk, k, CHUNK: tl.constexpr):
+def _activation_chunk(x_row, scale_row, chunk, k, CHUNK: tl.constexpr, SCALED: tl.constexpr):
+    """The activation columns of `chunk`; with SCALED in fp32, each times its weight block's scale."""
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    return tl.load(x_row + cols, mask=cols < k, other=0.0)
+    x = tl.load(x_row + cols, mask=cols < k, other=0.0)
+    if SCALED:
+        x = x.to(tl.float32) * tl.load(scale_row + cols // 128, mask=cols < k, other=0.0)
+    return x
 
 
 @triton.jit
 def _head_kernel(
-    x_ptr, w_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, scale_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_sn, stride_om,
     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, AHEAD: tl.constexpr,
-    EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr, EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (p, m): weight rows [p * BLOCK_N, ...) against activation row m, over K in CHUNKS
     chunks of CHUNK columns (masked past k). The first AHEAD chunks (1 or 2) load before the wait;
     afterwards chunk c + AHEAD loads while chunk c is summed, so at most AHEAD + 1 chunks are in
-    registers."""
+    registers. SCALED: the rows' scales are row `p * BLOCK_N // 128` of `scale_ptr` (BLOCK_N
+    divides 128)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     row_ok = rows < n
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    scale_row = scale_ptr + (tl.program_id(0) * BLOCK_N // 128).to(tl.int64) * stride_sn
     current = _weight_chunk(w_rows, row_ok, 0, k, CHUNK)
     if AHEAD > 1 and CHUNKS > 1:
         following = _weight_chunk(w_rows, row_ok, 1, k, CHUNK)
@@ -71,13 +84,16 @@ def _head_kernel(
         following = current
     wait_for_inputs(USE_PDL)
     x_row = x_ptr + m * stride_xm
-    x_current = _activation_chunk(x_row, 0, k, CHUNK)
-    x_following = _activation_chunk(x_row, 1, k, CHUNK) if AHEAD > 1 and CHUNKS > 1 else x_current
+    x_current = _activation_chunk(x_row, scale_row, 0, k, CHUNK, SCALED)
+    if AHEAD > 1 and CHUNKS > 1:
+        x_following = _activation_chunk(x_row, scale_row, 1, k, CHUNK, SCALED)
+    else:
+        x_following = x_current
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         if c + AHEAD < CHUNKS:  # the activation chunks roll along with the weight chunks
             upcoming = _weight_chunk(w_rows, row_ok, c + AHEAD, k, CHUNK)
-            x_upcoming = _activation_chunk(x_row, c + AHEAD, k, CHUNK)
+            x_upcoming = _activation_chunk(x_row, scale_row, c + AHEAD, k, CHUNK, SCALED)
         else:
             upcoming = current
             x_upcoming = x_current
@@ -96,21 +112,31 @@ def output_head(
     weight: Tensor,
     rows: int | None = None,
     out: Tensor | None = None,
-    rows_per_program: int = ROWS_PER_PROGRAM,
+    rows_per_program: int | None = None,
     num_warps: int = NUM_WARPS,
     ahead: int = AHEAD,
+    scales: Tensor | None = None,
 ) -> Tensor:
     """`F.linear(x, weight[:rows])` for x [M, K] and weight [N, K] (both with contiguous rows,
     the same dtype): logits [M, rows] in that dtype (`out`, if given, with contiguous rows). No
     allocation with `out`, no host sync: safe in a CUDA graph. Meant for M = 1 (see the module
-    docstring); any M is computed correctly (one compile per M).
+    docstring); any M is computed correctly (one compile per M). `rows_per_program` None reads
+    `ROWS_PER_PROGRAM` at the call (`shoal bench ab`'s `kernel:head_rows_per_program`).
+
+    `scales` fp32 [ceil(N/128), ceil(K/128)] (block [n // 128, k // 128]): `weight` is e4m3 and
+    the logits are those of its dequantized values (`q * scale`), in x's dtype.
 
     Under PDL the weight is read before the wait for the previous kernel: no kernel of the same
     graph or chain may write it."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or x.device != weight.device:
-        raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) must match")
+    rows_per_program = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
+    if scales is not None:
+        _check_scales(weight, scales, rows_per_program)
+    elif x.dtype != weight.dtype:
+        raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must match")
+    if x.device != weight.device:
+        raise ValueError(f"x ({x.device}) and weight ({weight.device}) must be on one device")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("rows of x and the weight must be contiguous")
     rows = weight.shape[0] if rows is None else rows
@@ -128,8 +154,24 @@ def output_head(
         return out.zero_()
     chunk = min(CHUNK, triton.next_power_of_2(k))
     _head_kernel[(triton.cdiv(rows, rows_per_program), m)](
-        x, weight, out, rows, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, scales if scales is not None else x, out, rows, k, x.stride(0), weight.stride(0),
+        scales.stride(0) if scales is not None else 0, out.stride(0),
         BLOCK_N=rows_per_program, CHUNK=chunk, CHUNKS=triton.cdiv(k, chunk), AHEAD=ahead,
-        EMULATE=interpreting(), num_warps=num_warps, **pdl_launch("head"),
+        SCALED=scales is not None, EMULATE=interpreting(), num_warps=num_warps, **pdl_launch("head"),
     )  # fmt: skip
     return out
+
+
+def _check_scales(weight: Tensor, scales: Tensor, rows_per_program: int) -> None:
+    """An e4m3 weight's block scales as the kernel indexes them, on the weight's device."""
+    n, k = weight.shape
+    want = (-(-n // 128), -(-k // 128))
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"a weight with scales must be float8_e4m3fn, got {weight.dtype}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.stride(1) != 1:
+        got = f"{scales.dtype} {list(scales.shape)}"
+        raise ValueError(f"scales must be float32 {list(want)} with contiguous rows, got {got}")
+    if scales.device != weight.device:
+        raise ValueError("scales must be on the weight's device")
+    if 128 % rows_per_program:
+        raise ValueError(f"with scales, rows_per_program must divide 128, got {rows_per_program}")

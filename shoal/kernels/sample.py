@@ -74,6 +74,9 @@ RADIX_BINS = tl.constexpr(32)  # 2 ** RADIX_BITS
 # the rows the per-device counters serve (a fixed buffer, never reallocated: graphs point at it).
 # 8 chunks measured best alone and in the decode step at batch 1, 16 and 64 (module docstring).
 DEFAULT_CHUNKS = 8
+# Warps per program when the caller does not say (read at each call: `shoal bench ab`'s
+# `kernel:sample_warps`).
+NUM_WARPS = 8
 DEFAULT_CHUNKS_MAX_ROWS = 64
 CHUNKED_MAX_ROWS = 1024
 _CHUNK_COUNTERS: dict[torch.device, Tensor] = {}
@@ -447,7 +450,7 @@ def sample_tokens(
     semantic_range: tuple[int, int] | None = None,
     max_top_k: int | None = None,
     out: Tensor | None = None,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     split_last_column: bool = True,
     select: str | None = None,
     chunks: int | None = None,
@@ -517,7 +520,7 @@ def sample_tokens(
     meta = dict(
         BLOCK_V=block_v, K=k, BLOCK_W=triton.next_power_of_2(window.shape[1]) if window is not None else 1,
         EXTRA_LAST=extra_last, HAS_TOKEN_IDS=token_ids is not None, RAS=window is not None,
-        num_warps=num_warps, **pdl_launch(),
+        num_warps=NUM_WARPS if num_warps is None else num_warps, **pdl_launch(),
     )  # fmt: skip
     if chunks == 1:
         scratch = torch.empty(rows, 2 * k, dtype=torch.int64, device=logits.device) if radix else seed

@@ -1,0 +1,87 @@
+"""The fast transformer's output head, rounded to FP8 so that batch 1 reads half its bytes.
+
+Every frame runs the fast head (codebook_size x fast_dim, S2: 4,096 x 2,560) nine times, and at
+batch 1 the head is a read of its weight: 21 MB in bf16 per pass, about 4.9 µs at the H200's read
+rate. The FP8 engine (`engine_fp8.prepare_model`) rounds it once at load time:
+- every 128 x 128 block gets a power-of-two scale, the smallest with |w| / scale <= 448
+  (`round_to_e4m3_blocks`), and each weight becomes the nearest e4m3 value times that scale;
+- the module keeps those rounded values as its (bf16) weight, which every path multiplies with
+  (prefill, cuBLAS at larger batches, the reference decode), and beside them the e4m3 codes and
+  scales (`weight_fp8`, `weight_scale`) that `kernels/output_head.py` reads at batch 1.
+Because the scales are powers of two, code times scale is exact in bf16 and the kernel's scaled
+products equal the bf16 weight's: both read the same weights, only the bytes differ.
+
+Why only the fast head: it runs nine times per frame, the slow head once (and S2's slow head is
+the tied embedding table, which the embedding lookup must keep exact). The logits are not
+quantized: activations and outputs stay bf16. The correctness gate (`shoal gate correctness`)
+decodes through this head; docs/quantization.md has the numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from shoal.kernels.reference import BLOCK, FP8_MAX, dequantize_weight
+
+# The module names rounded by `round_fast_head_`.
+FP8_HEAD_MODULES = ("fast_output",)
+MIN_EXPONENT = -100
+
+
+def round_to_e4m3_blocks(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """float [N, K] -> (e4m3 [N, K], fp32 power-of-two scales [ceil(N/128), ceil(K/128)]): per
+    128 x 128 block the smallest power of two s >= 2^-100 with amax / s <= 448 (1 for a zero block),
+    codes = w / s rounded to nearest even. Rounding already rounded weights returns the same codes
+    and scales."""
+    n, k = weight.shape
+    bn, bk = -(-n // BLOCK), -(-k // BLOCK)
+    padded = torch.zeros(bn * BLOCK, bk * BLOCK, dtype=torch.float32, device=weight.device)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(bn, BLOCK, bk, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    # exponents from MIN_EXPONENT up keep every code times its scale a normal fp32 (and bf16) number
+    exponent = torch.ceil(torch.log2(amax / FP8_MAX)).clamp_min(MIN_EXPONENT)
+    scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
+    # log2 of a ratio can land a hair below an exact power of two: make sure nothing overflows 448
+    scale = torch.where(amax / scale > FP8_MAX, scale * 2, scale)
+    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return codes.view(bn * BLOCK, bk * BLOCK)[:n, :k].contiguous(), scale.contiguous()
+
+
+class Fp8RoundedHead(nn.Linear):
+    """A bias-free linear whose weight holds e4m3-rounded values (model dtype), with the codes and
+    scales beside it as non-persistent buffers (a checkpoint written from the model keeps the
+    weight only)."""
+
+    weight_fp8: Tensor
+    weight_scale: Tensor
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> Fp8RoundedHead:
+        if linear.bias is not None:
+            raise ValueError("an FP8 rounded head has no bias")
+        weight = linear.weight
+        head = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        codes, scale = round_to_e4m3_blocks(weight)
+        rounded = dequantize_weight(codes, scale).to(weight.dtype)
+        if not torch.equal(rounded.float(), dequantize_weight(codes, scale)):
+            raise ValueError(f"{weight.dtype} cannot hold the rounded weights exactly")
+        head.weight = nn.Parameter(rounded, requires_grad=False)
+        head.register_buffer("weight_fp8", codes, persistent=False)
+        head.register_buffer("weight_scale", scale, persistent=False)
+        return head
+
+
+@torch.no_grad()
+def round_fast_head_(model: nn.Module) -> list[str]:
+    """Replace the model's fast head (`FP8_HEAD_MODULES`) by its `Fp8RoundedHead`, in place; a head
+    already rounded is left as it is. Returns the names replaced."""
+    replaced = []
+    for name in FP8_HEAD_MODULES:
+        linear = getattr(model, name, None)
+        if isinstance(linear, nn.Linear) and not isinstance(linear, Fp8RoundedHead):
+            setattr(model, name, Fp8RoundedHead.from_linear(linear))
+            replaced.append(name)
+    return replaced
