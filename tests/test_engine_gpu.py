@@ -225,7 +225,7 @@ def resumed_requests(runner, count: int, salt: int) -> list:
     requests = []
     for i in range(count):
         params = SamplingParams(
-            seed=salt * 100 + i, temperature=0.5 + 0.05 * i, top_p=0.7 + 0.02 * i, top_k=(3, 30, 64)[i % 3]
+            seed=salt * 100 + i, temperature=0.5 + 0.05 * i, top_p=0.7 + 0.02 * i, top_k=(3, 30, 32)[i % 3]
         )
         request = Request(
             f"ff{salt}-{i}", torch.zeros(runner.num_rows, 2, dtype=torch.long), params, max_new_frames=30
@@ -315,7 +315,7 @@ def test_engine_first_frames_with_graphs_equal_without(golden_dir, weight_format
                     seed=100 * wave + i,
                     temperature=0.6 + 0.02 * i,
                     top_p=0.7 + 0.015 * i,
-                    top_k=(5, 30, 64)[i % 3],
+                    top_k=(5, 30, 32)[i % 3],
                 )
                 requests.append(core.new_request(prompt, params, max_new_frames=1))
                 core.add(requests[-1])

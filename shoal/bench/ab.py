@@ -56,6 +56,7 @@ KERNEL_SWITCHES = {
     "words_min_rows": ("shoal.kernels.fast_attention", "WORDS_MIN_ROWS"),
     "sample_warps": ("shoal.kernels.sample", "NUM_WARPS"),
     "head_rows_per_program": ("shoal.kernels.output_head", "ROWS_PER_PROGRAM"),
+    "fp8_head_rows_per_program": ("shoal.kernels.output_head", "FP8_ROWS_PER_PROGRAM"),
 }
 
 

@@ -106,7 +106,7 @@ def sampling_probs(
 class DecodeStep:
     """One frame per row of a `DecodeBuffers` (runner.py), in place."""
 
-    def __init__(self, model, kv, max_batch: int, use_kernels: bool, max_top_k: int | None = 64) -> None:
+    def __init__(self, model, kv, max_batch: int, use_kernels: bool, max_top_k: int | None = 32) -> None:
         mc = model.config
         self.model, self.kv, self.config = model, kv, mc
         self.rules = rules_for(mc.family)

@@ -40,6 +40,9 @@ from shoal.kernels.out_buffer import out_buffer
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 ROWS_PER_PROGRAM = 16
+# An e4m3 weight's rows per program: 32 keeps a program's chunk at the bf16 chunk's 16 KB (batch-1
+# step 0.996x of 16 rows with the FP8 fast head, docs/performance.md run 191).
+FP8_ROWS_PER_PROGRAM = 32
 NUM_WARPS = 8
 CHUNK = 512  # K columns per load round: [16, 512] bf16 is 32 values per thread at 8 warps
 AHEAD = 2  # chunks loaded before the PDL wait, and in flight after it
@@ -121,7 +124,8 @@ def output_head(
     the same dtype): logits [M, rows] in that dtype (`out`, if given, with contiguous rows). No
     allocation with `out`, no host sync: safe in a CUDA graph. Meant for M = 1 (see the module
     docstring); any M is computed correctly (one compile per M). `rows_per_program` None reads
-    `ROWS_PER_PROGRAM` at the call (`shoal bench ab`'s `kernel:head_rows_per_program`).
+    `ROWS_PER_PROGRAM`, or `FP8_ROWS_PER_PROGRAM` with `scales`, at the call (`shoal bench ab`'s
+    `kernel:head_rows_per_program`, `kernel:fp8_head_rows_per_program`).
 
     `scales` fp32 [ceil(N/128), ceil(K/128)] (block [n // 128, k // 128]): `weight` is e4m3 and
     the logits are those of its dequantized values (`q * scale`), in x's dtype.
@@ -130,7 +134,8 @@ def output_head(
     graph or chain may write it."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    rows_per_program = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
+    if rows_per_program is None:
+        rows_per_program = ROWS_PER_PROGRAM if scales is None else FP8_ROWS_PER_PROGRAM
     if scales is not None:
         _check_scales(weight, scales, rows_per_program)
     elif x.dtype != weight.dtype:
