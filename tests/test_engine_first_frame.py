@@ -168,9 +168,10 @@ def test_which_rows_take_the_static_path(runner) -> None:
     def fresh(top_k: int) -> Request:
         return make_request(runner, "r", SamplingParams(top_k=top_k), 0)
 
-    assert runner.uses_first_frame_batch([fresh(64)] * 8)
-    assert not runner.uses_first_frame_batch([fresh(64)] * 9)  # above the largest bucket
-    assert not runner.uses_first_frame_batch([fresh(30), fresh(65)])  # not capped: whole-row sort
+    bound = runner.step.max_top_k  # the config's 32, or the kernel step's 64
+    assert runner.uses_first_frame_batch([fresh(bound)] * 8)  # top_k at the sampling bound
+    assert not runner.uses_first_frame_batch([fresh(bound)] * 9)  # above the largest bucket
+    assert not runner.uses_first_frame_batch([fresh(30), fresh(bound + 1)])  # not capped: whole-row sort
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -197,7 +198,7 @@ def test_engine_with_static_first_frames_equals_reference(golden_dir, overlap: b
     sink = Collector()
     jobs = []
     for i in range(3):
-        params = SamplingParams(seed=40 + i, temperature=0.7 + 0.1 * i, top_k=(30, 64, 5)[i], top_p=0.8)
+        params = SamplingParams(seed=40 + i, temperature=0.7 + 0.1 * i, top_k=(30, 32, 5)[i], top_p=0.8)
         jobs.append(
             (submit(core, model, sink, f"b{i}", TEXTS[i], [], params, 16, Priority.BATCH), params, 16)
         )

@@ -2,7 +2,7 @@
 
 Every frame runs the fast head (codebook_size x fast_dim, S2: 4,096 x 2,560) nine times, and at
 batch 1 the head is a read of its weight: 21 MB in bf16 per pass, about 4.9 µs at the H200's read
-rate. The FP8 engine (`engine_fp8.prepare_model`) rounds it once at load time:
+rate. An FP8 engine (`EngineConfig.fp8_fast_head`, on by default) rounds it once when it starts:
 - every 128 x 128 block gets a power-of-two scale, the smallest with |w| / scale <= 448
   (`round_to_e4m3_blocks`), and each weight becomes the nearest e4m3 value times that scale;
 - the module keeps those rounded values as its (bf16) weight, which every path multiplies with
@@ -67,7 +67,10 @@ class Fp8RoundedHead(nn.Linear):
         codes, scale = round_to_e4m3_blocks(weight)
         rounded = dequantize_weight(codes, scale).to(weight.dtype)
         if not torch.equal(rounded.float(), dequantize_weight(codes, scale)):
-            raise ValueError(f"{weight.dtype} cannot hold the rounded weights exactly")
+            raise ValueError(
+                f"{weight.dtype} cannot hold the fast head's e4m3-rounded weights exactly: run with"
+                " fp8_fast_head=False"
+            )
         head.weight = nn.Parameter(rounded, requires_grad=False)
         head.register_buffer("weight_fp8", codes, persistent=False)
         head.register_buffer("weight_scale", scale, persistent=False)
