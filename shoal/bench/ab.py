@@ -57,6 +57,8 @@ KERNEL_SWITCHES = {
     "sample_warps": ("shoal.kernels.sample", "NUM_WARPS"),
     "head_rows_per_program": ("shoal.kernels.output_head", "ROWS_PER_PROGRAM"),
     "fp8_head_rows_per_program": ("shoal.kernels.output_head", "FP8_ROWS_PER_PROGRAM"),
+    "head_chunk": ("shoal.kernels.output_head", "CHUNK"),
+    "fp8_head_chunk": ("shoal.kernels.output_head", "FP8_CHUNK"),
 }
 
 

@@ -45,6 +45,7 @@ ROWS_PER_PROGRAM = 16
 FP8_ROWS_PER_PROGRAM = 32
 NUM_WARPS = 8
 CHUNK = 512  # K columns per load round: [16, 512] bf16 is 32 values per thread at 8 warps
+FP8_CHUNK = 512  # the same for an e4m3 weight (read at each call: `kernel:fp8_head_chunk`)
 AHEAD = 2  # chunks loaded before the PDL wait, and in flight after it
 
 
@@ -157,7 +158,7 @@ def output_head(
         return out
     if k == 0:
         return out.zero_()
-    chunk = min(CHUNK, triton.next_power_of_2(k))
+    chunk = min(CHUNK if scales is None else FP8_CHUNK, triton.next_power_of_2(k))
     _head_kernel[(triton.cdiv(rows, rows_per_program), m)](
         x, weight, scales if scales is not None else x, out, rows, k, x.stride(0), weight.stride(0),
         scales.stride(0) if scales is not None else 0, out.stride(0),
