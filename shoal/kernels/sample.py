@@ -43,7 +43,9 @@ With the radix select in the chunks it was 8.0 / 10.6, and merging with `tl.topk
 candidates (sorting runs that arrive sorted) 8.5 / 11.4. `DEFAULT_CHUNKS` at batch <= 64 on a GPU
 with "radix" (the one-program kernel otherwise); `SHOAL_SAMPLE_CHUNKS` overrides. In the FP8
 decode step (10 sampling calls) 8 chunks made the step 0.993x / 0.988x / 0.996x at batch 1 / 16 /
-64, 4 chunks 0.997x / 0.991x / 0.997x (docs/performance.md run 137).
+64, 4 chunks 0.997x / 0.991x / 0.997x (docs/performance.md run 137). The candidate count is
+most of the chunked kernel's cost: with `max_top_k` 32 instead of 64 (the engine's default since
+run 191) a call takes about 3.8 µs less in the batch-1 step (8.9 -> 6.0 µs).
 
 RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
 the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
