@@ -81,6 +81,26 @@ def test_kernel_switches_are_set_and_restored() -> None:
         ab.parse_variant("kernel:PACKED_PAIRS=false")
 
 
+def test_every_switch_names_what_it_sets(golden_dir) -> None:
+    """A renamed constant or `DecodeStep` attribute would otherwise turn its switch into a new,
+    unread attribute (setattr creates it) and the variant would time the base."""
+    import importlib
+
+    import torch
+
+    from shoal.config import EngineConfig
+    from shoal.engine.core import EngineCore
+    from shoal.engine.decode_step import DecodeStep
+    from shoal.models import load_model
+
+    for name, (module, constant) in ab.KERNEL_SWITCHES.items():
+        assert hasattr(importlib.import_module(module), constant), name
+    model = load_model(golden_dir / "s2_tiny", device="cpu", dtype=torch.float32)
+    runner = EngineCore(model, EngineConfig(device="cpu", dtype="float32", num_pages=16)).runner
+    step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)  # the engine's on a GPU
+    assert not [name for name in ab.STEP_SWITCHES if not hasattr(step, name)]
+
+
 def test_wildcard_gemm_keys_expand_to_the_matching_entries() -> None:
     changes = ab.concrete(ab.parse_variant("gemm@*x*x1:scales_ahead=true+attention@16:block_n=128"))
     ones = sorted(key for key in TUNED_CONFIGS_FP8 if key[2] == 1)
