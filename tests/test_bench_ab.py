@@ -7,6 +7,7 @@ import argparse
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from shoal.bench import ab
 from shoal.kernels.attention import TUNED_DECODE_CONFIGS
@@ -138,6 +139,7 @@ def test_print_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "batch 16" in out and "5.100 (1.000)" in out and "4.900 (0.961)" in out and " x " not in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_run_without_a_gpu_refuses_and_checks_variants_first() -> None:
     parser = argparse.ArgumentParser()
     ab.add_arguments(parser)

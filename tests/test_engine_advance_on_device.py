@@ -65,6 +65,7 @@ def decode_on_kernel_step(model, advance: bool) -> tuple[list[torch.Tensor], lis
     return [r.frames[: r.num_frames].clone() for r in requests], uploads
 
 
+@pytest.mark.interpreter
 @pytest.mark.slow
 def test_steady_steps_upload_nothing_and_give_the_same_frames(tmp_path) -> None:
     model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16)

@@ -114,6 +114,7 @@ def decoding_core(golden_dir, count: int):
     [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
     ids=["capped", "full", "fused-fast", "head-kernel"],
 )
+@pytest.mark.interpreter
 def test_kernel_step_equals_torch_step(
     golden_dir, capped: bool, fused_fast: bool, head_kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -152,6 +153,7 @@ def test_kernel_step_equals_torch_step(
     assert torch.equal(b.tokens, b.frames)
 
 
+@pytest.mark.interpreter
 def test_kernel_step_never_writes_what_its_kernels_read_before_the_pdl_wait(golden_dir) -> None:
     """The PDL contract (docs/engine.md): kernels read the step's metadata, sampling parameters and
     the fast passes' constant buffers before waiting for the kernel in front of them, which is
@@ -178,6 +180,7 @@ def test_kernel_step_never_writes_what_its_kernels_read_before_the_pdl_wait(gold
         assert torch.equal(old, new)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("select,chunks", [("sort", None), ("radix", None), ("radix", 4)])
 def test_kernel_step_with_wide_rows_equals_torch_step(
     tmp_path, select: str, chunks: int | None, monkeypatch: pytest.MonkeyPatch
@@ -223,6 +226,7 @@ def test_kernel_step_with_wide_rows_equals_torch_step(
     assert torch.equal(results[1], results[0])
 
 
+@pytest.mark.interpreter
 def test_fused_prefill_equals_model_forward(golden_dir) -> None:
     """Two prompts (one continuing after a cached chunk) through the fused-kernel prefill."""
     from shoal.engine.kv_cache import PagedKV

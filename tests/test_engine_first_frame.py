@@ -34,7 +34,7 @@ from shoal.engine.request import Request, SamplingParams  # noqa: E402
 BUCKETS = (1, 4, 8)
 
 
-@pytest.fixture(scope="module", params=["kernels", "torch"])
+@pytest.fixture(scope="module", params=[pytest.param("kernels", marks=pytest.mark.interpreter), "torch"])
 def runner(request, golden_dir):
     model = tiny_s2(golden_dir, torch.float32)
     config = EngineConfig(

@@ -210,6 +210,7 @@ def _prepared_tiny(golden_dir):
     return model
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "scaled_mm"])  # that one: GPU test below
 @pytest.mark.parametrize("which", ["planted", "golden"])
 def test_triton_projections_equal_reference(planted, golden_dir, variant: str, which: str) -> None:
@@ -243,6 +244,7 @@ def test_triton_projections_equal_reference(planted, golden_dir, variant: str, w
                     torch.testing.assert_close(got, want, rtol=ulps[op] * 2**-7 + 1e-4, atol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_prefill_variant_runs_the_w8a8_kernel_off_the_gpu(planted) -> None:
     """`scaled_mm` (cuBLAS) has no CPU version: off CUDA the same arithmetic runs on the W8A8
     kernel, so an interpreted engine with a long prompt still prefills."""
@@ -288,6 +290,7 @@ def test_scaled_mm_prefill_equals_reference_at_s2_shapes(rows: int, monkeypatch:
         assert ((out.float() - want).abs() <= 2**-6 * want.abs() + 1e-3).float().mean() > 0.999
 
 
+@pytest.mark.interpreter
 def test_reserved_buffers_are_reused(planted) -> None:
     projections = Fp8Projections(planted, backend="triton", table={})
     projections.reserve({1, 2})
@@ -309,6 +312,7 @@ def test_reserved_buffers_are_reused(planted) -> None:
         projections.reserve({4})
 
 
+@pytest.mark.interpreter
 def test_projection_biases_apply_to_quantized_inputs_and_keep_the_reduction(tmp_path, monkeypatch) -> None:
     """A model with qkv and o biases, every GEMM split in two: a projection fed its input already
     quantized (`fp8_input`) adds the bias as the one that quantizes it itself, and `unreduced`
@@ -364,6 +368,7 @@ def _two_running_requests(model, dtype: str):
     return core.runner, requests
 
 
+@pytest.mark.interpreter
 def test_kernel_decode_step_with_fp8_tracks_the_torch_step(golden_dir) -> None:
     model = tiny_s2(golden_dir, torch.float32)
     runner, requests = _two_running_requests(model, "float32")
@@ -439,6 +444,7 @@ def _slow_and_first_fast_pass(step: DecodeStep, model, runner, fields) -> tuple[
         return hidden.clone(), normed.clone(), step._fast_kernels(x.flatten(0, 1), 0).clone()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("heads", ["golden", "wide", "split-rows"])
 def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path, heads: str) -> None:
     """With reserved row counts the norms (and, with 128-wide heads, the attention) write the
@@ -473,6 +479,7 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
         assert torch.equal(got, want)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("split_rows", [False, True], ids=["row-programs", "split-rows"])
 def test_norm_gathering_the_codes_equals_the_gather_launch(tmp_path, monkeypatch, split_rows: bool) -> None:
     """`DecodeStep.norm_gathers_codes`: fast passes 2..N start with their first norm gathering
@@ -513,6 +520,7 @@ def test_norm_gathering_the_codes_equals_the_gather_launch(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     "split_rows,fused_fast", [(False, True), (True, False)], ids=["row-programs", "split-rows-unfused-fast"]
 )
+@pytest.mark.interpreter
 def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
     tmp_path, monkeypatch, split_rows: bool, fused_fast: bool
 ) -> None:

@@ -70,6 +70,7 @@ def exact_prefill(step: DecodeStep, columns: torch.Tensor, start: int, pages: li
 
 
 @torch.no_grad()
+@pytest.mark.interpreter
 def test_padded_chunks_equal_exact_prefill(model) -> None:
     exact, static = kernel_step(model), kernel_step(model)
     batch = PrefillBatch(static, BUCKETS, model.config.num_codebooks + 1, max_pages=8)
@@ -122,6 +123,7 @@ def test_fill_refuses_bad_chunks(model) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.interpreter
 def test_packed_chunks_equal_the_eager_varlen_prefill(model) -> None:
     """Several requests' chunks in one static prefill (`segments` 4): a fresh prompt, a chunk
     continuing after cached keys and a single token, packed and padded, against the eager varlen
@@ -179,6 +181,7 @@ def engine(model, with_batch: bool, segments: int = 1) -> EngineCore:
 
 
 @torch.no_grad()
+@pytest.mark.interpreter
 @pytest.mark.parametrize("segments", [1, 3])
 def test_engine_with_static_prefill_equals_without(model, segments: int) -> None:
     """Prompts longer than one prefill step (chunks continue after cached ones), three requests
