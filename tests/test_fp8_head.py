@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shoal.config import EngineConfig
 from shoal.engine.core import EngineCore
+from shoal.engine.decode_step import DecodeStep
 from shoal.kernels.reference import dequantize_weight
 from shoal.models import load_model
 from shoal.quant.fp8_head import Fp8RoundedHead, round_fast_head_, round_to_e4m3_blocks
@@ -63,3 +65,34 @@ def test_the_fp8_engine_rounds_the_fast_head_once(golden_dir) -> None:
     for fields in ({"weight_format": "fp8", "fp8_fast_head": False}, {"weight_format": "bf16"}):
         model = _core(golden_dir, **fields).runner.model
         assert type(model.fast_output) is nn.Linear, fields
+
+
+@pytest.mark.interpreter
+def test_the_kernel_step_reads_the_codes_at_batch_one(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch 1 the head kernel gets the codes and scales (`fp8_fast_head`) and gives the logits
+    of the bf16 weight the module holds; switched off, or at batch 2 (cuBLAS), the weight itself."""
+    import shoal.kernels.output_head as output_head_module
+
+    runner = _core(golden_dir, weight_format="fp8").runner
+    model = runner.model
+    step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
+    assert step.head_kernel_max_rows >= 1 and step.fp8_fast_head
+    seen = []
+    original = output_head_module.output_head
+
+    def spy(x, weight, *args, **kwargs):
+        seen.append(weight.dtype)
+        return original(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(output_head_module, "output_head", spy)
+    normed = torch.randn(2, model.config.fast_dim)
+    want = F.linear(normed.double(), model.fast_output.weight.double())
+    with torch.no_grad():
+        got = step._fast_head(normed[:1])
+        step.fp8_fast_head = False
+        plain = step._fast_head(normed[:1])
+        both = step._fast_head(normed)
+    assert seen == [torch.float8_e4m3fn, torch.float32]  # batch 2 does not reach the kernel
+    for logits in (got, plain):
+        assert torch.allclose(logits.double(), want[:1], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(both.double(), want, rtol=1e-5, atol=1e-5)

@@ -73,9 +73,9 @@ def test_e4m3_weight_with_block_scales_is_its_dequantized_weight(rows_per_progra
     weight[:, 640:768] *= 40  # blocks of very different scales
     codes, scales = round_to_e4m3_blocks(weight)
     dequantized = dequantize_weight(codes, scales)
+    codes, scales = codes.to(DEVICE), scales.to(DEVICE)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(1, 1100, generator=gen).to(dtype)
-        codes, scales = codes.to(DEVICE), scales.to(DEVICE)
         got = output_head(x.to(DEVICE), codes, rows=190, rows_per_program=rows_per_program, scales=scales)
         assert got.dtype == dtype
         assert_one_rounding(got.cpu(), x, dequantized.to(dtype), 190)

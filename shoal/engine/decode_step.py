@@ -537,7 +537,12 @@ class DecodeStep:
         )  # fmt: skip
         if k == 0:
             normed = normed[1::2]
-        head = model.fast_output
+        return self._fast_head(normed)
+
+    def _fast_head(self, normed: Tensor) -> Tensor:
+        """The codebook logits; a rounded head (`quant/fp8_head.py`) is read as its e4m3 codes on
+        the head kernel (with `fp8_fast_head`), else as its weight."""
+        head = self.model.fast_output
         rounded = self.fp8_fast_head and hasattr(head, "weight_fp8")
         return self._head(normed, head.weight, fp8=(head.weight_fp8, head.weight_scale) if rounded else None)
 
