@@ -280,8 +280,6 @@ def _fast_rope_attention_kernel(
     values = tl.where((keys_at <= last)[:, None], values, 0.0)
 
     # Queries: rows (token, head in group), rotated as `_qk_norm_rope_kv_kernel` rotates q heads.
-    cos = q_cos
-    sin = q_sin
     x0, x1 = q_halves
     if HAS_Q_NORM:
         x0, x1 = _q_norm_rows(
@@ -292,7 +290,7 @@ def _fast_rope_attention_kernel(
     f1 = x1.to(tl.float32)
     q_type = k_pages_ptr.dtype.element_ty  # qkv's (partials: what their sum is rounded to)
     q = tl.interleave(
-        cast_rne(f0 * cos - f1 * sin, q_type, EMULATE), cast_rne(f1 * cos + f0 * sin, q_type, EMULATE)
+        cast_rne(f0 * q_cos - f1 * q_sin, q_type, EMULATE), cast_rne(f1 * q_cos + f0 * q_sin, q_type, EMULATE)
     )
 
     # One block of keys of `_attend_key_range`, from its initial state (nothing accumulated yet).

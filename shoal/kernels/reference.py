@@ -19,6 +19,7 @@ import torch.nn.functional as F
 BLOCK = 128
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
+MIN_POW2_EXPONENT = -100
 
 
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -74,12 +75,25 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
     return (q.float() * scale[..., None].float()).to(dtype)
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3 [N, K], fp32 [ceil(N/128), ceil(K/128)]): amax / 448 per 128x128 block."""
+def _power_of_two_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest 2^e >= amax / 448 with e >= MIN_POW2_EXPONENT (every code times it then a
+    normal fp32 and bf16 number), 1 where amax is 0."""
+    exponent = torch.ceil(torch.log2(amax / FP8_MAX)).clamp_min(MIN_POW2_EXPONENT)
+    scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
+    # log2 of a ratio can land a hair below an exact power of two: make sure nothing overflows 448
+    return torch.where(amax / scale > FP8_MAX, scale * 2, scale)
+
+
+def quantize_weight(w: torch.Tensor, power_of_two_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], fp32 [ceil(N/128), ceil(K/128)]): amax / 448 per 128x128 block, or
+    with `power_of_two_scales` the smallest power of two at least that (`_power_of_two_scales`:
+    code times scale is then exact in bf16, and quantizing the dequantized weight again returns the
+    same codes and scales)."""
     n, k = w.shape
     bn, bk = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
     blocks = _pad_to(w.float(), bn * BLOCK, bk * BLOCK).view(bn, BLOCK, bk, BLOCK)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = _power_of_two_scales(amax) if power_of_two_scales else (amax / FP8_MAX).clamp_min(MIN_SCALE)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(bn * BLOCK, bk * BLOCK)[:n, :k].contiguous(), scale.contiguous()
 

@@ -22,31 +22,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from shoal.kernels.reference import BLOCK, FP8_MAX, dequantize_weight
+from shoal.kernels.reference import dequantize_weight, quantize_weight
 
 # The module names rounded by `round_fast_head_`.
 FP8_HEAD_MODULES = ("fast_output",)
-MIN_EXPONENT = -100
 
 
 def round_to_e4m3_blocks(weight: Tensor) -> tuple[Tensor, Tensor]:
     """float [N, K] -> (e4m3 [N, K], fp32 power-of-two scales [ceil(N/128), ceil(K/128)]): per
     128 x 128 block the smallest power of two s >= 2^-100 with amax / s <= 448 (1 for a zero block),
-    codes = w / s rounded to nearest even. Rounding already rounded weights returns the same codes
-    and scales."""
-    n, k = weight.shape
-    bn, bk = -(-n // BLOCK), -(-k // BLOCK)
-    padded = torch.zeros(bn * BLOCK, bk * BLOCK, dtype=torch.float32, device=weight.device)
-    padded[:n, :k] = weight.float()
-    blocks = padded.view(bn, BLOCK, bk, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))
-    # exponents from MIN_EXPONENT up keep every code times its scale a normal fp32 (and bf16) number
-    exponent = torch.ceil(torch.log2(amax / FP8_MAX)).clamp_min(MIN_EXPONENT)
-    scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
-    # log2 of a ratio can land a hair below an exact power of two: make sure nothing overflows 448
-    scale = torch.where(amax / scale > FP8_MAX, scale * 2, scale)
-    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    return codes.view(bn * BLOCK, bk * BLOCK)[:n, :k].contiguous(), scale.contiguous()
+    codes = w / s rounded to nearest even (`reference.quantize_weight`'s power-of-two rule).
+    Rounding already rounded weights returns the same codes and scales."""
+    return quantize_weight(weight, power_of_two_scales=True)
 
 
 class Fp8RoundedHead(nn.Linear):
@@ -65,8 +52,9 @@ class Fp8RoundedHead(nn.Linear):
         weight = linear.weight
         head = cls(linear.in_features, linear.out_features, bias=False, device="meta")
         codes, scale = round_to_e4m3_blocks(weight)
-        rounded = dequantize_weight(codes, scale).to(weight.dtype)
-        if not torch.equal(rounded.float(), dequantize_weight(codes, scale)):
+        exact = dequantize_weight(codes, scale)
+        rounded = exact.to(weight.dtype)
+        if not torch.equal(rounded.float(), exact):
             raise ValueError(
                 f"{weight.dtype} cannot hold the fast head's e4m3-rounded weights exactly: run with"
                 " fp8_fast_head=False"
