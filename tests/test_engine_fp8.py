@@ -267,8 +267,9 @@ def test_prefill_variant_runs_the_w8a8_kernel_off_the_gpu(planted) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [300, 4096])
 def test_scaled_mm_prefill_equals_reference_at_s2_shapes(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill rows through block-scaled `torch._scaled_mm` (rows padded to 16) equal the W8A8
-    reference up to bf16 output rounding and summation order, SwiGLU included (S2-Pro shapes)."""
+    """Prefill rows through block-scaled `torch._scaled_mm` (rows padded to 16 by the quantization)
+    equal the W8A8 reference up to bf16 output rounding and summation order, SwiGLU included
+    (S2-Pro shapes); into a given output or a padded one of its own, the same bits."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from shoal.kernels import reference
@@ -282,7 +283,9 @@ def test_scaled_mm_prefill_equals_reference_at_s2_shapes(rows: int, monkeypatch:
         weight = Fp8Weight(w_q, w_scale)
         x = torch.randn(rows, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
-        Fp8Projections._scaled_mm(weight, x, swiglu, out)
+        assert Fp8Projections._scaled_mm(weight, x, swiglu, out) is out  # cuBLAS writes it or a copy
+        view = Fp8Projections._scaled_mm(weight, x, swiglu, None)  # the first rows of a padded result
+        assert view.shape == out.shape and view.is_contiguous() and torch.equal(view, out)
         want = reference.fp8_linear(x, w_q, w_scale, True, swiglu, out_dtype=torch.float32)
         # cuBLAS sums in another order than the reference: a bf16 ulp here and there, nothing more
         error = (out.float() - want).norm() / want.norm()

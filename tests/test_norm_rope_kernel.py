@@ -44,8 +44,18 @@ def random_bf16(*shape: int, generator: torch.Generator, scale: float = 1.0) -> 
     return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16).to(DEVICE)
 
 
+@pytest.fixture(params=["per_head", "block"])
+def rope_kernel(request, monkeypatch) -> str:
+    """Which QK-norm/RoPE/KV-write build runs, whatever the token count: one program per (token,
+    head) (decode sizes) or `kernels/norm_rope_block.py` (prefill sizes), by moving the threshold."""
+    from shoal.kernels import norm_rope
+
+    monkeypatch.setattr(norm_rope, "BLOCK_KERNEL_FROM_TOKENS", 1 << 30 if request.param == "per_head" else 1)
+    return request.param
+
+
 @pytest.mark.parametrize("hq,hkv,with_norm", [(2, 2, True), (4, 2, False), (8, 2, True)])
-def test_qk_norm_rope_kv_write(hq: int, hkv: int, with_norm: bool) -> None:
+def test_qk_norm_rope_kv_write(hq: int, hkv: int, with_norm: bool, rope_kernel: str) -> None:
     gen = torch.Generator().manual_seed(hq * 3 + with_norm)
     tokens, d, page, num_pages = 7, 32, 4, 6
     qkv = random_bf16(tokens, (hq + 2 * hkv) * d, generator=gen, scale=3.0)
@@ -86,7 +96,7 @@ def test_rms_norm(dim: int, weight_dtype: torch.dtype, with_residual: bool) -> N
 
 
 @pytest.mark.gpu
-def test_full_s2_shapes() -> None:
+def test_full_s2_shapes(rope_kernel: str) -> None:
     gen = torch.Generator().manual_seed(0)
     tokens, hq, hkv, d, page = 300, 32, 8, 128, 16
     qkv = random_bf16(tokens, (hq + 2 * hkv) * d, generator=gen, scale=3.0)
@@ -122,6 +132,34 @@ def test_full_s2_shapes() -> None:
                  residual_out=summed, slice_groups=4)  # fmt: skip
         assert torch.equal(q_split.view(torch.uint8), q[:rows].view(torch.uint8))
         assert torch.equal(s_split, scales[:rows])
+
+
+@pytest.mark.gpu
+def test_block_build_matches_the_per_head_build_at_prefill_size(monkeypatch) -> None:
+    """A 3,840-token prefill chunk at S2 shapes through both builds: the same v bits, and q and k
+    equal but for a bf16 rounding step now and then (each head's mean square summed in another
+    order), as both are to torch's reference."""
+    from shoal.kernels import norm_rope
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, hq, hkv, d, page = 3840, 32, 8, 128, 16
+    qkv = random_bf16(tokens, (hq + 2 * hkv) * d, generator=gen, scale=3.0)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
+    table = rope_table(4096, d, 1e6).to(DEVICE)
+    q_w, k_w = random_bf16(d, generator=gen), random_bf16(d, generator=gen)
+    slots = torch.randperm(tokens + 64, generator=gen)[:tokens].to(DEVICE)
+    slots[::97] = -1
+    results = []
+    for threshold in (1 << 30, 1):
+        monkeypatch.setattr(norm_rope, "BLOCK_KERNEL_FROM_TOKENS", threshold)
+        k_pages = torch.zeros(((tokens + 64) // page, page, hkv, d), dtype=torch.bfloat16, device=DEVICE)
+        v_pages = k_pages.clone()
+        q = qk_norm_rope_kv_write(qkv, positions, table, k_pages, v_pages, slots, hq, hkv, q_w, k_w)
+        results.append((q, k_pages, v_pages))
+    (q, k, v), (q_block, k_block, v_block) = results
+    assert torch.equal(v_block, v)
+    assert_rotated_close(q_block, q)
+    assert_rotated_close(k_block.view(-1, hkv, d)[slots], k.view(-1, hkv, d)[slots])
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 256), (3, 320)])
@@ -240,7 +278,7 @@ def _partials_case(seed: int, tokens: int, hq: int, hkv: int, d: int, capacity: 
     return SplitKPartials(parts), positions, table, q_w, k_w, slots
 
 
-def test_qk_norm_rope_kv_write_sums_split_k_partials_as_the_gemm_would() -> None:
+def test_qk_norm_rope_kv_write_sums_split_k_partials_as_the_gemm_would(rope_kernel: str) -> None:
     """Fed the qkv GEMM's partials, the QK-norm/RoPE/KV-write kernel writes q, k and v exactly as
     on the reduced bf16 qkv (`tie_partials`: any other summation order changes every element)."""
     hq, hkv, d, page, num_pages = 4, 2, 32, 4, 4
@@ -399,7 +437,9 @@ def gathered(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     "hq,hkv,d,with_norm", [(2, 2, 32, True), (4, 2, 32, False), (8, 2, 128, True), (4, 1, 64, False)]
 )
-def test_fp8_kv_write_is_quantize_kv_of_the_bf16_write(hq: int, hkv: int, d: int, with_norm: bool) -> None:
+def test_fp8_kv_write_is_quantize_kv_of_the_bf16_write(
+    hq: int, hkv: int, d: int, with_norm: bool, rope_kernel: str
+) -> None:
     """FP8 pools get exactly `reference.quantize_kv` of what the bf16 pools get (k after norm and
     RoPE, v as loaded), one scale per (token, kv head); q is the bf16 run's; padding rows (slot
     -1) leave pages and scales alone. Magnitudes vary per head, and one token has zero k and v
@@ -426,7 +466,7 @@ def test_fp8_kv_write_is_quantize_kv_of_the_bf16_write(hq: int, hkv: int, d: int
     assert (vs.view(-1, hkv)[slots[2]] == 1e-12).all() and (v8.view(-1, hkv, d)[slots[2]].float() == 0).all()
 
 
-def test_fp8_kv_write_sums_split_k_partials() -> None:
+def test_fp8_kv_write_sums_split_k_partials(rope_kernel: str) -> None:
     """Fed split-K partials (`tie_partials`: only the split-order sum gives these bf16 values),
     the FP8 pools get `quantize_kv` of what the bf16 pools get from the same partials, which is
     also what the reduced bf16 qkv gives."""
@@ -510,7 +550,7 @@ def test_fp8_kv_write_checks_pools_and_scales() -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_kv_write_full_s2_shapes_in_a_cuda_graph() -> None:
+def test_fp8_kv_write_full_s2_shapes_in_a_cuda_graph(rope_kernel: str) -> None:
     """S2 shapes on the GPU, the FP8 write captured in a CUDA graph and replayed: the same bits as
     `quantize_kv` of the bf16 write (cvt/division on the GPU against torch's)."""
     gen = torch.Generator().manual_seed(1)

@@ -69,6 +69,23 @@ def test_swiglu_quantize_matches_reference(m: int, i: int) -> None:
     assert err < 0.05
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_padded_rows_quantize_zeros_and_the_rest_is_unchanged(swiglu: bool) -> None:
+    """`pad_rows_to` rounds the outputs' rows up (the rows past M: zero codes, the minimum scale),
+    and neither it nor the groups per program changes a bit of the M rows."""
+    m, k = 5, 384
+    x = _activations(m, 2 * k if swiglu else k)
+    fn = quant.swiglu_quantize if swiglu else quant.quantize_activations
+    q, s = fn(x)
+    q_pad, s_pad = fn(x, pad_rows_to=4, groups_per_program=1)
+    assert q_pad.shape == (8, k) and s_pad.shape == (8, 3) and s_pad.stride() == (1, 8)
+    assert torch.equal(q_pad[:m].view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_pad[:m], s)
+    assert (q_pad[m:].view(torch.uint8) == 0).all() and (s_pad[m:] == quant.MIN_SCALE).all()
+    q_wide, s_wide = fn(x, groups_per_program=16)
+    assert torch.equal(q_wide.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_wide, s)
+    assert quant.groups_per_program_for(256) == 4 and quant.groups_per_program_for(3840) == 16
+
+
 def test_rejects_wrong_scale_layout() -> None:
     x = _activations(3, 256)
     row_major = torch.empty(3, 2, device=DEVICE)

@@ -195,6 +195,12 @@ def consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch.
     return x, 0, 0, x.dtype
 
 
+# From this many tokens on (more rows than any decode batch: `EngineConfig.graph_max_batch` <= 256),
+# i.e. in prefill, `kernels/norm_rope_block.py` takes blocks of tokens per program instead of one
+# single-warp program per (token, head).
+BLOCK_KERNEL_FROM_TOKENS = 257
+
+
 def qk_norm_rope_kv_write(
     qkv: Tensor | SplitKPartials,
     positions: Tensor,
@@ -220,7 +226,8 @@ def qk_norm_rope_kv_write(
     `reference.quantize_kv` of the bf16 vector a bf16 pool would get, its scale stored alongside.
 
     Under PDL (`kernels/pdl.py`) `positions`, `slot_mapping` and the table are read before the
-    wait for the previous kernel: no kernel of the same graph or chain may write them."""
+    wait for the previous kernel: no kernel of the same graph or chain may write them. From
+    `BLOCK_KERNEL_FROM_TOKENS` tokens on the work goes to `kernels/norm_rope_block.py`."""
     qkv, count, split_stride, qkv_dtype = consumer_input(qkv)
     tokens, width = qkv.shape
     head_dim = width // (n_q_heads + 2 * n_kv_heads)
@@ -240,19 +247,33 @@ def qk_norm_rope_kv_write(
     if tokens == 0:
         return q_out
     dummy = rope_table
-    _qk_norm_rope_kv_kernel[(tokens, n_q_heads + n_kv_heads)](
+    pointers = (
         qkv, positions, rope_table,
         q_norm_weight if q_norm_weight is not None else dummy,
         k_norm_weight if k_norm_weight is not None else dummy,
         slot_mapping, q_out, k_pages, v_pages,
         k_scales if kv_fp8 else k_pages, v_scales if kv_fp8 else k_pages, eps,
+    )  # fmt: skip
+    strides = (
         qkv.stride(0), split_stride, rope_table.stride(0), q_out.stride(0), q_out.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+    )  # fmt: skip
+    constants = dict(
         NUM_Q_HEADS=n_q_heads, NUM_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, PAGE=k_pages.shape[1],
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, PARTS=count,
-        KV_FP8=kv_fp8, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
-        EMULATE=interpreting(), num_warps=1, **pdl_launch(),
+        KV_FP8=kv_fp8, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE, EMULATE=interpreting(), **pdl_launch(),
     )  # fmt: skip
+    if tokens >= BLOCK_KERNEL_FROM_TOKENS:
+        from shoal.kernels import norm_rope_block as block
+
+        grid = (triton.cdiv(tokens, block.BLOCK_T), n_q_heads + n_kv_heads)
+        block.qk_norm_rope_kv_block_kernel[grid](
+            *pointers, tokens, *strides, BLOCK=block.BLOCK_T, num_warps=block.NUM_WARPS, **constants
+        )
+    else:
+        _qk_norm_rope_kv_kernel[(tokens, n_q_heads + n_kv_heads)](
+            *pointers, *strides, num_warps=1, **constants
+        )
     return q_out
 
 

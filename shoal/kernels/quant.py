@@ -136,6 +136,7 @@ def _quantize_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    M,
     K,
     stride_xm,
     stride_qm,
@@ -146,14 +147,20 @@ def _quantize_kernel(
     GROUP_SIZE: tl.constexpr,
     FP8_MAX_: tl.constexpr,
     MIN_SCALE_: tl.constexpr,
+    PADDED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Program (row, slice of GROUPS_PER_PROGRAM groups). PADDED: the grid has rows past the M
+    rows of x, which quantize zeros (zero codes, the minimum scale)."""
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0)
     group0 = tl.program_id(1) * GROUPS_PER_PROGRAM
     groups = group0 + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     mask = cols < K
+    stored = mask
+    if PADDED:
+        mask = mask & (row < M)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     if SWIGLU:
         gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -162,9 +169,23 @@ def _quantize_kernel(
     else:
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     q, scale = _quantize_groups(x, FP8_MAX_, MIN_SCALE_)
-    tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q, mask=mask)
+    tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q, mask=stored)
     group_count = tl.cdiv(K, GROUP_SIZE)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < group_count)
+
+
+# 128-column groups per program of the quantization launch: 4 (512 columns, 4 elements per thread)
+# at decode sizes, where a row's few programs start at once; 16 from more rows than any decode
+# batch on (prefill), where a 3,840-row chunk's SwiGLU quantization was 73,000 programs of 1 KB
+# each, scheduled rather than streamed (docs/performance.md run 198: the quantization launches
+# were 14% of a concurrency-64 wave). The bits do not depend on it: a group is one program's.
+GROUPS_PER_PROGRAM = 4
+WIDE_GROUPS_PER_PROGRAM = 16
+WIDE_FROM_ROWS = 257
+
+
+def groups_per_program_for(rows: int) -> int:
+    return GROUPS_PER_PROGRAM if rows < WIDE_FROM_ROWS else WIDE_GROUPS_PER_PROGRAM
 
 
 def _launch(
@@ -173,27 +194,32 @@ def _launch(
     swiglu: bool,
     out: torch.Tensor | None,
     scales: torch.Tensor | None,
-    groups_per_program: int,
+    groups_per_program: int | None,
     num_warps: int,
+    pad_rows_to: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("activations must be a 2-D tensor with unit column stride")
     m = x.shape[0]
+    rows = triton.cdiv(m, pad_rows_to) * pad_rows_to
+    if groups_per_program is None:
+        groups_per_program = groups_per_program_for(m)
     if out is None:
-        out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+        out = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     if scales is None:
-        scales = new_activation_scales(m, k, x.device)
-    if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (m, k) or out.stride(1) != 1:
-        raise ValueError(f"out must be float8_e4m3fn [{m}, {k}] with unit column stride")
-    check_activation_scales(scales, m, k)
-    if m == 0:
+        scales = new_activation_scales(rows, k, x.device)
+    if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (rows, k) or out.stride(1) != 1:
+        raise ValueError(f"out must be float8_e4m3fn [{rows}, {k}] with unit column stride")
+    check_activation_scales(scales, rows, k)
+    if rows == 0:
         return out, scales
     groups = triton.cdiv(k, GROUP)
-    grid = (m, triton.cdiv(groups, groups_per_program))
+    grid = (rows, triton.cdiv(groups, groups_per_program))
     _quantize_kernel[grid](
         x,
         out,
         scales,
+        m,
         k,
         x.stride(0),
         out.stride(0),
@@ -204,6 +230,7 @@ def _launch(
         GROUP_SIZE=GROUP,
         FP8_MAX_=FP8_MAX,
         MIN_SCALE_=MIN_SCALE,
+        PADDED=rows != m,
         num_warps=num_warps,
         **pdl_launch(),
     )
@@ -214,23 +241,31 @@ def quantize_activations(
     x: torch.Tensor,
     out: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
-    groups_per_program: int = 4,
+    groups_per_program: int | None = None,
     num_warps: int = 4,
+    pad_rows_to: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16/fp32 [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)] group-major), one launch.
 
-    Pass `out` and `scales` (from `new_activation_scales`) to allocate nothing (CUDA graphs)."""
-    return _launch(x, x.shape[-1], False, out, scales, groups_per_program, num_warps)
+    Pass `out` and `scales` (from `new_activation_scales`) to allocate nothing (CUDA graphs).
+    `groups_per_program` None: `groups_per_program_for(M)`. `pad_rows_to`: the outputs have M
+    rounded up to a multiple of it, the rows past M quantized zeros (what block-wise
+    `torch._scaled_mm` wants, without a padded copy of x)."""
+    return _launch(x, x.shape[-1], False, out, scales, groups_per_program, num_warps, pad_rows_to)
 
 
 def swiglu_quantize(
     gate_up: torch.Tensor,
     out: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
-    groups_per_program: int = 4,
+    groups_per_program: int | None = None,
     num_warps: int = 4,
+    pad_rows_to: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2*I] (gate | up) -> quantized silu(gate) * up: (e4m3 [M, I], scales [M, I/128])."""
+    """gate_up [M, 2*I] (gate | up) -> quantized silu(gate) * up: (e4m3 [M, I], scales [M, I/128]);
+    `pad_rows_to` as `quantize_activations`'."""
     if gate_up.shape[-1] % 2:
         raise ValueError("gate_up must have an even number of columns (gate | up)")
-    return _launch(gate_up, gate_up.shape[-1] // 2, True, out, scales, groups_per_program, num_warps)
+    return _launch(
+        gate_up, gate_up.shape[-1] // 2, True, out, scales, groups_per_program, num_warps, pad_rows_to
+    )

@@ -435,7 +435,7 @@ class Fp8Projections:
                 return out
             return y
         static = self._static(m)
-        if out is None:
+        if out is None and (static or variant != "scaled_mm"):  # eager scaled_mm: its own padded buffer
             out = self._out(w, m, lead.device, static)
         workspace = self.workspace if static else None
         unreduced = unreduced and w.bias is None and (keep_bf16 or out_dtype == torch.bfloat16)
@@ -450,7 +450,7 @@ class Fp8Projections:
                 a = F.silu(a[:, : w.k]) * a[:, w.k :]
             torch.mm(a, w.dense.t(), out=out)
         elif variant == "scaled_mm":
-            self._scaled_mm(w, x, swiglu, out)
+            out = result = self._scaled_mm(w, x, swiglu, out)
         elif variant == "w8a8":
             from shoal.kernels.fp8_gemm import fp8_gemm
             from shoal.kernels.quant import quantize_activations, swiglu_quantize
@@ -476,19 +476,26 @@ class Fp8Projections:
         return out.to(out_dtype)
 
     @staticmethod
-    def _scaled_mm(w: Fp8Weight, x: Tensor, swiglu: bool, out: Tensor) -> None:
-        """Block-scaled cuBLAS FP8 GEMM into `out`: the same arithmetic as "w8a8" (activation
-        groups of 1 x 128, weight blocks of 128 x 128, fp32 sums), another summation order."""
+    def _scaled_mm(w: Fp8Weight, x: Tensor, swiglu: bool, out: Tensor | None) -> Tensor:
+        """Block-scaled cuBLAS FP8 GEMM: the same arithmetic as "w8a8" (activation groups of 1 x
+        128, weight blocks of 128 x 128, fp32 sums), another summation order. cuBLAS's block-wise
+        kernels want whole 16-row groups: the quantization pads the rows with zeros itself, and
+        the product lands in `out` when it has those rows, else (no `out`) in a padded buffer
+        whose first M rows are returned as a view. Copying padded inputs and outputs instead took
+        about a tenth of an eager 3,840-row prefill chunk (docs/performance.md run 198)."""
         from shoal.kernels.quant import quantize_activations, swiglu_quantize
 
         m = x.shape[0]
         rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
-        if rows != m:  # cuBLAS's block-wise kernels want whole 16-row groups: zero rows past M
-            x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
         quantize = swiglu_quantize if swiglu else quantize_activations
-        q, scales = quantize(x.to(torch.bfloat16))  # allocates the e4m3 rows and group-major scales
-        y = torch._scaled_mm(q, w.q.t(), scales, w.scale.t(), out_dtype=torch.bfloat16)
+        q, scales = quantize(x.to(torch.bfloat16), pad_rows_to=SCALED_MM_ROWS)
+        direct = out is not None and rows == m and out.is_contiguous()
+        y = out if direct else torch.empty(rows, w.n, dtype=torch.bfloat16, device=x.device)
+        torch._scaled_mm(q, w.q.t(), scales, w.scale.t(), out_dtype=torch.bfloat16, out=y)
+        if out is None or direct:
+            return y[:m]
         out.copy_(y[:m])
+        return out
 
     def _reference(self, w: Fp8Weight, x: Tensor, variant: str, swiglu: bool) -> Tensor:
         """The same variant with `kernels/reference.py`, fp32 arithmetic, unrounded output."""
