@@ -83,7 +83,7 @@ def test_padded_rows_quantize_zeros_and_the_rest_is_unchanged(swiglu: bool) -> N
     assert (q_pad[m:].view(torch.uint8) == 0).all() and (s_pad[m:] == quant.MIN_SCALE).all()
     q_wide, s_wide = fn(x, groups_per_program=16)
     assert torch.equal(q_wide.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_wide, s)
-    assert quant.groups_per_program_for(256) == 4 and quant.groups_per_program_for(3840) == 16
+    assert quant.groups_per_program_for(256) == 4 and quant.groups_per_program_for(3840) == 8
 
 
 def test_rejects_wrong_scale_layout() -> None:

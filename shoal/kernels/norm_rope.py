@@ -197,7 +197,7 @@ def consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch.
 
 # From this many tokens on (more rows than any decode batch: `EngineConfig.graph_max_batch` <= 256),
 # i.e. in prefill, `kernels/norm_rope_block.py` takes blocks of tokens per program instead of one
-# single-warp program per (token, head).
+# single-warp program per (token, head): plain qkv into bf16/fp32 pools only (its docstring says why).
 BLOCK_KERNEL_FROM_TOKENS = 257
 
 
@@ -227,7 +227,8 @@ def qk_norm_rope_kv_write(
 
     Under PDL (`kernels/pdl.py`) `positions`, `slot_mapping` and the table are read before the
     wait for the previous kernel: no kernel of the same graph or chain may write them. From
-    `BLOCK_KERNEL_FROM_TOKENS` tokens on the work goes to `kernels/norm_rope_block.py`."""
+    `BLOCK_KERNEL_FROM_TOKENS` tokens on, plain qkv into bf16/fp32 pools goes to
+    `kernels/norm_rope_block.py`."""
     qkv, count, split_stride, qkv_dtype = consumer_input(qkv)
     tokens, width = qkv.shape
     head_dim = width // (n_q_heads + 2 * n_kv_heads)
@@ -247,33 +248,30 @@ def qk_norm_rope_kv_write(
     if tokens == 0:
         return q_out
     dummy = rope_table
-    pointers = (
-        qkv, positions, rope_table,
-        q_norm_weight if q_norm_weight is not None else dummy,
-        k_norm_weight if k_norm_weight is not None else dummy,
-        slot_mapping, q_out, k_pages, v_pages,
-        k_scales if kv_fp8 else k_pages, v_scales if kv_fp8 else k_pages, eps,
-    )  # fmt: skip
-    strides = (
-        qkv.stride(0), split_stride, rope_table.stride(0), q_out.stride(0), q_out.stride(1),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-    )  # fmt: skip
-    constants = dict(
+    q_weight = q_norm_weight if q_norm_weight is not None else dummy
+    k_weight = k_norm_weight if k_norm_weight is not None else dummy
+    flags = dict(
         NUM_Q_HEADS=n_q_heads, NUM_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, PAGE=k_pages.shape[1],
-        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, PARTS=count,
-        KV_FP8=kv_fp8, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE, EMULATE=interpreting(), **pdl_launch(),
+        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
+        EMULATE=interpreting(), **pdl_launch(),
     )  # fmt: skip
-    if tokens >= BLOCK_KERNEL_FROM_TOKENS:
+    page_strides = (k_pages.stride(0), k_pages.stride(1), k_pages.stride(2))
+    if tokens >= BLOCK_KERNEL_FROM_TOKENS and count == 0 and not kv_fp8:
         from shoal.kernels import norm_rope_block as block
 
         grid = (triton.cdiv(tokens, block.BLOCK_T), n_q_heads + n_kv_heads)
         block.qk_norm_rope_kv_block_kernel[grid](
-            *pointers, tokens, *strides, BLOCK=block.BLOCK_T, num_warps=block.NUM_WARPS, **constants
-        )
-    else:
-        _qk_norm_rope_kv_kernel[(tokens, n_q_heads + n_kv_heads)](
-            *pointers, *strides, num_warps=1, **constants
-        )
+            qkv, positions, rope_table, q_weight, k_weight, slot_mapping, q_out, k_pages, v_pages, eps,
+            tokens, qkv.stride(0), rope_table.stride(0), q_out.stride(0), q_out.stride(1), *page_strides,
+            BLOCK=block.BLOCK_T, num_warps=block.NUM_WARPS, **flags,
+        )  # fmt: skip
+        return q_out
+    _qk_norm_rope_kv_kernel[(tokens, n_q_heads + n_kv_heads)](
+        qkv, positions, rope_table, q_weight, k_weight, slot_mapping, q_out, k_pages, v_pages,
+        k_scales if kv_fp8 else k_pages, v_scales if kv_fp8 else k_pages, eps,
+        qkv.stride(0), split_stride, rope_table.stride(0), q_out.stride(0), q_out.stride(1), *page_strides,
+        PARTS=count, KV_FP8=kv_fp8, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE, num_warps=1, **flags,
+    )  # fmt: skip
     return q_out
 
 

@@ -175,12 +175,14 @@ def _quantize_kernel(
 
 
 # 128-column groups per program of the quantization launch: 4 (512 columns, 4 elements per thread)
-# at decode sizes, where a row's few programs start at once; 16 from more rows than any decode
+# at decode sizes, where a row's few programs start at once; 8 from more rows than any decode
 # batch on (prefill), where a 3,840-row chunk's SwiGLU quantization was 73,000 programs of 1 KB
 # each, scheduled rather than streamed (docs/performance.md run 198: the quantization launches
-# were 14% of a concurrency-64 wave). The bits do not depend on it: a group is one program's.
+# were 14% of a concurrency-64 wave). At 3,840 rows (run 199) 8 groups took 0.73x of 4's time on
+# 2,560 columns and 0.74x on SwiGLU's 2 x 9,728; 16 tied 4 on 2,560 columns (20 groups: a second
+# program a quarter full) and took 0.71x on SwiGLU. The bits do not depend on it.
 GROUPS_PER_PROGRAM = 4
-WIDE_GROUPS_PER_PROGRAM = 16
+WIDE_GROUPS_PER_PROGRAM = 8
 WIDE_FROM_ROWS = 257
 
 

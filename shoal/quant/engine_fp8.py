@@ -492,7 +492,9 @@ class Fp8Projections:
         direct = out is not None and rows == m and out.is_contiguous()
         y = out if direct else torch.empty(rows, w.n, dtype=torch.bfloat16, device=x.device)
         torch._scaled_mm(q, w.q.t(), scales, w.scale.t(), out_dtype=torch.bfloat16, out=y)
-        if out is None or direct:
+        if direct:
+            return out
+        if out is None:
             return y[:m]
         out.copy_(y[:m])
         return out
