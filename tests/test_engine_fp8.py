@@ -293,6 +293,59 @@ def test_scaled_mm_prefill_equals_reference_at_s2_shapes(rows: int, monkeypatch:
         assert ((out.float() - want).abs() <= 2**-6 * want.abs() + 1e-3).float().mean() > 0.999
 
 
+@pytest.mark.gpu
+def test_prefill_inputs_quantized_by_their_producers_give_the_unfused_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 1,000-token prefill of three sequences (padded to 1,008 rows) at S2-Pro shapes: the norms
+    and the attention write the block-scaled `_scaled_mm` projections' inputs quantized (qkv, o,
+    gate+up of every layer), and the hidden states equal those of the same prefill with a
+    quantization launch before each GEMM, bit for bit (the fused quantization is
+    `quantize_activations` of the bf16 output, and the GEMMs are the same)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from shoal.bench.engine import build_random_s2
+
+    model = build_random_s2("cuda", torch.bfloat16, slow_layers=2)
+    config = EngineConfig(
+        device="cuda", max_running_requests=4, max_seq_len=512, num_pages=256, weight_format="fp8",
+        use_cuda_graphs=False, prefill_graphs=False,
+    )  # fmt: skip
+    runner = EngineCore(model, config).runner
+    lengths = (400, 350, 250)
+    segments, offset = [], 0
+    for i, count in enumerate(lengths):
+        segments.append((offset, count, count, list(range(1 + 32 * i, 1 + 32 * (i + 1)))))
+        offset += count
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.zeros(offset, model.config.num_codebooks + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, 150_000, (offset,), generator=g)
+    tokens = tokens.cuda()
+    positions = torch.cat([torch.arange(count) for count in lengths]).cuda()
+    inputs = []
+    scaled_mm = Fp8Projections._scaled_mm
+    monkeypatch.setattr(
+        Fp8Projections,
+        "_scaled_mm",
+        staticmethod(lambda w, x, *a: (inputs.append(type(x)), scaled_mm(w, x, *a))[1]),
+    )
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Fp8Projections, "fp8_input", lambda self, *args: None)
+        inputs.clear()
+        runner.kv.set_varlen(segments)
+        with torch.no_grad():
+            hidden, normed = runner.step.prefill(tokens, positions, runner.kv._slots, runner.kv._prefill_meta)
+        results.append((hidden.clone(), normed.clone()))
+        expected = [tuple] * 3 + [torch.Tensor] if fused else [torch.Tensor] * 4
+        assert inputs == expected * 2, inputs  # qkv, o, gate+up quantized by their producers; down not
+    (hidden, normed), (hidden_ref, normed_ref) = results
+    assert hidden.shape == (offset, model.config.dim)
+    assert torch.isfinite(hidden).all()
+    assert torch.equal(hidden, hidden_ref) and torch.equal(normed, normed_ref)
+
+
 @pytest.mark.interpreter
 def test_reserved_buffers_are_reused(planted) -> None:
     projections = Fp8Projections(planted, backend="triton", table={})

@@ -22,6 +22,7 @@ per S2-Pro GEMM shape and M as CUDA-graph replays and prints `VARIANT_TABLE` ent
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import functools
 import gc
@@ -60,12 +61,16 @@ S2_PRO_CONFIG = {
 }  # fmt: skip
 
 
-def build_random_s2(device: str, dtype: torch.dtype, seed: int = 0):
-    """The full-size S2-Pro module tree with random weights, allocated on `device` directly."""
+def build_random_s2(device: str, dtype: torch.dtype, seed: int = 0, slow_layers: int | None = None):
+    """The full-size S2-Pro module tree with random weights, allocated on `device` directly;
+    `slow_layers`: that many slow transformer layers instead of 36 (S2-Pro's shapes, less time)."""
     from shoal.models.config import parse_config
     from shoal.models.dual_ar import DualARTransformer
 
-    config = parse_config(S2_PRO_CONFIG)
+    fields = copy.deepcopy(S2_PRO_CONFIG)
+    if slow_layers is not None:
+        fields["text_config"]["n_layer"] = slow_layers
+    config = parse_config(fields)
     torch.manual_seed(seed)
     with torch.device(device):
         model = DualARTransformer(config).to(dtype)

@@ -348,12 +348,25 @@ class DecodeStep:
         """Varlen prefill through the fused kernels (far fewer launches than the modules):
         tokens Long[T, N+1], positions/slots Long[T], meta = (block_tables, seq_lens,
         query_start_loc, max_query_len) of `kernels.attention.paged_prefill_attention`.
-        Returns (last layer's output, final-normed hidden), [T, dim]."""
+        Returns (last layer's output, final-normed hidden), [T, dim].
+
+        With FP8 projections the batch runs padded to a multiple of 16 rows (token 0 at position
+        0, slot -1: no KV write, no query of any sequence), so that block-scaled `_scaled_mm`
+        writes its product in place and takes inputs quantized by the norms and the attention
+        (`Fp8Projections.fp8_input`); every kernel treats rows independently, so the pad rows
+        touch nothing but themselves, and they are dropped from the result."""
         from shoal.kernels.attention import paged_prefill_attention
+        from shoal.quant.engine_fp8 import SCALED_MM_ROWS
 
         model = self.model
         tables, seq_lens, starts, max_query = meta
-        return self._layers(
+        count = tokens.shape[0]
+        pad = -count % SCALED_MM_ROWS if self.prefill_fp8 is not None else 0
+        if pad:
+            tokens = torch.cat([tokens, tokens.new_zeros(pad, tokens.shape[1])])
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+            slots = torch.cat([slots, slots.new_full((pad,), -1)])
+        hidden, normed = self._layers(
             model.layers, model.embed(tokens), model.norm.weight, positions, model.rope,
             self.kv.layer, slots,
             lambda q, pools, out_fp8: paged_prefill_attention(
@@ -361,6 +374,7 @@ class DecodeStep:
             ),
             fp8=self.prefill_fp8,
         )  # fmt: skip
+        return hidden[:count], normed[:count]
 
     def _layers(
         self, layers, residual, final_weight, positions, rope, pages, slots, attend, rope_attend=None,
@@ -380,6 +394,7 @@ class DecodeStep:
         from shoal.kernels.gather_rows import GatheredRows
         from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
+        from shoal.quant.engine_fp8 import SMALL_PREFILL_M
 
         first_input = residual
         if isinstance(residual, GatheredRows):
@@ -391,7 +406,9 @@ class DecodeStep:
         split_rows = self.splits_norm_rows(tokens)
 
         def fp8_target(block, which: str):
-            wanted = self.fuse_attention_quant if which == "out" else split_rows
+            """Prefill-sized batches (block-scaled `_scaled_mm` from `SMALL_PREFILL_M` rows on)
+            take their inputs quantized by the norms too; decode-sized ones when their rows split."""
+            wanted = self.fuse_attention_quant if which == "out" else split_rows or tokens > SMALL_PREFILL_M
             return fp8.fp8_input(block, which, tokens) if fuse_quantization and wanted else None
 
         slice_groups = self.norm_slice_groups_for(tokens)

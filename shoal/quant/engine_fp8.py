@@ -340,6 +340,15 @@ class Fp8Projections:
             raise RuntimeError(f"FP8 projections: M = {m} was not reserved before CUDA-graph capture")
         return False
 
+    def _takes_quantized(self, variant: str, m: int) -> bool:
+        """Whether a projection of this variant at this M takes an input quantized by its producer
+        (the pairs `fp8_input` hands out)."""
+        if self.backend != "triton":
+            return False
+        if variant == "w8a8":
+            return self._static(m)
+        return variant == "scaled_mm" and m % SCALED_MM_ROWS == 0
+
     def _out(self, w: Fp8Weight, m: int, device, static: bool) -> Tensor:
         if static:
             return self._buffers[("out", w.n, w.k, m)]
@@ -348,19 +357,33 @@ class Fp8Projections:
     # Inputs quantized by the kernel that produces them ----------------------------------------------
 
     def fp8_input(self, block: nn.Module, which: str, m: int) -> tuple[Tensor, Tensor] | None:
-        """The reserved (e4m3 [m, K], scales) buffers into which the kernel producing the input of
-        `block`'s projection `which` ("qkv", "out" or "gate_up") should write it already quantized,
-        or None when that projection does not run W8A8 from reserved buffers at this M (then the
-        producer writes bf16 as usual). Pass the pair itself to the projection afterwards: it
-        runs the GEMM on it directly, one quantization launch fewer."""
-        if self.backend != "triton" or not self._static(m):
+        """The (e4m3 [m, K], scales) buffers into which the kernel producing the input of `block`'s
+        projection `which` ("qkv", "out" or "gate_up") should write it already quantized, or None
+        when that projection does not take a quantized input at this M (then the producer writes
+        bf16 as usual): W8A8 from reserved buffers, or block-scaled `_scaled_mm` (prefill) on M a
+        multiple of its 16-row groups (reserved buffers, or fresh ones off the graphs). Pass the
+        pair itself to the projection afterwards: it runs the GEMM on it directly, one
+        quantization launch fewer."""
+        if self.backend != "triton":
             return None
+        static = self._static(m)
         b = self.blocks[id(block)]
         weights = {"qkv": (b.qkv,), "out": (b.wo,), "gate_up": (b.gate_up,) if b.gate_up else (b.w1, b.w3)}
         chosen = weights[which]
-        if any(self.variant(w.n, w.k, m) != "w8a8" for w in chosen):
-            return None
-        return self._act_buffers(m, chosen[0].k, chosen[0].q.device)
+        variants = {self.variant(w.n, w.k, m) for w in chosen}
+        device = chosen[0].q.device
+        if variants == {"w8a8"} and static:
+            return self._act_buffers(m, chosen[0].k, device)
+        if variants == {"scaled_mm"} and m % SCALED_MM_ROWS == 0 and device.type == "cuda":
+            if static:
+                return self._act_buffers(m, chosen[0].k, device)
+            from shoal.kernels.quant import new_activation_scales
+
+            k = chosen[0].k
+            return torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), new_activation_scales(
+                m, k, device
+            )
+        return None
 
     # The projections --------------------------------------------------------------------------
 
@@ -422,8 +445,8 @@ class Fp8Projections:
         variant = self.variant(w.n, w.k, m)
         if variant == "scaled_mm" and not lead.is_cuda:  # no block-wise _scaled_mm on the CPU
             variant = "w8a8"  # the same arithmetic (the interpreter's kernels, in tests)
-        if quantized is not None and (self.backend != "triton" or not self._static(m) or variant != "w8a8"):
-            raise RuntimeError("pre-quantized input outside a reserved W8A8 projection (see fp8_input)")
+        if quantized is not None and not self._takes_quantized(variant, m):
+            raise RuntimeError("pre-quantized input outside a projection that takes one (see fp8_input)")
         if self.backend == "reference":
             if self.emulate_kernels:
                 y = self._reference(w, x.to(torch.bfloat16), variant, swiglu).to(torch.bfloat16)
@@ -440,7 +463,7 @@ class Fp8Projections:
         workspace = self.workspace if static else None
         unreduced = unreduced and w.bias is None and (keep_bf16 or out_dtype == torch.bfloat16)
         result = out  # or our kernel's SplitKPartials, when unreduced
-        if quantized is not None:
+        if quantized is not None and variant == "w8a8":
             from shoal.kernels.fp8_gemm import fp8_gemm
 
             result = fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
@@ -450,7 +473,7 @@ class Fp8Projections:
                 a = F.silu(a[:, : w.k]) * a[:, w.k :]
             torch.mm(a, w.dense.t(), out=out)
         elif variant == "scaled_mm":
-            out = result = self._scaled_mm(w, x, swiglu, out)
+            out = result = self._scaled_mm(w, x, swiglu, out)  # x may be the quantized pair
         elif variant == "w8a8":
             from shoal.kernels.fp8_gemm import fp8_gemm
             from shoal.kernels.quant import quantize_activations, swiglu_quantize
@@ -476,7 +499,9 @@ class Fp8Projections:
         return out.to(out_dtype)
 
     @staticmethod
-    def _scaled_mm(w: Fp8Weight, x: Tensor, swiglu: bool, out: Tensor | None) -> Tensor:
+    def _scaled_mm(
+        w: Fp8Weight, x: Tensor | tuple[Tensor, Tensor], swiglu: bool, out: Tensor | None
+    ) -> Tensor:
         """Block-scaled cuBLAS FP8 GEMM: the same arithmetic as "w8a8" (activation groups of 1 x
         128, weight blocks of 128 x 128, fp32 sums), another summation order. cuBLAS's block-wise
         kernels want whole 16-row groups: the quantization pads the rows with zeros itself, and
@@ -485,12 +510,17 @@ class Fp8Projections:
         about a tenth of an eager 3,840-row prefill chunk (docs/performance.md run 198)."""
         from shoal.kernels.quant import quantize_activations, swiglu_quantize
 
-        m = x.shape[0]
-        rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
-        quantize = swiglu_quantize if swiglu else quantize_activations
-        q, scales = quantize(x.to(torch.bfloat16), pad_rows_to=SCALED_MM_ROWS)
+        if isinstance(x, tuple):  # quantized by the kernel that produced it (`fp8_input`): M % 16 == 0
+            q, scales = x
+            m = rows = q.shape[0]
+        else:
+            m = x.shape[0]
+            rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
+            quantize = swiglu_quantize if swiglu else quantize_activations
+            q, scales = quantize(x.to(torch.bfloat16), pad_rows_to=SCALED_MM_ROWS)
+        device = q.device
         direct = out is not None and rows == m and out.is_contiguous()
-        y = out if direct else torch.empty(rows, w.n, dtype=torch.bfloat16, device=x.device)
+        y = out if direct else torch.empty(rows, w.n, dtype=torch.bfloat16, device=device)
         torch._scaled_mm(q, w.q.t(), scales, w.scale.t(), out_dtype=torch.bfloat16, out=y)
         if direct:
             return out
