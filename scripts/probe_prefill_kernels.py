@@ -7,12 +7,13 @@ the GPU is busy, and on what: the FP8 GEMMs (block-scaled `torch._scaled_mm` fro
 kernel below), their activation quantization, norms, QK-norm/RoPE/KV writes, prefill attention.
 
 Runs one level (all prompts at once, `--frames` frames each, default 1: prefill and first frames
-only) untimed to warm it, then the same level again under `torch.profiler` (CUDA kernels only),
-and prints: the level's wall time, the union of kernel intervals (GPU busy), and per kernel
-family and per kernel the summed own time, count and mean.
+only) untimed to warm it, three more timed unprofiled (new prompts each), with `--host-top N`
+one under cProfile (the host's time by function), then one under `torch.profiler` (CUDA kernels
+only), and prints: the walls, the union of kernel intervals (GPU busy), and per kernel family and
+per kernel the summed own time, count and mean.
 
 Usage (GPU): python scripts/probe_prefill_kernels.py [--prompts 64] [--tokens 300] [--frames 1]
-[--shared 0] [--top 20]
+[--shared 0] [--top 20] [--host-top 40]
 """
 
 from __future__ import annotations
@@ -74,6 +75,22 @@ def print_table(title: str, rows: dict[str, list[float]], wall_us: float, top: i
         print(f"  {total:10.0f} {100 * total / wall_us:6.1f}% {len(durations):6d} {mean:9.1f}  {short}")
 
 
+def host_profile(core, model, args, top: int) -> None:
+    """The host's time in one unprofiled wave by function (cProfile, cumulative): where the
+    launches' Python goes while the GPU waits for them."""
+    import cProfile
+    import pstats
+
+    prompts = make_prompts(model, args.prompts, args.tokens, args.shared, seed=14)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_level(core, prompts, args.frames, args.shared)
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
@@ -81,6 +98,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=1)
     parser.add_argument("--shared", type=int, default=0, help="voice-prefix tokens shared by all prompts")
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--host-top", type=int, default=0, help="print cProfile's top functions of one wave")
     args = parser.parse_args()
 
     model = build_random_s2("cuda", torch.bfloat16)
@@ -91,6 +109,17 @@ def main() -> None:
     core = EngineCore(model, config)
     warm = make_prompts(model, args.prompts, args.tokens, args.shared, seed=7)
     run_level(core, warm, args.frames, args.shared)  # compiles and warms every path the level takes
+    walls = []
+    for seed in (11, 12, 13):  # unprofiled: the wave's own wall (new prompts: no cached prefix)
+        prompts = make_prompts(model, args.prompts, args.tokens, args.shared, seed=seed)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run_level(core, prompts, args.frames, args.shared)
+        torch.cuda.synchronize()
+        walls.append(1e3 * (time.perf_counter() - start))
+    print(f"unprofiled wall, ms: {', '.join(f'{w:.1f}' for w in walls)}")
+    if args.host_top:
+        host_profile(core, model, args, args.host_top)
     prompts = make_prompts(model, args.prompts, args.tokens, args.shared, seed=8)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
