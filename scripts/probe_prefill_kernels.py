@@ -13,7 +13,7 @@ only), and prints: the walls, the union of kernel intervals (GPU busy), and per 
 per kernel the summed own time, count and mean.
 
 Usage (GPU): python scripts/probe_prefill_kernels.py [--prompts 64] [--tokens 300] [--frames 1]
-[--shared 0] [--top 20] [--host-top 40]
+[--shared 0] [--top 20] [--host-top 40] [--gaps 12]
 """
 
 from __future__ import annotations
@@ -65,6 +65,21 @@ def busy_us(events: list[KernelEvent]) -> float:
     return total
 
 
+def print_gaps(events: list[KernelEvent], count: int) -> None:
+    """The `count` longest stretches with no kernel running, with the kernels on either side and
+    the time since the first kernel: which boundary the GPU waits at."""
+    ordered = sorted(events, key=lambda e: e.start_us)
+    gaps, end, before = [], None, None
+    for event in ordered:
+        if end is not None and event.start_us > end:
+            gaps.append((event.start_us - end, end - ordered[0].start_us, before, event))
+        if end is None or event.end_us > end:
+            end, before = event.end_us, event
+    print(f"longest idle stretches ({sum(g for g, *_ in gaps) / 1e3:.1f} ms idle in {len(gaps)} gaps):")
+    for gap, at, left, right in sorted(gaps, key=lambda g: -g[0])[:count]:
+        print(f"  {gap / 1e3:7.2f} ms at {at / 1e3:7.1f} ms: {left.name[:40]} -> {right.name[:40]}")
+
+
 def print_table(title: str, rows: dict[str, list[float]], wall_us: float, top: int) -> None:
     print(title)
     print(f"  {'own µs':>10} {'of wall':>7} {'count':>6} {'mean µs':>9}  name")
@@ -99,6 +114,7 @@ def main() -> None:
     parser.add_argument("--shared", type=int, default=0, help="voice-prefix tokens shared by all prompts")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--host-top", type=int, default=0, help="print cProfile's top functions of one wave")
+    parser.add_argument("--gaps", type=int, default=0, help="print the longest idle stretches of the GPU")
     args = parser.parse_args()
 
     model = build_random_s2("cuda", torch.bfloat16)
@@ -142,6 +158,8 @@ def main() -> None:
     for event in events:
         by_family[family(event.name)].append(event.duration_us)
         by_name[event.name].append(event.duration_us)
+    if args.gaps:
+        print_gaps(events, args.gaps)
     print_table("by family:", by_family, wall_us, args.top)
     print_table("by kernel:", by_name, wall_us, args.top)
 

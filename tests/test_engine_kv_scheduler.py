@@ -7,7 +7,7 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.engine.api import EngineOverloaded, FinishReason, Priority
-from shoal.engine.kv_cache import KVCacheManager, OutOfPages, PagePool
+from shoal.engine.kv_cache import KVCacheManager, OutOfPages, PagedKV, PagePool
 from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.scheduler import Scheduler
 
@@ -137,3 +137,15 @@ def test_bounded_queue_raises_overloaded():
     scheduler.add(make_request("e", 3, Priority.REALTIME))  # other classes have their own room
     fake_step(scheduler)
     scheduler.add(make_request("f", 3))  # admitted ones no longer count
+
+
+def test_varlen_slots_follow_each_segments_block_table():
+    """`PagedKV.set_varlen`'s slots (computed per segment with numpy) are `slot_of` of every new
+    token's position: chunks that start mid-page, continue a cached prefix, or fill one page."""
+    kv = PagedKV(1, 40, 4, 2, 8, torch.float32, "cpu")
+    segments = [(0, 7, 7, [3, 9]), (7, 5, 11, [1, 2, 30]), (12, 4, 4, [5]), (16, 1, 10, [6, 7, 8])]
+    kv.set_varlen(segments)
+    want = [
+        kv.slot_of(pages, p) for _, count, kv_len, pages in segments for p in range(kv_len - count, kv_len)
+    ]
+    assert kv._slots.dtype == torch.long and kv._slots.tolist() == want
