@@ -380,9 +380,8 @@ class Fp8Projections:
             from shoal.kernels.quant import new_activation_scales
 
             k = chosen[0].k
-            return torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), new_activation_scales(
-                m, k, device
-            )
+            codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device)
+            return codes, new_activation_scales(m, k, device)
         return None
 
     # The projections --------------------------------------------------------------------------
@@ -432,7 +431,7 @@ class Fp8Projections:
     ) -> Tensor | SplitKPartials:
         """x [M, K] (gate | up [M, 2K] with `swiglu`) -> [M, N]: bf16 with `keep_bf16` (an
         intermediate), else the input's dtype (`out_dtype` when given). x may be an already
-        quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8).
+        quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8 or `scaled_mm`).
 
         `unreduced`: where our split-K kernel runs (bias-free, bf16 result), return its
         `kernels.fp8_gemm.SplitKPartials` for the kernel reading the output (`rms_norm` or
