@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200: the GPU tests, then the benchmarks, each printing a short table.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|ab|gate|probe|engine|all]...
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_run.sh [tests|gemm|attention|codec|profile|ab|gate|probe|prefill|engine|all]...
 # Logs go to $OUT (when set) so the device tool brings them back; TAG=x suffixes their names (A/B runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,5 +37,11 @@ if want ab && [ -n "${AB_ARGS:-}" ]; then step bench_ab ${AB_LIMIT:-400} python3
 want gate && step gate_correctness ${GATE_LIMIT:-300} python3 -m shoal.cli gate correctness ${GATE_ARGS:-}
 want probe && step probe_server_load ${PROBE_LIMIT:-400} python3 scripts/probe_server_load.py \
   --checkpoint "${PROBE_CHECKPOINT:-/tmp/ckpt}" ${PROBE_ARGS:---weight-format fp8}
+# prefill: a concurrency-64 wave's prefill by kernel family, walls and idle gaps (PREFILL_ARGS), and
+# with PREFILL_VARIANTS=1 the prefill's small kernels in several builds first.
+if want prefill; then
+  [ "${PREFILL_VARIANTS:-0}" = 1 ] && step prefill_variants 240 python3 scripts/probe_prefill_variants.py
+  step probe_prefill ${PREFILL_LIMIT:-240} python3 scripts/probe_prefill_kernels.py ${PREFILL_ARGS:---gaps 12}
+fi
 want engine && step bench_engine ${ENGINE_LIMIT:-400} python3 -m shoal.cli bench engine ${ENGINE_ARGS:-}
 exit 0
