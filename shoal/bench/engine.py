@@ -311,6 +311,7 @@ def run_engine_bench(
     max_seq_len: int | None = None,
     prefill_graphs: bool = True,
     prefill_graph_segments: int = EngineConfig.prefill_graph_segments,
+    prefill_graph_buckets: tuple[int, ...] | None = None,
     kv_cache_dtype: str = "auto",
     closed_loop: int = 0,
     overlap_prefill: bool = True,
@@ -347,6 +348,7 @@ def run_engine_bench(
         prefill_graph_segments=prefill_graph_segments,
         kv_cache_dtype=kv_cache_dtype,
         overlap_prefill=overlap_prefill,
+        **({"prefill_graph_buckets": tuple(prefill_graph_buckets)} if prefill_graph_buckets else {}),
     )
     core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
@@ -380,6 +382,7 @@ def run_engine_bench(
         result["max_seq_len"] = config.max_seq_len
         result["prefill_graphs"] = core.runner.prefill_graphs is not None
         result["prefill_graph_segments"] = prefill_graph_segments
+        result["prefill_graph_buckets"] = list(config.prefill_graph_buckets)
         result["overlap_prefill"] = overlap_prefill  # the setting (it takes effect on CUDA with graphs)
         result["closed_loop"] = closed_loop
         results.append(result)
@@ -490,6 +493,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests' chunks packed into one prefill replay (EngineConfig.prefill_graph_segments)",
     )
     parser.add_argument(
+        "--prefill-graph-buckets",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="TOKENS",
+        help="token buckets of the prefill graphs (EngineConfig.prefill_graph_buckets; e.g. up to 8192 "
+        "with --prefill-graph-segments 32 puts a concurrency-64 wave's chunks on graphs too)",
+    )
+    parser.add_argument(
         "--closed-loop",
         type=int,
         default=0,
@@ -556,6 +568,7 @@ def run(args: argparse.Namespace) -> int:
             max_seq_len=args.max_seq_len,
             prefill_graphs=args.prefill_graphs == "on",
             prefill_graph_segments=args.prefill_graph_segments,
+            prefill_graph_buckets=args.prefill_graph_buckets,
             kv_cache_dtype=kv_cache_dtype,
             closed_loop=args.closed_loop,
             overlap_prefill=overlap == "on",

@@ -1,0 +1,33 @@
+"""`shoal bench engine`'s options reach `run_engine_bench` (no engine is built here)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shoal.bench import engine
+
+
+@pytest.mark.parametrize(
+    "argv,buckets",
+    [
+        ([], None),
+        (
+            ["--prefill-graph-buckets", "1024", "4096", "8192", "--prefill-graph-segments", "32"],
+            [1024, 4096, 8192],
+        ),
+    ],
+)
+def test_prefill_graph_options_reach_the_bench(monkeypatch, argv: list[str], buckets) -> None:
+    calls = []
+    monkeypatch.setattr(engine, "run_engine_bench", lambda *args, **kwargs: calls.append(kwargs) or [])
+    monkeypatch.setattr(engine, "print_results", lambda results: None)
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--shared-prefix", "0", "--no-naive", *argv])
+    assert engine.run(args) == 0
+    assert len(calls) == 1 and calls[0]["prefill_graph_buckets"] == buckets
+    assert calls[0]["prefill_graph_segments"] == (
+        32 if buckets else engine.EngineConfig.prefill_graph_segments
+    )
