@@ -32,6 +32,7 @@ from shoal.kernels.quant import (
     FP8_MAX,
     GROUP,
     MIN_SCALE,
+    PREFILL_FROM_ROWS,
     _quantize_groups,
     check_activation_scales,
     check_kv_scales,
@@ -195,10 +196,10 @@ def consumer_input(x: Tensor | SplitKPartials) -> tuple[Tensor, int, int, torch.
     return x, 0, 0, x.dtype
 
 
-# From this many tokens on (more rows than any decode batch: `EngineConfig.graph_max_batch` <= 256),
-# i.e. in prefill, `kernels/norm_rope_block.py` takes blocks of tokens per program instead of one
-# single-warp program per (token, head): plain qkv into bf16/fp32 pools only (its docstring says why).
-BLOCK_KERNEL_FROM_TOKENS = 257
+# From this many tokens on (prefill: `quant.PREFILL_FROM_ROWS`), `kernels/norm_rope_block.py` takes
+# blocks of tokens per program instead of one single-warp program per (token, head): plain qkv into
+# bf16/fp32 pools only (its docstring says why).
+BLOCK_KERNEL_FROM_TOKENS = PREFILL_FROM_ROWS
 
 
 def qk_norm_rope_kv_write(

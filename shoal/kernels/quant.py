@@ -183,11 +183,13 @@ def _quantize_kernel(
 # program a quarter full) and took 0.71x on SwiGLU. The bits do not depend on it.
 GROUPS_PER_PROGRAM = 4
 WIDE_GROUPS_PER_PROGRAM = 8
-WIDE_FROM_ROWS = 257
+# More rows than any decode batch (`EngineConfig.graph_max_batch` <= 256): prefill. The row kernels
+# take their prefill builds from here on (this one's wide programs, `norm_rope`'s block write).
+PREFILL_FROM_ROWS = 257
 
 
 def groups_per_program_for(rows: int) -> int:
-    return GROUPS_PER_PROGRAM if rows < WIDE_FROM_ROWS else WIDE_GROUPS_PER_PROGRAM
+    return GROUPS_PER_PROGRAM if rows < PREFILL_FROM_ROWS else WIDE_GROUPS_PER_PROGRAM
 
 
 def _launch(

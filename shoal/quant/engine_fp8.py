@@ -371,18 +371,18 @@ class Fp8Projections:
         weights = {"qkv": (b.qkv,), "out": (b.wo,), "gate_up": (b.gate_up,) if b.gate_up else (b.w1, b.w3)}
         chosen = weights[which]
         variants = {self.variant(w.n, w.k, m) for w in chosen}
-        device = chosen[0].q.device
-        if variants == {"w8a8"} and static:
-            return self._act_buffers(m, chosen[0].k, device)
-        if variants == {"scaled_mm"} and m % SCALED_MM_ROWS == 0 and device.type == "cuda":
-            if static:
-                return self._act_buffers(m, chosen[0].k, device)
-            from shoal.kernels.quant import new_activation_scales
+        k, device = chosen[0].k, chosen[0].q.device
+        variant = variants.pop() if len(variants) == 1 else None
+        if variant is None or not self._takes_quantized(variant, m):
+            return None
+        if variant == "scaled_mm" and device.type != "cuda":  # the W8A8 kernel runs it off CUDA
+            return None
+        if static:
+            return self._act_buffers(m, k, device)
+        from shoal.kernels.quant import new_activation_scales
 
-            k = chosen[0].k
-            codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device)
-            return codes, new_activation_scales(m, k, device)
-        return None
+        codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device)
+        return codes, new_activation_scales(m, k, device)
 
     # The projections --------------------------------------------------------------------------
 
