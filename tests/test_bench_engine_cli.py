@@ -31,3 +31,19 @@ def test_prefill_graph_options_reach_the_bench(monkeypatch, argv: list[str], buc
     assert calls[0]["prefill_graph_segments"] == (
         32 if buckets else engine.EngineConfig.prefill_graph_segments
     )
+
+
+def test_prefill_budgets_reach_the_bench_side_by_side(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(engine, "run_engine_bench", lambda *args, **kwargs: calls.append(kwargs) or [])
+    monkeypatch.setattr(engine, "print_results", lambda results: None)
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--no-naive", "--max-prefill-tokens", "8192", "2048"])
+    assert engine.run(args) == 0
+    assert [c["max_prefill_tokens"] for c in calls] == [(8192, 2048), (8192, 2048)]  # per shared prefix
+    args = parser.parse_args(["--device", "cpu", "--shared-prefix", "0"])
+    engine.run(args)
+    assert calls[-1]["max_prefill_tokens"] == ()  # the config's default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-prefill-tokens", "0"])

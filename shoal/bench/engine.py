@@ -315,10 +315,14 @@ def run_engine_bench(
     kv_cache_dtype: str = "auto",
     closed_loop: int = 0,
     overlap_prefill: bool = True,
+    max_prefill_tokens: tuple[int, ...] = (),
 ) -> list[dict]:
     """One result dict per concurrency. `closed_loop`: run that many requests per level, with
     `concurrency` of them running at any time (`run_closed_loop`), instead of `concurrency`
-    requests submitted at once; `overlap_prefill`: `EngineConfig.overlap_prefill`. With
+    requests submitted at once; `overlap_prefill`: `EngineConfig.overlap_prefill`;
+    `max_prefill_tokens`: each concurrency once per value of `EngineConfig.max_prefill_tokens`
+    (the step's prefill budget: how a wave's prompts are chunked), side by side on one engine
+    (empty: the config's default only). With
     `step_timing` (on a GPU) each also carries the decode step at batch = concurrency timed as
     CUDA-graph replays at `step_context` keys (default `prompt_tokens + frames // 2`):
     `decode_step_ms`, `decode_step_context` and `decode_frames_per_s` = 1000 / step ms, the
@@ -358,7 +362,10 @@ def run_engine_bench(
     # (run 37: 931 ms at 16).
     burst = make_prompts(model, prefill_graph_segments + 1, prompt_tokens, shared_prefix, seed=999)
     run_level(core, burst, 4, shared_prefix)
-    for concurrency in concurrencies:
+    budgets = max_prefill_tokens or (config.max_prefill_tokens,)
+    for concurrency, budget in itertools.product(concurrencies, budgets):
+        # The scheduler reads the budget from the shared config at every step.
+        core.config.max_prefill_tokens = budget
         # All at once: `concurrency` prompts; closed loop: `closed_loop` (the first `concurrency`
         # of them the same prompts).
         count = closed_loop or concurrency
@@ -385,6 +392,7 @@ def run_engine_bench(
         result["prefill_graph_buckets"] = list(config.prefill_graph_buckets)
         result["overlap_prefill"] = overlap_prefill  # the setting (it takes effect on CUDA with graphs)
         result["closed_loop"] = closed_loop
+        result["max_prefill_tokens"] = budget
         results.append(result)
     graphs_possible = core.runner.step is not None and core.runner.device.type == "cuda"
     if step_timing and graphs_possible:
@@ -518,6 +526,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`on off`: side by side",
     )
     parser.add_argument(
+        "--max-prefill-tokens",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        metavar="TOKENS",
+        help="the step's prefill budget (EngineConfig.max_prefill_tokens), one or more: every "
+        "concurrency once per value on the same engine (`8192 2048`: side by side)",
+    )
+    parser.add_argument(
         "--weight-format",
         nargs="+",
         choices=("bf16", "fp8"),
@@ -539,6 +556,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="M",
         help="first time every FP8 projection variant at these M (default 1 2 4 8 16 32 64 128 300 2048)",
     )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -572,6 +596,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=kv_cache_dtype,
             closed_loop=args.closed_loop,
             overlap_prefill=overlap == "on",
+            max_prefill_tokens=tuple(args.max_prefill_tokens or ()),
         )
         free_gpu()
     print_results(all_results)
@@ -643,8 +668,8 @@ def print_results(all_results: list[dict]) -> None:
     from shoal.bench.gate_performance import check_targets, select_results
 
     header = (
-        f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'ovl':>3} {'reqs':>5} {'agg f/s':>9} "
-        f"{'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"
+        f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'ovl':>3} {'chunk':>5} {'reqs':>5} "
+        f"{'agg f/s':>9} {'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"
     )
     print(header)
     for r in all_results:
@@ -653,7 +678,8 @@ def print_results(all_results: list[dict]) -> None:
         overlap = "on" if r.get("overlap_prefill", True) else "off"
         print(
             f"{r['weight_format']:>6} {r.get('kv_cache_dtype', 'auto'):>4} {r['concurrency']:>5} "
-            f"{r['shared_prefix']:>6} {overlap:>3} {r.get('requests', r['concurrency']):>5} "
+            f"{r['shared_prefix']:>6} {overlap:>3} {r.get('max_prefill_tokens', '-'):>5} "
+            f"{r.get('requests', r['concurrency']):>5} "
             f"{r['aggregate_frames_per_s']:>9.1f} {r['per_request_frames_per_s']:>8.1f} "
             f"{r['ttff_p50_ms']:>8.1f}m {r['ttff_p95_ms']:>7.1f}m {r['gpu_memory_gib']:>6.1f} "
             f"{step:>8} {decode:>8}"
