@@ -282,8 +282,7 @@ def test_tuned_configs_are_launchable() -> None:
     """Every table entry: a tile width dividing the scale block, >= 2 K steps per split."""
     for table in (gemm.TUNED_CONFIGS, gemm.TUNED_CONFIGS_FP8):
         for (n, k, bucket), config in table.items():
-            buckets = (*gemm.M_BUCKETS, gemm.PREFILL_M_BUCKET)
-            assert bucket in buckets and 128 % config.block_n == 0, (n, k, bucket, config)
+            assert bucket in gemm.M_BUCKETS and 128 % config.block_n == 0, (n, k, bucket, config)
             assert -(-k // 128) // config.split_k >= 2, (n, k, bucket, config)
             assert gemm.pick_config(n, k, bucket, fp8_activations=table is gemm.TUNED_CONFIGS_FP8) is config
 
@@ -383,11 +382,3 @@ def test_scales_ahead_at_s2_shapes_gives_the_tuned_configs_bits(m: int) -> None:
         torch.cuda.synchronize()
         assert torch.equal(replayed, base), (name, m, config)
 
-
-def test_prefill_rows_have_a_bucket_of_their_own() -> None:
-    """Up to 256 rows keep M = 128's tuned row (measured there, run 157); 257 and more rows, the
-    prefill graphs' lone prompts, take the prefill bucket's (run 206)."""
-    assert [gemm.m_bucket(m) for m in (1, 3, 128, 129, 256)] == [1, 4, 128, 128, 128]
-    assert {gemm.m_bucket(m) for m in (257, 384, 1024, 8192)} == {gemm.PREFILL_M_BUCKET}
-    n, k = S2_SHAPES["qkv"]
-    assert gemm.pick_config(n, k, 384, fp8_activations=True) is gemm.TUNED_CONFIGS_FP8[(n, k, 1024)]

@@ -55,9 +55,6 @@ H200_SMS = 132
 # Triton's CPU interpreter multiplies bf16 tensors as raw uint16; there the W8A16 dot runs in fp32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# Prefill graphs of 257-1,024 tokens (a lone prompt: the first frame waits for it) take rows of
-# their own; 129-256 keep M = 128's (run 157), and larger M shares this bucket's.
-PREFILL_M_BUCKET = 1024
 # Activation scales for a whole split are preloaded into registers up to BLOCK_M x steps this big.
 PRELOAD_A_SCALES_LIMIT = 2048
 
@@ -247,22 +244,15 @@ TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
     # down 16.0 us (TMA no faster alone; bf16 18.6); through TMA the batch-64 step 0.985x (run 99)
     (2560, 9728, 64): _GU(64, 7, bf16_partials=True),
     (2560, 9728, 128): _G(64, 64, 4, 4, 4, tma=True, scales_ahead=True),  # down 17.7 us (bf16 21.3)
-    # 257-1,024 rows: the winners at M = 384 (`shoal bench gemm --sweep --modes w8a8 --m 384 1024
-    # 8192`, run 206; µs at 384 / 1,024, bf16 cuBLAS in brackets): one split, 64-row tiles.
-    (6144, 2560, PREFILL_M_BUCKET): _G(64, 64, 1, 4, 4, gluon=True, tiles_before_wait=1),  # 21.5 / - (18.7)
-    (2560, 4096, PREFILL_M_BUCKET): _G(64, 64, 1, 4, 6, gluon=True, tiles_before_wait=1),  # 14.6 (14.7)
-    (19456, 2560, PREFILL_M_BUCKET): _G(64, 128, 1, 4, 4, tma=True),  # 53.4 (57.1)
-    (2560, 9728, PREFILL_M_BUCKET): _G(64, 64, 1, 4, 6, gluon=True, tiles_before_wait=1),  # 31.8 (31.0)
 }
 
 
 def m_bucket(m: int) -> int:
-    """The smallest bucket >= m (powers of two up to 128), M = 128's row up to 256 rows, above
-    that `PREFILL_M_BUCKET`'s."""
+    """The smallest bucket >= m (buckets are powers of two up to 128; larger M uses 128's row)."""
     for bucket in M_BUCKETS:
         if m <= bucket:
             return bucket
-    return M_BUCKETS[-1] if m <= 2 * M_BUCKETS[-1] else PREFILL_M_BUCKET
+    return M_BUCKETS[-1]
 
 
 def _multiprocessors(device: torch.device) -> int:
