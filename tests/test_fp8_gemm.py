@@ -381,4 +381,3 @@ def test_scales_ahead_at_s2_shapes_gives_the_tuned_configs_bits(m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, base), (name, m, config)
-
