@@ -192,27 +192,6 @@ def test_bench_compares_the_layouts_and_gates_only_the_token_major_rows() -> Non
     assert [kv_label(r) for r in rows] == ["auto", "auto+hm"]
 
 
-def test_bench_engine_runs_each_layout(monkeypatch) -> None:
-    import argparse
-
-    from shoal.bench import engine
-
-    calls = []
-    monkeypatch.setattr(engine, "run_engine_bench", lambda *args, **kwargs: calls.append(kwargs) or [])
-    monkeypatch.setattr(engine, "print_results", lambda results: None)
-    parser = argparse.ArgumentParser()
-    engine.add_arguments(parser)
-    argv = ["--device", "cpu", "--shared-prefix", "0", "--no-naive"]
-    argv += ["--kv-layout", "token_major", "head_major"]
-    assert engine.run(parser.parse_args(argv)) == 0
-    assert [c["kv_layout"] for c in calls] == ["token_major", "head_major"]
-    calls.clear()  # an e4m3 cache has no head-major pool: that combination is skipped
-    assert engine.run(parser.parse_args([*argv, "--kv-cache-dtype", "auto", "fp8"])) == 0
-    assert [(c["kv_cache_dtype"], c["kv_layout"]) for c in calls] == [
-        ("auto", "token_major"), ("auto", "head_major"), ("fp8", "token_major")
-    ]  # fmt: skip
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
 def test_engine_frames_do_not_depend_on_the_layout_gpu(golden_dir, weight_format: str) -> None:

@@ -753,27 +753,24 @@ def ratio_lines(all_results: list[dict]) -> list[str]:
     by_key = {(r["weight_format"], r["concurrency"], r["shared_prefix"]): r for r in model_kv}
     for r in token_major:
         base = by_key.get((r["weight_format"], r["concurrency"], r["shared_prefix"]))
-        if r.get("kv_cache_dtype") != "fp8" or base is None:
-            continue
-        line = (
-            f"kv fp8/auto {r['weight_format']} conc {r['concurrency']} prefix {r['shared_prefix']}: "
-            f"aggregate {r['aggregate_frames_per_s'] / base['aggregate_frames_per_s']:.3f}x"
-        )
-        if "decode_step_ms" in r and "decode_step_ms" in base:
-            line += f", decode step {base['decode_step_ms'] / r['decode_step_ms']:.3f}x faster"
-        lines.append(line)
+        if r.get("kv_cache_dtype") == "fp8" and base is not None:
+            lines.append(_kv_ratio_line("kv fp8/auto", r, base))
     layout_key = ("weight_format", "kv_cache_dtype", "concurrency", "shared_prefix", "max_prefill_tokens")
     by_layout = {tuple(r.get(k) for k in layout_key): r for r in token_major}
     for r in all_results:
         base = by_layout.get(tuple(r.get(k) for k in layout_key))
-        if r.get("kv_layout") != "head_major" or base is None:
-            continue
-        aggregate = r["aggregate_frames_per_s"] / base["aggregate_frames_per_s"]
-        line = (
-            f"kv head-major/token-major {r['weight_format']} conc {r['concurrency']} prefix "
-            f"{r['shared_prefix']}: aggregate {aggregate:.3f}x"
-        )
-        if "decode_step_ms" in r and "decode_step_ms" in base:
-            line += f", decode step {base['decode_step_ms'] / r['decode_step_ms']:.3f}x faster"
-        lines.append(line)
+        if r.get("kv_layout") == "head_major" and base is not None:
+            lines.append(_kv_ratio_line("kv head-major/token-major", r, base))
     return lines
+
+
+def _kv_ratio_line(label: str, result: dict, base: dict) -> str:
+    """`label format conc N prefix P: aggregate X, decode step Y faster` (result against base)."""
+    aggregate = result["aggregate_frames_per_s"] / base["aggregate_frames_per_s"]
+    line = (
+        f"{label} {result['weight_format']} conc {result['concurrency']} prefix {result['shared_prefix']}: "
+        f"aggregate {aggregate:.3f}x"
+    )
+    if "decode_step_ms" in result and "decode_step_ms" in base:
+        line += f", decode step {base['decode_step_ms'] / result['decode_step_ms']:.3f}x faster"
+    return line
