@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
-from model_testing import staggered_request_frames, tiny_s2  # noqa: E402
+from model_testing import first_frame_core, staggered_request_frames, tiny_s2  # noqa: E402
 from prefill_testing import prefill_tokens, prefill_two_prompts  # noqa: E402
 
 from shoal.config import EngineConfig  # noqa: E402
@@ -196,16 +196,9 @@ def test_bench_compares_the_layouts_and_gates_only_the_token_major_rows() -> Non
 @pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
 def test_engine_frames_do_not_depend_on_the_layout_gpu(golden_dir, weight_format: str) -> None:
     """The same through the CUDA graphs and the kernels (decode, prefill graphs, first frames)."""
-    from shoal.models import load_model
-
     frames = {}
     for layout in ("token_major", "head_major"):
-        model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
-        config = EngineConfig(
-            device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
-            weight_format=weight_format, kv_layout=layout, ignore_eos=True,
-        )  # fmt: skip
-        core = EngineCore(model, config)
+        core = first_frame_core(golden_dir, weight_format, None, kv_layout=layout, ignore_eos=True)
         assert core.runner.kv.k.is_contiguous() == (layout == "token_major")
         frames[layout] = staggered_request_frames(core, seed=11)
         del core
