@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 WEIGHT_FORMATS = ("bf16", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
-KV_LAYOUTS = ("token_major", "head_major")
 
 
 def default_overlap_steps() -> bool:
@@ -72,13 +71,6 @@ class EngineConfig:
     # step on the H200 (widening e4m3 tiles costs more than the bytes saved; docs/performance.md
     # run 59), so a capacity option. Lossy: see docs/quantization.md.
     kv_cache_dtype: str = "auto"
-    # How a page's keys (and values) sit in memory. The kernels address the pool through its
-    # strides and always see `[page, token, kv head, dim]`; "head_major" stores it as `[page, kv
-    # head, token, dim]`, so one head's keys of a page are one 4 KB run (S2-Pro) instead of 16
-    # runs of 256 bytes 2 KB apart. Model-dtype caches only (the e4m3 cache's kernels want it
-    # contiguous). Whether it reads faster is what `scripts/probe_kv_layout.py` measures
-    # (docs/performance.md): unmeasured on the GPU so far, hence not the default.
-    kv_layout: str = "token_major"
     num_pages: int | None = None  # None: size the pool from free GPU memory
     memory_fraction: float = 0.85  # of the memory free after loading the model (num_pages=None)
     cpu_num_pages: int = 4096  # pool size on a CPU device when num_pages is None
@@ -161,10 +153,6 @@ class EngineConfig:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
-        if self.kv_layout == "head_major" and self.kv_cache_dtype == "fp8":
-            raise ValueError("kv_layout='head_major' holds model-dtype caches only, not kv_cache_dtype='fp8'")
         if not self.prefill_graph_buckets or min(self.prefill_graph_buckets) < 1:
             raise ValueError("prefill_graph_buckets must be positive token counts")
         if self.prefill_graph_segments < 1:

@@ -1,6 +1,6 @@
 """The golden tiny S2 model as the engine tests load it (a context long enough for their prompts
-and references, RoPE tables built on the model's device), the GPU tests' engine core over it,
-and staggered traffic through an engine core, whose frames two engine settings must agree on."""
+and references, RoPE tables built on the model's device), and staggered traffic through an
+engine core, whose frames two engine settings must agree on."""
 
 from __future__ import annotations
 
@@ -17,20 +17,6 @@ def tiny_s2(golden_dir: Path, dtype: torch.dtype, max_seq_len: int = 256, device
     model.config = model.config.replace(max_seq_len=max_seq_len)
     model.build_rope_tables(device)
     return model
-
-
-def first_frame_core(golden_dir: Path, weight_format: str, first_frame_graphs: bool | None, **config_fields):
-    """An engine core on CUDA over a fresh golden tiny S2 (`weight_format="fp8"` quantizes it in
-    place), 16 rows, 512 pages of 16. `config_fields`: further `EngineConfig` fields."""
-    from shoal.config import EngineConfig
-    from shoal.engine.core import EngineCore
-
-    model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
-    config = EngineConfig(
-        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
-        weight_format=weight_format, first_frame_graphs=first_frame_graphs, **config_fields,
-    )  # fmt: skip
-    return EngineCore(model, config)
 
 
 def staggered_request_frames(core, seed: int, frames: int = 12, concurrency: int = 3) -> list[torch.Tensor]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_testing import first_frame_core
 
 from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason
@@ -202,6 +201,19 @@ def test_step_ahead_makes_no_host_sync(core):
 
 
 # First-frame graphs (`runner.FirstFrameBatch`, `graphs.FirstFrameGraphs`) --------------------
+
+
+def first_frame_core(
+    golden_dir, weight_format: str, first_frame_graphs: bool | None, **config_fields
+) -> EngineCore:
+    """A fresh model each time: `weight_format="fp8"` quantizes it in place. `config_fields`:
+    further `EngineConfig` fields."""
+    model = load_model(golden_dir / "s2_tiny", device="cuda", dtype=torch.bfloat16)
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", num_pages=512, page_size=16, max_running_requests=16,
+        weight_format=weight_format, first_frame_graphs=first_frame_graphs, **config_fields,
+    )  # fmt: skip
+    return EngineCore(model, config)
 
 
 def resumed_requests(runner, count: int, salt: int) -> list:

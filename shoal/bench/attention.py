@@ -6,8 +6,7 @@ scattered at random, page size 16) against `F.scaled_dot_product_attention(enabl
 contiguous KV, and 64 requests sharing a 1k voice prefix (+ 64 own tokens each) with and
 without the shared-prefix kernel. Each decode case is also timed with an FP8 KV cache (the same
 pools quantized by `reference.quantize_kv`: e4m3 pages + one fp32 scale per token and kv head),
-reported beside the bf16 time as "FP8-KV µs" and its ratio to it ("x bf16", below 1 is faster),
-and on the same bf16 pools stored head-major ("HM µs", `EngineConfig.kv_layout`) with its ratio.
+reported beside the bf16 time as "FP8-KV µs" and its ratio to it ("x bf16", below 1 is faster).
 Every time is the median of CUDA-graph replays over several input copies (so a small KV does
 not sit in L2); "GB/s" is the fewest bytes the step must read divided by the time, next to the
 copy (read + write) and read-only ceilings measured in the same run on 2 GiB buffers.
@@ -30,7 +29,6 @@ import torch.nn.functional as F
 
 from shoal.bench.gemm import memory_ceilings, precompile
 from shoal.bench.timing import time_graph_ms
-from shoal.engine.kv_cache import to_head_major
 from shoal.kernels.attention import (
     DEFAULT_CONFIG,
     PAGE_SIZE,
@@ -142,7 +140,6 @@ class DecodeCase:
         self.prefix = torch.full((batch,), shared_prefix, dtype=torch.int32, device="cuda")
         self.groups = torch.tensor([0, batch], dtype=torch.int32, device="cuda")
         self._fp8_inputs: list[tuple] | None = None
-        self._head_major: list[tuple] | None = None
 
     def fp8_inputs(self) -> list[tuple]:
         """(q, FP8 KV kwargs, tables) per copy: the same pools quantized, built on first use."""
@@ -153,21 +150,6 @@ class DecodeCase:
     def paged(self, config: AttentionConfig) -> float:
         def step() -> None:
             for q, k, v, tables, _ in self.inputs:
-                paged_decode_attention(q, k, v, tables, self.seq_lens, config=config)
-
-        return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
-
-    def paged_head_major(self, config: AttentionConfig) -> float:
-        """`paged` on the same pools stored head-major (`EngineConfig.kv_layout`), converted on
-        first use: what the layout alone changes, the kernel and its config the same."""
-        if self._head_major is None:
-            self._head_major = [
-                (q, to_head_major(k), to_head_major(v), tables) for q, k, v, tables, _ in self.inputs
-            ]
-        inputs = self._head_major
-
-        def step() -> None:
-            for q, k, v, tables in inputs:
                 paged_decode_attention(q, k, v, tables, self.seq_lens, config=config)
 
         return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
@@ -280,7 +262,6 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
             ours_us=ours * 1e3,
             sdpa_us=sdpa * 1e3,
             fp8_kv_us=case.paged_fp8(decode_config(batch, kv_fp8=True)) * 1e3,
-            head_major_us=case.paged_head_major(decode_config(batch)) * 1e3,
         )
         if sweep:
             timed = timed_configs(case.paged, _distinct(SWEEP, batch, context))
@@ -312,7 +293,6 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         row = {"case": f"decode b={batch} ctx={context} (32k table)", "bytes": kv_bytes(batch * context)}
         row.update(ours_us=case.paged(config) * 1e3, sdpa_us=case.sdpa() * 1e3)
         row["fp8_kv_us"] = case.paged_fp8(config) * 1e3
-        row["head_major_us"] = case.paged_head_major(config) * 1e3
         rows.append(row)
         del case
     prefix, own, batch = 1024, 64, 64
@@ -336,11 +316,9 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
 
 def table_lines(rows: list[dict], read_gbs: float) -> list[str]:
     """The table of `run_attention_bench`'s rows (times in µs): bf16 paged ("ours") against SDPA,
-    its bandwidth, where timed the FP8-KV time and its ratio to the bf16 paged time, and the same
-    pools stored head-major ("HM", `EngineConfig.kv_layout`) and their ratio to it."""
+    its bandwidth, and where timed the FP8-KV time and its ratio to the bf16 paged time."""
     header = f"{'case':34} {'min bytes':>10} {'ours µs':>9} {'SDPA µs':>9} {'speedup':>8}"
-    header += f" {'GB/s':>7} {'of read':>8} {'FP8-KV µs':>10} {'x bf16':>7} {'HM µs':>7} {'x bf16':>7}"
-    lines = [header]
+    lines = [f"{header} {'GB/s':>7} {'of read':>8} {'FP8-KV µs':>10} {'x bf16':>7}"]
     for row in rows:
         gbs = row["bytes"] / row["ours_us"] / 1e3
         line = (
@@ -349,8 +327,6 @@ def table_lines(rows: list[dict], read_gbs: float) -> list[str]:
         )
         if "fp8_kv_us" in row:
             line += f" {row['fp8_kv_us']:10.1f} {row['fp8_kv_us'] / row['ours_us']:6.2f}x"
-        if "head_major_us" in row:
-            line += f" {row['head_major_us']:7.1f} {row['head_major_us'] / row['ours_us']:6.3f}x"
         lines.append(line)
         if "unshared_us" in row:
             lines.append(f"{'  same, prefix read per request':34} {'':10} {row['unshared_us']:9.1f}")

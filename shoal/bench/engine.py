@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from shoal.bench.timing import time_graph_ms
-from shoal.config import KV_CACHE_DTYPES, KV_LAYOUTS, EngineConfig
+from shoal.config import KV_CACHE_DTYPES, EngineConfig
 from shoal.engine.api import FinishReason
 from shoal.engine.engine import EngineCore
 from shoal.engine.request import SamplingParams
@@ -316,14 +316,13 @@ def run_engine_bench(
     closed_loop: int = 0,
     overlap_prefill: bool = True,
     max_prefill_tokens: tuple[int, ...] = (),
-    kv_layout: str = "token_major",
 ) -> list[dict]:
     """One result dict per concurrency. `closed_loop`: run that many requests per level, with
     `concurrency` of them running at any time (`run_closed_loop`), instead of `concurrency`
     requests submitted at once; `overlap_prefill`: `EngineConfig.overlap_prefill`;
     `max_prefill_tokens`: each concurrency once per value of `EngineConfig.max_prefill_tokens`
     (the step's prefill budget: how a wave's prompts are chunked), side by side on one engine
-    (empty: the config's default only); `kv_layout`: `EngineConfig.kv_layout`. With
+    (empty: the config's default only). With
     `step_timing` (on a GPU) each also carries the decode step at batch = concurrency timed as
     CUDA-graph replays at `step_context` keys (default `prompt_tokens + frames // 2`):
     `decode_step_ms`, `decode_step_context` and `decode_frames_per_s` = 1000 / step ms, the
@@ -352,7 +351,6 @@ def run_engine_bench(
         prefill_graphs=None if prefill_graphs else False,
         prefill_graph_segments=prefill_graph_segments,
         kv_cache_dtype=kv_cache_dtype,
-        kv_layout=kv_layout,
         overlap_prefill=overlap_prefill,
         **({"prefill_graph_buckets": tuple(prefill_graph_buckets)} if prefill_graph_buckets else {}),
     )
@@ -387,7 +385,6 @@ def run_engine_bench(
         result["shared_prefix"] = shared_prefix
         result["weight_format"] = weight_format
         result["kv_cache_dtype"] = kv_cache_dtype
-        result["kv_layout"] = kv_layout
         result["prompt_tokens"] = prompt_tokens
         result["max_seq_len"] = config.max_seq_len
         result["prefill_graphs"] = core.runner.prefill_graphs is not None
@@ -552,14 +549,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache storage, one or more (EngineConfig.kv_cache_dtype; `auto fp8`: side by side)",
     )
     parser.add_argument(
-        "--kv-layout",
-        nargs="+",
-        choices=KV_LAYOUTS,
-        default=["token_major"],
-        help="the KV pool's layout, one or more (EngineConfig.kv_layout; `token_major head_major`: "
-        "side by side)",
-    )
-    parser.add_argument(
         "--fp8-sweep",
         type=int,
         nargs="*",
@@ -583,14 +572,10 @@ def run(args: argparse.Namespace) -> int:
         free_gpu()
         print_sweep(sweep)
     all_results = []
-    # the naive loop runs once
-    first_level = (args.shared_prefix[0], args.kv_cache_dtype[0], args.kv_layout[0])
-    for weight_format, kv_cache_dtype, kv_layout, shared, overlap in itertools.product(
-        args.weight_format, args.kv_cache_dtype, args.kv_layout, args.shared_prefix, args.overlap_prefill
+    first_level = (args.shared_prefix[0], args.kv_cache_dtype[0])  # the naive loop runs once
+    for weight_format, kv_cache_dtype, shared, overlap in itertools.product(
+        args.weight_format, args.kv_cache_dtype, args.shared_prefix, args.overlap_prefill
     ):
-        if kv_cache_dtype == "fp8" and kv_layout == "head_major":
-            print("skipped: kv_layout head_major holds model-dtype caches only, not kv_cache_dtype fp8")
-            continue
         all_results += run_engine_bench(
             args.checkpoint,
             args.concurrency,
@@ -600,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             use_cuda_graphs=not args.no_graphs,
-            naive=not args.no_naive and (shared, kv_cache_dtype, kv_layout) == first_level,
+            naive=not args.no_naive and (shared, kv_cache_dtype) == first_level,
             breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
             weight_format=weight_format,
             step_context=args.step_context,
@@ -612,7 +597,6 @@ def run(args: argparse.Namespace) -> int:
             closed_loop=args.closed_loop,
             overlap_prefill=overlap == "on",
             max_prefill_tokens=tuple(args.max_prefill_tokens or ()),
-            kv_layout=kv_layout,
         )
         free_gpu()
     print_results(all_results)
@@ -684,7 +668,7 @@ def print_results(all_results: list[dict]) -> None:
     from shoal.bench.gate_performance import check_targets, select_results
 
     header = (
-        f"{'format':>6} {'kv':>7} {'conc':>5} {'prefix':>6} {'ovl':>3} {'chunk':>5} {'reqs':>5} "
+        f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'ovl':>3} {'chunk':>5} {'reqs':>5} "
         f"{'agg f/s':>9} {'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"
     )
     print(header)
@@ -693,7 +677,7 @@ def print_results(all_results: list[dict]) -> None:
         decode = "-" if "decode_frames_per_s" not in r else f"{r['decode_frames_per_s']:.1f}"
         overlap = "on" if r.get("overlap_prefill", True) else "off"
         print(
-            f"{r['weight_format']:>6} {kv_label(r):>7} {r['concurrency']:>5} "
+            f"{r['weight_format']:>6} {r.get('kv_cache_dtype', 'auto'):>4} {r['concurrency']:>5} "
             f"{r['shared_prefix']:>6} {overlap:>3} {r.get('max_prefill_tokens', '-'):>5} "
             f"{r.get('requests', r['concurrency']):>5} "
             f"{r['aggregate_frames_per_s']:>9.1f} {r['per_request_frames_per_s']:>8.1f} "
@@ -720,19 +704,11 @@ def print_results(all_results: list[dict]) -> None:
         print("\n".join(lines))
 
 
-def kv_label(result: dict) -> str:
-    """The KV cache's dtype setting, `+hm` when its pool is head-major."""
-    head_major = result.get("kv_layout", "token_major") == "head_major"
-    return result.get("kv_cache_dtype", "auto") + ("+hm" if head_major else "")
-
-
 def ratio_lines(all_results: list[dict]) -> list[str]:
     """fp8 / bf16 weights per (concurrency, shared prefix) measured in this run, KV in the model
-    dtype (ttff: bf16 / fp8); then fp8 / model-dtype KV cache per weight format; then the
-    head-major pool against the token-major one."""
+    dtype (ttff: bf16 / fp8); then fp8 / model-dtype KV cache per weight format."""
     lines = []
-    token_major = [r for r in all_results if r.get("kv_layout", "token_major") == "token_major"]
-    model_kv = [r for r in token_major if r.get("kv_cache_dtype", "auto") == "auto"]
+    model_kv = [r for r in all_results if r.get("kv_cache_dtype", "auto") == "auto"]
     bf16 = {(r["concurrency"], r["shared_prefix"]): r for r in model_kv if r["weight_format"] == "bf16"}
     for r in model_kv:
         base = bf16.get((r["concurrency"], r["shared_prefix"]))
@@ -751,26 +727,15 @@ def ratio_lines(all_results: list[dict]) -> list[str]:
             line += f"; step bs={b['batch']} {bb['step_ms'] / b['step_ms']:.2f}x"
         lines.append(line)
     by_key = {(r["weight_format"], r["concurrency"], r["shared_prefix"]): r for r in model_kv}
-    for r in token_major:
-        base = by_key.get((r["weight_format"], r["concurrency"], r["shared_prefix"]))
-        if r.get("kv_cache_dtype") == "fp8" and base is not None:
-            lines.append(_kv_ratio_line("kv fp8/auto", r, base))
-    layout_key = ("weight_format", "kv_cache_dtype", "concurrency", "shared_prefix", "max_prefill_tokens")
-    by_layout = {tuple(r.get(k) for k in layout_key): r for r in token_major}
     for r in all_results:
-        base = by_layout.get(tuple(r.get(k) for k in layout_key))
-        if r.get("kv_layout") == "head_major" and base is not None:
-            lines.append(_kv_ratio_line("kv head-major/token-major", r, base))
+        base = by_key.get((r["weight_format"], r["concurrency"], r["shared_prefix"]))
+        if r.get("kv_cache_dtype") != "fp8" or base is None:
+            continue
+        line = (
+            f"kv fp8/auto {r['weight_format']} conc {r['concurrency']} prefix {r['shared_prefix']}: "
+            f"aggregate {r['aggregate_frames_per_s'] / base['aggregate_frames_per_s']:.3f}x"
+        )
+        if "decode_step_ms" in r and "decode_step_ms" in base:
+            line += f", decode step {base['decode_step_ms'] / r['decode_step_ms']:.3f}x faster"
+        lines.append(line)
     return lines
-
-
-def _kv_ratio_line(label: str, result: dict, base: dict) -> str:
-    """`label format conc N prefix P: aggregate X, decode step Y faster` (result against base)."""
-    aggregate = result["aggregate_frames_per_s"] / base["aggregate_frames_per_s"]
-    line = (
-        f"{label} {result['weight_format']} conc {result['concurrency']} prefix {result['shared_prefix']}: "
-        f"aggregate {aggregate:.3f}x"
-    )
-    if "decode_step_ms" in result and "decode_step_ms" in base:
-        line += f", decode step {base['decode_step_ms'] / result['decode_step_ms']:.3f}x faster"
-    return line

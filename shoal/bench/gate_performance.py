@@ -186,15 +186,13 @@ TARGETS: dict[str, list[tuple[str, int, str, str, float]]] = {
 
 def select_results(results: Sequence[dict], weight_format: str) -> list[dict]:
     """The rows of one weight format (rows without the key are bf16), the KV cache in the model
-    dtype and token-major layout (the baselines' setting), no shared voice prefix, all of a
-    level's requests at once (not `--closed-loop`), and the engine's default prefill overlap
-    where both settings ran."""
+    dtype (the baselines' setting), no shared voice prefix, all of a level's requests at once
+    (not `--closed-loop`), and the engine's default prefill overlap where both settings ran."""
     rows = [
         r
         for r in results
         if r.get("weight_format", "bf16") == weight_format
         and r.get("kv_cache_dtype", "auto") == "auto"
-        and r.get("kv_layout", "token_major") == "token_major"
         and int(r.get("shared_prefix", 0)) == 0
         and not r.get("closed_loop", 0)
     ]

@@ -207,20 +207,6 @@ def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_d
     return 2 * num_layers * page_size * num_kv_heads * vector
 
 
-def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device, head_major: bool = False) -> torch.Tensor:
-    """Zeros indexed `[..., page, token, kv head, dim]` (`shape`); with `head_major` stored as
-    `[..., page, kv head, token, dim]` and handed out as that view (`EngineConfig.kv_layout`)."""
-    if not head_major:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    stored = (*shape[:-3], shape[-2], shape[-3], shape[-1])
-    return torch.zeros(stored, dtype=dtype, device=device).transpose(-3, -2)
-
-
-def to_head_major(pool: torch.Tensor) -> torch.Tensor:
-    """The same values `[..., page, token, kv head, dim]`, in head-major memory (`new_pool`'s)."""
-    return pool.transpose(-3, -2).contiguous().transpose(-3, -2)
-
-
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's page pools, as the kernels take them: `k`/`v` `[pages, page_size, Hkv, D]`,
@@ -240,9 +226,7 @@ class LayerKV:
 class PagedKV:
     """The KV tensors, k/v `[num_pages + 1, page_size, Hkv, D]` per layer, and the model's
     AttentionBackend over them. The extra last page is scratch: padded batch rows of a CUDA
-    graph write there, so they never touch a page a request owns. With `head_major` that shape
-    is a view of `[num_pages + 1, Hkv, page_size, D]` memory (`new_pool`,
-    `EngineConfig.kv_layout`); everything here and in the kernels indexes through it.
+    graph write there, so they never touch a page a request owns.
 
     `kv_dtype=torch.float8_e4m3fn` (`EngineConfig.kv_cache_dtype="fp8"`) stores e4m3 keys and
     values with one fp32 scale per (token, kv head), `k_scales`/`v_scales` `[num_pages + 1,
@@ -268,17 +252,14 @@ class PagedKV:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_dtype: torch.dtype | None = None,
-        head_major: bool = False,
     ) -> None:
         shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
         stored = dtype if kv_dtype is None else kv_dtype
         if stored not in (dtype, FP8_KV_DTYPE):
             raise ValueError(f"the KV cache holds the model dtype or e4m3, got {stored}")
+        self.k = torch.zeros(shape, dtype=stored, device=device)
+        self.v = torch.zeros(shape, dtype=stored, device=device)
         fp8 = stored == FP8_KV_DTYPE
-        if head_major and fp8:
-            raise ValueError("a head-major pool holds the model dtype only (e4m3 pools must be contiguous)")
-        self.k = new_pool(shape, stored, device, head_major)
-        self.v = new_pool(shape, stored, device, head_major)
         self.k_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
         self.v_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
         self.page_size = page_size
@@ -350,11 +331,6 @@ class PagedKV:
                     0, self._slots, values.view(torch.uint8)
                 )
             return
-        if not self.k.is_contiguous():  # head-major: write through the strided view
-            pages, offsets = self._slots // self.page_size, self._slots % self.page_size
-            self.k[layer][pages, offsets] = k
-            self.v[layer][pages, offsets] = v
-            return
         self.k[layer].view(flat, *k.shape[1:]).index_copy_(0, self._slots, k)
         self.v[layer].view(flat, *v.shape[1:]).index_copy_(0, self._slots, v)
 
@@ -402,9 +378,8 @@ class PagedKV:
         batch, pages = self._block_tables.shape
         index = self._block_tables.long()
         keys, values = self._gathered(layer, index, q.dtype)
-        # reshape: a head-major pool's gathered pages keep its strides (a copy then; a view else)
-        keys = keys.reshape(batch, pages * self.page_size, *self.k.shape[-2:])
-        values = values.reshape(batch, pages * self.page_size, *self.v.shape[-2:])
+        keys = keys.view(batch, pages * self.page_size, *self.k.shape[-2:])
+        values = values.view(batch, pages * self.page_size, *self.v.shape[-2:])
         visible = torch.arange(pages * self.page_size, device=q.device)[None, :] < self._kv_lens[:, None]
         attended = F.scaled_dot_product_attention(
             q[:, :, None, :],

@@ -187,7 +187,7 @@ class ModelRunner:
         self.max_batch = config.max_running_requests
         self.kv = PagedKV(
             mc.n_layer, num_pages, config.page_size, mc.n_local_heads, mc.head_dim, self.dtype, self.device,
-            kv_dtype=kv_storage_dtype(config, self.dtype), head_major=config.kv_layout == "head_major",
+            kv_dtype=kv_storage_dtype(config, self.dtype),
         )  # fmt: skip
         on_gpu = self.device.type == "cuda"
         _prepare_weights(model, config)
