@@ -45,6 +45,23 @@ def test_quantize_activations_matches_reference_bit_for_bit(m: int, k: int) -> N
     assert err < 0.05
 
 
+def test_every_bf16_value_rounds_to_e4m3_as_torch_does() -> None:
+    """Each row's amax is 448, so its scale is exactly 1 and the codes are the values' own e4m3
+    roundings: every bf16 value in [-448, 448] (ties to even, e4m3 subnormals, signed zeros)
+    quantizes to torch's cast bit for bit. The GPU rounds in its cast instruction, the
+    interpreter on the bits (`quant._ROUND_E4M3_ON_BITS`): both must give these codes."""
+    patterns = torch.arange(0, 0x43E1, dtype=torch.int32).to(torch.int16)  # 0x43E0 is bf16 448
+    values = patterns.view(torch.bfloat16).float()
+    values = torch.cat([values, -values])
+    values = torch.cat([values, values.new_zeros(-len(values) % 127)]).view(-1, 127)
+    x = torch.cat([values.new_full((len(values), 1), 448.0), values], dim=1).to(torch.bfloat16)
+    q, s = quant.quantize_activations(x.to(DEVICE))
+    assert (s == 1).all()
+    expected = x.float().to(torch.float8_e4m3fn).view(torch.uint8)
+    mismatched = (q.cpu().view(torch.uint8) != expected).nonzero()
+    assert len(mismatched) == 0, f"{len(mismatched)} codes differ, first at {x[tuple(mismatched[0])]}"
+
+
 def test_scales_are_group_major_and_zero_rows_are_finite() -> None:
     x = _activations(4, 256)
     x[2] = 0

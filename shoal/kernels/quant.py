@@ -15,6 +15,8 @@ q = round_to_nearest_even(x / scale) saturated to +-448, division correctly roun
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,13 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 GROUP = 128
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
+# Under Triton's CPU interpreter the fp32 -> e4m3 cast mis-rounds values just below a power of
+# two, so the kernels round on the bits there (fixed when this module is imported). On the GPU the
+# cast rounds in one instruction; `SHOAL_E4M3_ON_BITS=1` takes the bit rounding there too (the same
+# codes, more instructions: docs/performance.md run 212 compares them).
+_ROUND_E4M3_ON_BITS = tl.constexpr(
+    os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SHOAL_E4M3_ON_BITS") == "1"
+)
 
 
 def new_activation_scales(m: int, k: int, device: torch.device | str) -> torch.Tensor:
@@ -78,10 +87,9 @@ def check_kv_scales(
 def _round_to_e4m3_grid(x):
     """Round fp32 to the nearest e4m3 value, ties to even, in plain fp32/int arithmetic.
 
-    The cast that follows is then exact. Doing the rounding ourselves makes the kernel's numerics
-    independent of the backend's fp8 conversion (Triton's CPU interpreter mis-rounds values just
-    below a power of two); on the GPU it matches `cvt.rn.satfinite.e4m3x2.f32` and costs a few
-    integer ops per element in a memory-bound kernel."""
+    The cast that follows is then exact. The interpreter needs it (its fp8 conversion mis-rounds
+    values just below a power of two); on the GPU it gives the codes `cvt.rn.satfinite.e4m3x2.f32`
+    gives, in about a dozen instructions per value instead of half of one."""
     bits = x.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
     ulp_exponent = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; subnormals below 2**-6
@@ -112,10 +120,14 @@ def silu_times(gate, up):
 @triton.jit
 def quantize_by(x, scale, fp8_max: tl.constexpr):
     """e4m3 of fp32 x / scale (scale broadcast against x): IEEE division rounded to nearest,
-    saturated to +-fp8_max, rounded to the e4m3 grid (ties to even), then cast (exact)."""
+    saturated to +-fp8_max, rounded to the e4m3 grid (ties to even). On the GPU the cast itself
+    rounds (`cvt.rn.satfinite.e4m3x2.f32`, one instruction per two values); the interpreter
+    rounds on the bits first (`_round_to_e4m3_grid`), after which its cast is exact."""
     q = tl.div_rn(x, scale)
     q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
-    return _round_to_e4m3_grid(q).to(tl.float8e4nv)
+    if _ROUND_E4M3_ON_BITS:
+        q = _round_to_e4m3_grid(q)
+    return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 @triton.jit
