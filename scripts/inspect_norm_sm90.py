@@ -46,6 +46,7 @@ def compile_decode_norm(
     kernel = norm_rope._rms_norm_kernel
     constants = {
         "GROUPS": triton.next_power_of_2(triton.cdiv(DIM, GROUP)), "SLICE_GROUPS": slice_groups,
+        "MAIN_GROUPS": norm_rope.row_tiles(DIM)[0], "TAIL_GROUPS": norm_rope.row_tiles(DIM)[1],
         "PARTS": parts, "HAS_RESIDUAL": not gather, "GATHER": gather, "EMULATE": False, "QUANT_OUT": True,
         "GROUP_SIZE": GROUP, "FP8_MAX_": FP8_MAX, "MIN_SCALE_": MIN_SCALE, "USE_PDL": True,
     }  # fmt: skip

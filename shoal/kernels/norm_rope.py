@@ -297,25 +297,57 @@ def _row_groups(
 
 
 @triton.jit
+def _normalize_and_store(
+    groups, offs, ok, x, w, inv, row, residual_out_ptr, out_ptr, scale_ptr, dim, stride_ro, stride_o,
+    stride_sm, stride_sg, STORE_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr, QUANT_OUT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
+):  # fmt: skip
+    """One tile of a row's groups: the residual stream stored, then x * inv * w stored (bf16 or
+    quantized per 128 columns)."""
+    if STORE_RESIDUAL:
+        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
+    y = cast_rne(x.to(tl.float32) * inv, x.dtype, EMULATE).to(tl.float32) * w
+    if QUANT_OUT:
+        rounded = tl.where(ok, cast_rne(y, tl.bfloat16, EMULATE).to(tl.float32), 0.0)
+        q, scale = _quantize_groups(rounded, FP8_MAX_, MIN_SCALE_)
+        tl.store(out_ptr + row * stride_o + offs, q, mask=ok)
+        tl.store(scale_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP_SIZE < dim)
+    else:
+        tl.store(out_ptr + row * stride_o + offs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=ok)
+
+
+@triton.jit
+def _weight_tile(weight_ptr, dim, first_group, COUNT: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """The norm weight's [COUNT, 128] tile from `first_group` on, fp32 (zeros past dim)."""
+    offs = (first_group + tl.arange(0, COUNT))[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    return tl.load(weight_ptr + offs, mask=offs < dim, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr, scale_ptr, ids_ptr, eps, dim, stride_x,
     stride_xs, stride_r, stride_ro, stride_o, stride_sm, stride_sg, stride_ids, table_rows,
-    GROUPS: tl.constexpr, SLICE_GROUPS: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    GATHER: tl.constexpr, EMULATE: tl.constexpr,
+    GROUPS: tl.constexpr, MAIN_GROUPS: tl.constexpr, TAIL_GROUPS: tl.constexpr, SLICE_GROUPS: tl.constexpr,
+    PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, EMULATE: tl.constexpr,
     QUANT_OUT: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, slice): optional residual add (stored into `residual_out`), then RMSNorm of
     the row's 128-column groups [slice * SLICE_GROUPS, ...); with QUANT_OUT the bf16 result is
     quantized per 128 columns (e4m3 + fp32 scales) instead of stored, exactly as
-    `kernels/quant.py` would quantize the stored bf16 row. The row is held as a [GROUPS, 128]
-    tile from the start, so the quantization's per-group reductions need no change of register
+    `kernels/quant.py` would quantize the stored bf16 row. The row is held as [groups, 128]
+    tiles from the start, so the quantization's per-group reductions need no change of register
     layout (a reshape there cost more than the launch it saved).
 
-    With SLICE_GROUPS < GROUPS several programs share a row: each reads the whole row for the
-    mean square (the same tile and reduction in every program, so the same bits as one program)
-    and normalizes only its slice. Then `residual_out` must not alias `residual`: a slice written
-    in place could be read back by another program of the row as its input.
+    The whole row is two tiles: MAIN_GROUPS (a power of two) groups and the TAIL_GROUPS after
+    them (0: none). S2-Pro's 2,560 columns are 16 + 4 groups, where one tile of 32 groups (the
+    next power of two) spent 37.5% of the row's instructions on masked lanes. The mean square
+    sums the main tile, then the tail (one order for every build, split or not: the same bits).
+
+    With SLICE_GROUPS < GROUPS (GROUPS: the groups rounded up to a power of two) several
+    programs share a row: each reads the whole row for the mean square and normalizes only its
+    slice. Then `residual_out` must not alias `residual`: a slice written in place could be read
+    back by another program of the row as its input.
 
     With GATHER, row r of x is row `ids[r]` of the table x_ptr points to (a zero row for an id
     outside [0, table_rows)), stored into `residual_out` as it is (the residual stream it starts).
@@ -325,11 +357,14 @@ def _rms_norm_kernel(
     before the PDL wait, and a slice's own tile together with the whole row, not after the mean
     square's reduction: one dependent round trip to memory instead of three."""
     row = tl.program_id(0).to(tl.int64)
+    SPLIT: tl.constexpr = SLICE_GROUPS < GROUPS
     first_group = tl.program_id(1) * SLICE_GROUPS
-    w_offs = (first_group + tl.arange(0, SLICE_GROUPS))[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[
-        None, :
-    ]
-    w = tl.load(weight_ptr + w_offs, mask=w_offs < dim, other=0.0).to(tl.float32)
+    if SPLIT:
+        w = _weight_tile(weight_ptr, dim, first_group, SLICE_GROUPS, GROUP_SIZE)
+    else:
+        w = _weight_tile(weight_ptr, dim, 0, MAIN_GROUPS, GROUP_SIZE)
+        if TAIL_GROUPS > 0:
+            w_tail = _weight_tile(weight_ptr, dim, MAIN_GROUPS, TAIL_GROUPS, GROUP_SIZE)
     wait_for_inputs(USE_PDL)
     if GATHER:  # the ids come from the kernel just before
         source = tl.load(ids_ptr + row * stride_ids).to(tl.int64)
@@ -341,29 +376,54 @@ def _rms_norm_kernel(
     x_row_ptr = x_ptr + source * stride_x
     residual_row_ptr = residual_ptr + row * stride_r
     groups, offs, ok, x = _row_groups(
-        x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, 0, GROUPS, GROUP_SIZE, PARTS, HAS_RESIDUAL,
-        EMULATE,
+        x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, 0, MAIN_GROUPS, GROUP_SIZE, PARTS,
+        HAS_RESIDUAL, EMULATE,
     )  # fmt: skip
-    if SLICE_GROUPS < GROUPS:  # this program's groups, in a smaller tile (an L1/L2 re-read)
+    if TAIL_GROUPS > 0:
+        tail_groups, tail_offs, tail_ok, tail_x = _row_groups(
+            x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, MAIN_GROUPS, TAIL_GROUPS, GROUP_SIZE,
+            PARTS, HAS_RESIDUAL, EMULATE,
+        )  # fmt: skip
+    if SPLIT:  # this program's groups, in a smaller tile (an L1/L2 re-read)
         slice_groups, slice_offs, slice_ok, slice_x = _row_groups(
             x_row_ptr, residual_row_ptr, x_valid, stride_xs, dim, first_group, SLICE_GROUPS, GROUP_SIZE,
             PARTS, HAS_RESIDUAL, EMULATE,
         )  # fmt: skip
     f = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(f * f, 1), 0) / dim + eps)
-    if SLICE_GROUPS < GROUPS:
-        groups, offs, ok, x = slice_groups, slice_offs, slice_ok, slice_x
-        f = x.to(tl.float32)
-    if HAS_RESIDUAL or GATHER:
-        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
-    y = cast_rne(f * inv, x.dtype, EMULATE).to(tl.float32) * w
-    if QUANT_OUT:
-        rounded = tl.where(ok, cast_rne(y, tl.bfloat16, EMULATE).to(tl.float32), 0.0)
-        q, scale = _quantize_groups(rounded, FP8_MAX_, MIN_SCALE_)
-        tl.store(out_ptr + row * stride_o + offs, q, mask=ok)
-        tl.store(scale_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP_SIZE < dim)
+    square_sum = tl.sum(tl.sum(f * f, 1), 0)
+    if TAIL_GROUPS > 0:
+        f_tail = tail_x.to(tl.float32)
+        square_sum += tl.sum(tl.sum(f_tail * f_tail, 1), 0)
+    inv = 1.0 / tl.sqrt(square_sum / dim + eps)
+    store_residual: tl.constexpr = HAS_RESIDUAL or GATHER
+    if SPLIT:
+        _normalize_and_store(
+            slice_groups, slice_offs, slice_ok, slice_x, w, inv, row, residual_out_ptr, out_ptr, scale_ptr,
+            dim, stride_ro, stride_o, stride_sm, stride_sg, store_residual, EMULATE, QUANT_OUT, GROUP_SIZE,
+            FP8_MAX_, MIN_SCALE_,
+        )  # fmt: skip
     else:
-        tl.store(out_ptr + row * stride_o + offs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=ok)
+        _normalize_and_store(
+            groups, offs, ok, x, w, inv, row, residual_out_ptr, out_ptr, scale_ptr, dim, stride_ro, stride_o,
+            stride_sm, stride_sg, store_residual, EMULATE, QUANT_OUT, GROUP_SIZE, FP8_MAX_, MIN_SCALE_,
+        )  # fmt: skip
+        if TAIL_GROUPS > 0:
+            _normalize_and_store(
+                tail_groups, tail_offs, tail_ok, tail_x, w_tail, inv, row, residual_out_ptr, out_ptr,
+                scale_ptr, dim, stride_ro, stride_o, stride_sm, stride_sg, store_residual, EMULATE,
+                QUANT_OUT, GROUP_SIZE, FP8_MAX_, MIN_SCALE_,
+            )  # fmt: skip
+
+
+def row_tiles(dim: int) -> tuple[int, int]:
+    """(main, tail) groups of a `dim`-wide row: the largest power of two of its 128-column groups,
+    then the rest rounded up to a power of two (0 when none). `SHOAL_NORM_ONE_TILE=1`: one tile
+    of the groups rounded up to a power of two, masked past dim (the build before run 213)."""
+    groups = triton.cdiv(dim, GROUP)
+    if os.environ.get("SHOAL_NORM_ONE_TILE") == "1":
+        return triton.next_power_of_2(groups), 0
+    main = 1 << (groups.bit_length() - 1)
+    return main, (triton.next_power_of_2(groups - main) if groups > main else 0)
 
 
 # Decode-sized norms build with a register limit: without one, ptxas keeps the build under about 100
@@ -453,6 +513,7 @@ def rms_norm(
     if rows == 0:
         return (out_fp8 if out_fp8 is not None else out), residual_out
     slices = triton.cdiv(triton.cdiv(dim, GROUP), slice_groups)
+    main_groups, tail_groups = row_tiles(dim)
     ids = gathered.ids if gathered is not None else x  # an unused pointer without gathering
     _rms_norm_kernel[(rows, slices)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else x, weight,
@@ -460,7 +521,8 @@ def rms_norm(
         residual_out.stride(0) if residual_out is not None else 0, out.stride(0),
         scales.stride(0) if out_fp8 is not None else 0, scales.stride(1) if out_fp8 is not None else 0,
         ids.stride(0) if gathered is not None else 0, x.shape[0],
-        GROUPS=groups, SLICE_GROUPS=slice_groups, PARTS=count, HAS_RESIDUAL=residual is not None,
+        GROUPS=groups, MAIN_GROUPS=main_groups, TAIL_GROUPS=tail_groups, SLICE_GROUPS=slice_groups,
+        PARTS=count, HAS_RESIDUAL=residual is not None,
         GATHER=gathered is not None, EMULATE=interpreting(),
         QUANT_OUT=out_fp8 is not None, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
         num_warps=num_warps, **({"maxnreg": max_registers} if max_registers else {}), **pdl_launch(),
