@@ -62,6 +62,13 @@ def test_every_bf16_value_rounds_to_e4m3_as_torch_does() -> None:
     assert len(mismatched) == 0, f"{len(mismatched)} codes differ, first at {x[tuple(mismatched[0])]}"
 
 
+@pytest.mark.gpu
+def test_every_bf16_value_rounds_to_e4m3_as_torch_does_gpu() -> None:
+    """The same on the H200, where the cast instruction rounds (`pytest -m gpu` selects only
+    marked tests)."""
+    test_every_bf16_value_rounds_to_e4m3_as_torch_does()
+
+
 def test_scales_are_group_major_and_zero_rows_are_finite() -> None:
     x = _activations(4, 256)
     x[2] = 0
