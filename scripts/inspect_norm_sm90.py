@@ -44,9 +44,10 @@ def compile_decode_norm(
     partials (`partials` "fp32" or "bf16"; parts 0: a bf16 row), with PDL. `gather`: no residual
     add, x a bf16 row gathered by an int32 id (parts must be 0)."""
     kernel = norm_rope._rms_norm_kernel
+    main_groups, tail_groups = norm_rope.row_tiles(DIM)
     constants = {
         "GROUPS": triton.next_power_of_2(triton.cdiv(DIM, GROUP)), "SLICE_GROUPS": slice_groups,
-        "MAIN_GROUPS": norm_rope.row_tiles(DIM)[0], "TAIL_GROUPS": norm_rope.row_tiles(DIM)[1],
+        "MAIN_GROUPS": main_groups, "TAIL_GROUPS": tail_groups,
         "PARTS": parts, "HAS_RESIDUAL": not gather, "GATHER": gather, "EMULATE": False, "QUANT_OUT": True,
         "GROUP_SIZE": GROUP, "FP8_MAX_": FP8_MAX, "MIN_SCALE_": MIN_SCALE, "USE_PDL": True,
     }  # fmt: skip
