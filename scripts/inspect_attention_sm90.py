@@ -82,11 +82,8 @@ def compile_decode(config: attention.AttentionConfig, splits: int, kv_fp8: bool)
         "HAS_KV_START": False, "WRITE_PARTIAL": split, "FUSED_MERGE": fused,
         "BLOCK_S": triton.next_power_of_2(max(splits, config.max_splits)) if fused else 1,
         "UPCAST": False, "QUANT_OUT": True, "KV_FP8": kv_fp8, "USE_PDL": True,
-        "TMA_PAGES": config.tma_pages,
     }  # fmt: skip
     cache = "*fp8e4nv" if kv_fp8 else "*bf16"
-    if config.tma_pages:  # the pools arrive as tensor descriptors of one page of one kv head
-        cache = f"tensordesc<bf16[{attention.PAGE_SIZE},{HEAD_DIM}]>"
     pointers = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "k_scale_ptr": "*fp32",
                 "v_scale_ptr": "*fp32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "q8_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "scale_log2e": "fp32"}  # fmt: skip

@@ -80,73 +80,6 @@ def test_decode_matches_reference(hq: int, hkv: int, num_splits: int, fused: boo
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("pages", [1, 2], ids=["1-page", "2-pages"])
-@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-fused"])
-def test_decode_tma_pages_match_pointer_loads(num_splits: int, fused: bool, pages: int) -> None:
-    """Pages loaded as TMA boxes give the reference's values (rows ending inside a page, a row's
-    last 2-page step holding one page), and with one page per iteration the pointer loads' bits
-    on 16-key blocks (two pages sum two products where the pointer loads take one)."""
-    gen = torch.Generator().manual_seed(23 + num_splits)
-    seq_lens = [1, 15, 16, 17, 40, 70]
-    k, v, tables = make_paged_cache(seq_lens, 2, 32, 16, gen)
-    q = torch.randn(len(seq_lens), 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    config = replace(SMALL, block_n=16 * pages, fused_merge=fused)
-    pointer = paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=config)
-    out = poisoned(q.shape)
-    tma = replace(config, tma_pages=pages)
-    paged_decode_attention(q, k, v, tables, lens, num_splits=num_splits, config=tma, out=out)
-    if pages == 1:
-        assert torch.equal(out, pointer)
-    else:
-        torch.testing.assert_close(out, pointer, rtol=2e-2, atol=1e-2)
-    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
-
-
-def test_shared_prefix_suffix_on_tma_pages_starts_inside_a_page() -> None:
-    """The per-row kernel on TMA pages attends each row from its prefix length on, also when the
-    prefix ends inside a page (the keys before it in that page get no weight; the pointer loads
-    start their blocks at the prefix length there, so only the values are compared)."""
-    gen = torch.Generator().manual_seed(29)
-    seq_lens = [30, 41, 37]
-    k, v, tables = make_paged_cache(seq_lens, 2, 32, 16, gen, shared_pages=1)
-    q = torch.randn(3, 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    starts = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
-    ref = paged_attention_reference(q, k, v, tables, lens)
-    for prefix_len in (16, 11):
-        prefix = torch.full((3,), prefix_len, dtype=torch.int32, device=DEVICE)
-        outs = [
-            shared_prefix_decode_attention(
-                q, k, v, tables, lens, prefix, starts, max_group_size=3, num_splits=2, config=config
-            )
-            for config in (SMALL, replace(SMALL, tma_pages=1))
-        ]
-        if prefix_len % 16 == 0:  # both walk the suffix a page at a time from the same key
-            assert torch.equal(outs[1], outs[0])
-        assert relative_error(outs[1], ref) < 1e-2
-
-
-def test_tma_pages_rejects_what_it_cannot_read() -> None:
-    gen = torch.Generator().manual_seed(31)
-    k, v, tables = make_paged_cache([20, 9], 2, 32, 16, gen)
-    q = torch.randn(2, 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
-    tma = replace(SMALL, tma_pages=1)
-    with pytest.raises(ValueError, match="multiple of 16 keys"):
-        paged_decode_attention(q, k, v, tables, lens, num_splits=1, config=replace(tma, block_n=8))
-    with pytest.raises(ValueError, match="multiple of 32 keys"):
-        paged_decode_attention(q, k, v, tables, lens, num_splits=1, config=replace(tma, tma_pages=2))
-    with pytest.raises(ValueError, match="1 or 2 pages"):
-        paged_decode_attention(q, k, v, tables, lens, num_splits=1, config=replace(tma, tma_pages=3))
-    with pytest.raises(ValueError, match="contiguous"):
-        strided = torch.cat([k, k], dim=3)[..., :32]
-        paged_decode_attention(q, strided, strided, tables, lens, num_splits=1, config=tma)
-    k8, v8, ks, vs, _, _ = fp8_pools(k, v, gen)
-    with pytest.raises(ValueError, match="bf16 pools only"):
-        paged_decode_attention(q, k8, v8, tables, lens, num_splits=1, config=tma, k_scales=ks, v_scales=vs)
-
-
 def test_split_rows_take_split_block_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """`split_block_n` is the block size of split launches only: the launch sees block_n 32 with
     three splits and 16 with one (recorded at the launcher), and the results are the reference's."""
@@ -594,25 +527,3 @@ def test_decode_fp8_kv_full_s2_shapes() -> None:
             q, k8, v8, tables, lens, num_splits=num_splits, config=config, k_scales=ks, v_scales=vs
         )
         assert relative_error(out, ref) < FP8_KV_TOLERANCE
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,context", S2_DECODE_SHAPES)
-def test_decode_tma_pages_full_s2_shapes(batch: int, context: int) -> None:
-    """S2-Pro shapes on TMA pages: the tuned entry's launch shape with one and two TMA pages per
-    iteration, against the reference, and on 16-key blocks (one page per iteration in both)
-    against the pointer loads' bits."""
-    gen = torch.Generator().manual_seed(batch + 7)
-    seq_lens = decode_lengths(batch, context)
-    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
-    q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    ref = paged_attention_reference(q, k, v, tables, lens)
-    tuned = attention.decode_config(batch)
-    for pages in (1, 2):
-        out = paged_decode_attention(q, k, v, tables, lens, config=replace(tuned, tma_pages=pages))
-        assert relative_error(out, ref) < 1e-2
-    pages16 = replace(tuned, block_n=16, split_block_n=0)
-    pointer = paged_decode_attention(q, k, v, tables, lens, config=pages16)
-    tma = paged_decode_attention(q, k, v, tables, lens, config=replace(pages16, tma_pages=1))
-    assert torch.equal(tma, pointer)

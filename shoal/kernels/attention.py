@@ -48,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shoal.kernels.norm_rope import interpreting
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
@@ -90,11 +89,6 @@ class AttentionConfig:
     # ptxas's register limit per thread (0: its own choice). Programs per SM follow the registers:
     # at 4 warps, 168 allow three, 169-255 two (`scripts/inspect_gemm_sm90.py`'s programs_per_sm).
     max_registers: int = 0
-    # Decode on a bf16 cache: each page's keys and values of a kv head come in as one TMA copy
-    # (host tensor descriptors over the pool) instead of per-thread pointer loads, this many
-    # pages (1 or 2) per loop iteration; 0: pointer loads. block_n must be a multiple of the
-    # pages' keys per iteration (splits start on its multiples).
-    tma_pages: int = 0
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -249,79 +243,21 @@ def _attend_key_range(
 
 
 @triton.jit
-def _attend_page(q, k_desc, v_desc, page, column, tok, lo, hi, scale_log2e, UPCAST: tl.constexpr):
-    """One page's keys and values of a kv head (two TMA boxes) and its masked, scaled scores."""
-    k = k_desc.load([page * tok.shape[0], column])
-    v = v_desc.load([page * tok.shape[0], column])
-    s = _dot(q, tl.trans(k), UPCAST) * scale_log2e
-    return tl.where(((tok >= lo) & (tok < hi))[None, :], s, float("-inf")), v
-
-
-@triton.jit
-def _attend_pages_tma(
-    acc, m_i, l_i, q, k_desc, v_desc, table_row_ptr, kv_head, lo, hi, scale_log2e,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGES: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """`_attend_key_range` (decode, bf16 cache) with each page of a kv head loaded by one TMA
-    copy, PAGES (1 or 2) pages per iteration under one softmax update.
-
-    The descriptors view a pool as [pages * PAGE, Hkv * HEAD_DIM]; one [PAGE, HEAD_DIM] box is
-    one page's keys (values) of this kv head. Keys outside [lo, hi) (a row's last, partly filled
-    page; a suffix starting inside a shared prefix's last page) get probability 0: the pool only
-    ever holds finite values (zeroed, then written with keys), so their values add nothing."""
-    keys = tl.arange(0, PAGE)
-    column = kv_head * HEAD_DIM
-    start = lo // PAGE * PAGE
-    next_a = tl.load(table_row_ptr + start // PAGE, mask=start < hi, other=0)
-    if PAGES == 2:
-        next_b = tl.load(table_row_ptr + start // PAGE + 1, mask=start + PAGE < hi, other=0)
-    for block in range(start, hi, PAGES * PAGE):
-        ahead = block + PAGES * PAGE
-        s_a, v_a = _attend_page(q, k_desc, v_desc, next_a, column, block + keys, lo, hi, scale_log2e, UPCAST)
-        next_a = tl.load(table_row_ptr + ahead // PAGE, mask=ahead < hi, other=0)
-        if PAGES == 2:
-            s_b, v_b = _attend_page(
-                q, k_desc, v_desc, next_b, column, block + PAGE + keys, lo, hi, scale_log2e, UPCAST
-            )
-            next_b = tl.load(table_row_ptr + ahead // PAGE + 1, mask=ahead + PAGE < hi, other=0)
-            m_new = tl.maximum(m_i, tl.maximum(tl.max(s_a, 1), tl.max(s_b, 1)))
-        else:
-            m_new = tl.maximum(m_i, tl.max(s_a, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p_a = tl.exp2(s_a - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p_a, 1)
-        acc = acc * alpha[:, None] + _dot(p_a.to(v_a.dtype), v_a, UPCAST)
-        if PAGES == 2:
-            p_b = tl.exp2(s_b - m_new[:, None])
-            l_i += tl.sum(p_b, 1)
-            acc += _dot(p_b.to(v_b.dtype), v_b, UPCAST)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _attend_fresh(
     q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head, lo, hi,
     stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, TMA_PAGES: tl.constexpr = 0,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """(acc, m, l) of q's rows over keys [lo, hi), from the empty state (TMA_PAGES > 0: k_ptr and
-    v_ptr are the pools' tensor descriptors, `_attend_pages_tma` with that many pages a step)."""
+    """(acc, m, l) of q's rows over keys [lo, hi), from the empty state."""
     acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if TMA_PAGES:
-        return _attend_pages_tma(
-            acc, m_i, l_i, q, k_ptr, v_ptr, table_row_ptr, kv_head, lo, hi, scale_log2e, PAGE,
-            HEAD_DIM, TMA_PAGES, UPCAST,
-        )  # fmt: skip
-    else:
-        return _attend_key_range(
-            acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr,
-            kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_N, PAGE,
-            HEAD_DIM, UPCAST, KV_FP8,
-        )  # fmt: skip
+    return _attend_key_range(
+        acc, m_i, l_i, q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, kv_head,
+        lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, CAUSAL, BLOCK_N, PAGE, HEAD_DIM, UPCAST,
+        KV_FP8,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -415,14 +351,14 @@ def _attend_split(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, QUANT_OUT: tl.constexpr,
-    KV_FP8: tl.constexpr, TMA_PAGES: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One split's keys [lo, hi): finished rows, or a partial (and with FUSED_MERGE, the merge by
     the last split of the (sequence, kv head) to arrive)."""
     acc, m_i, l_i = _attend_fresh(
         q, query_pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, lo, hi, stride_kp, stride_kt,
-        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8, TMA_PAGES,
+        stride_kh, scale_log2e, CAUSAL, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, UPCAST, KV_FP8,
     )  # fmt: skip
     _store_rows(
         acc, m_i, l_i, token, head, row_ok, split, out_ptr, part_out_ptr, part_lse_ptr,
@@ -453,7 +389,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     IS_DECODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr, TMA_PAGES: tl.constexpr,
+    QUANT_OUT: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
@@ -501,7 +437,7 @@ def _paged_attention_kernel(
             scale_ptr, scale_log2e, num_q_heads, num_slots, num_splits, stride_bt, stride_kp, stride_kt,
             stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
             GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
-            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8, TMA_PAGES,
+            BLOCK_S, UPCAST, QUANT_OUT, KV_FP8,
         )  # fmt: skip
 
 
@@ -630,31 +566,6 @@ def _register_limit(config: AttentionConfig) -> dict:
     return {"maxnreg": config.max_registers} if config.max_registers else {}
 
 
-def _page_descriptors(
-    k_pages: Tensor, v_pages: Tensor, config: AttentionConfig
-) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors (`config.tma_pages`) over bf16 pools viewed as [pages * page_size, Hkv * D]:
-    one box is one page's vectors of one kv head."""
-    pages, page, hkv, d = k_pages.shape
-    if k_pages.dtype != torch.bfloat16 or v_pages.dtype != torch.bfloat16:
-        raise ValueError(f"tma_pages reads bf16 pools only, got {k_pages.dtype}")
-    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
-        raise ValueError("tma_pages needs contiguous [pages, page_size, Hkv, D] pools")
-    if config.tma_pages not in (1, 2):
-        raise ValueError(
-            f"tma_pages is 0 (pointer loads), 1 or 2 pages per iteration, got {config.tma_pages}"
-        )
-    if config.block_n % (config.tma_pages * page):
-        raise ValueError(
-            f"tma_pages={config.tma_pages} needs block_n a multiple of {config.tma_pages * page} keys, "
-            f"got {config.block_n}"
-        )
-    return tuple(
-        TensorDescriptor.from_tensor(pool.view(pages * page, hkv * d), [page, d])
-        for pool in (k_pages, v_pages)
-    )
-
-
 _merge_counters: dict[torch.device, Tensor] = {}
 
 
@@ -684,10 +595,8 @@ def _launch_attention(
     counters = _counters(q.device, seq_lens.shape[0] * hkv) if fused_merge else dummy
     # a fixed width (one compile for every split count up to max_splits); unused without fusion
     block_s = triton.next_power_of_2(max(num_slots, config.max_splits)) if fused_merge else 1
-    tma_pages = config.tma_pages if query_start_loc is None else 0
-    k_source, v_source = _page_descriptors(k_pages, v_pages, config) if tma_pages else (k_pages, v_pages)
     _paged_attention_kernel[(seq_lens.shape[0], grid_q_blocks, hkv * num_splits)](
-        q, k_source, v_source,
+        q, k_pages, v_pages,
         k_pages if k_scales is None else k_scales, k_pages if v_scales is None else v_scales, out,
         part_out if part_out is not None else out, part_lse if part_lse is not None else out, counters,
         block_tables, seq_lens,
@@ -702,7 +611,7 @@ def _launch_attention(
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
         HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
-        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None, TMA_PAGES=tma_pages,
+        QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
         **_register_limit(config),
     )  # fmt: skip
