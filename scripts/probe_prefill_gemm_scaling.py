@@ -2,7 +2,8 @@
 
 Why: in a concurrency-64 wave of 64 different 300-token prompts, cuBLAS's block-scaled FP8 GEMMs
 (activations 1 x 128, weights 128 x 128, the checkpoint's format) take 117 of about 161 ms of GPU
-time at about 965 TFLOP/s (docs/performance.md runs 208 and 213), half the H200's dense FP8 peak.
+time (docs/performance.md runs 208 and 213), about 1,190 TFLOP/s: 60% of the H200's dense FP8
+peak (run 215, this probe's first run; row-wise was 0.92-1.06x of its time, not adopted).
 cuBLAS's row-wise FP8 path (one scale per token, one per output channel, applied once in the
 epilogue) is its most tuned FP8 GEMM. Before building a prefill on it, this measures at the
 prefill's sizes and S2-Pro's four projections: bf16 cuBLAS, block-scaled `_scaled_mm` (what the
