@@ -2,21 +2,35 @@
 # Create .venv and install Shoal into it. On a machine without an NVIDIA GPU the CPU build of
 # torch is pinned first (so pip never pulls the multi-GB CUDA build); with a GPU, pip takes the
 # normal PyTorch wheel from PyPI. Usage: scripts/setup.sh [--test]
+# A second run with the same pyproject.toml and setup script installs nothing (a stamp in .venv
+# records what was installed); delete .venv/.shoal-setup-* to force a reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+MODE=${1:-serve}
+[ "$MODE" = "--test" ] && MODE=test
+STAMP=".venv/.shoal-setup-$MODE"
+FINGERPRINT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$FINGERPRINT" ]; then
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
+echo "setting up .venv ($MODE); later runs skip this while pyproject.toml is unchanged" >&2
 python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   python -m pip install -q "torch==2.13.0" "triton==3.6.0"
 fi
-if [ "${1:-}" = "--test" ]; then
+if [ "$MODE" = "test" ]; then
   python -m pip install -q -e ".[test]"
   # The S1-era reference implementation, used only as a parity oracle in the tests.
   python -m pip install -q --no-deps "fish-speech==0.1.0"
 else
   python -m pip install -q -e .
 fi
+echo "$FINGERPRINT" > "$STAMP"
+# A test setup includes everything the server needs.
+[ "$MODE" = "test" ] && echo "$FINGERPRINT" > .venv/.shoal-setup-serve
+exit 0

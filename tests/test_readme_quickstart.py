@@ -115,20 +115,24 @@ def test_readme_quickstart_runs_as_written(tmp_path):
     port = free_port()
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        "SHOAL_PORT": str(port),  # 8080 may be taken on a shared machine
-        "SHOAL_DATA_DIR": str(tmp_path / "data"),
         "SHOAL_MAX_NEW_FRAMES": str(MAX_NEW_FRAMES),  # random weights would speak for 1024 frames
     }
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
         server = subprocess.Popen(
-            ["bash", "scripts/serve.sh"], cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT
+            # 8080 may be taken on a shared machine: the port as a user would change it
+            ["bash", "scripts/serve.sh", "--port", str(port)],
+            cwd=checkout,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         health = wait_ready(server, url, log_path)
         assert health["status"] == "ok"
         assert (checkout / "demo" / "config.json").exists(), "serve.sh should write the demo checkpoint"
+        assert (checkout / "demo" / "data").is_dir(), "the demo's data should stay in the checkout"
         assert "authentication is OFF" in log_path.read_text()
 
         first_line = snippet.lstrip().splitlines()[0]
