@@ -1,11 +1,16 @@
-"""The `shoal` command. Each subcommand lives in its own module, imported only when used, so
-`shoal serve` never imports benchmark code and `shoal bench` never imports the web stack."""
+"""The `shoal` command: serve Fish Speech DualAR text-to-speech models, synthesize, quantize,
+benchmark.
+
+Each subcommand lives in its own module, imported only when used, so `shoal serve` never imports
+benchmark code and `shoal bench` never imports the web stack."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from shoal import __version__
 
 # name -> (module, one-line help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,13 +26,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="shoal", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="shoal",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="`shoal COMMAND --help` lists a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] not in COMMANDS:
+    if not argv:
         parser.print_help()
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in COMMANDS:
+        # argparse prints the version, the help, or "invalid choice" with the known commands,
+        # and exits (0 for --version/--help, 2 for an unknown command or option).
+        parser.parse_args(argv[:1])
+        parser.error(f"unknown command {argv[0]!r}")
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
     command_parser = argparse.ArgumentParser(prog=f"shoal {name}", description=COMMANDS[name][1])

@@ -265,6 +265,7 @@ def test_rate_limit_429(server):
         with pytest.raises(WebSocketUpgradeError) as refused:
             list(limited.tts.stream_websocket(iter(["third"]), config=SHORT))
         assert refused.value.response.status_code == 429
+        assert refused.value.response.headers["retry-after"] == "1"  # the handshake's refusal too
         session.send(ormsgpack.packb({"event": "stop"}))
         assert ormsgpack.unpackb(session.recv()) == {"event": "finish", "reason": "stop"}
     wait_for_idle(server)
@@ -405,3 +406,30 @@ def test_openai_compatible_speech(client, server):
     assert invalid.status_code == 422 and invalid.json()["status"] == 422
     client.voices.delete(voice.id)
     wait_for_idle(server)
+
+
+def test_shoal_synth_speaks_what_the_server_speaks(server, tmp_path, tmp_path_factory):
+    """`shoal synth` runs the server's engine path in process: the same text, voice-less, seed
+    and options give the same samples as `/v1/tts`, long text split into the same batches."""
+    from server_process import demo_checkpoint
+
+    from shoal.cli import main
+
+    text = "".join(f"<|speaker:{i % 2}|>Turn {i}: synth and the server split it alike. " for i in range(5))
+    options = {"seed": 11, "chunk_length": 100, "temperature": 0.7, "top_p": 0.7, "repetition_penalty": 1.2}
+    body = {"text": text, "format": "pcm", "max_new_tokens": MAX_NEW_FRAMES, **options}
+    headers = {"Authorization": f"Bearer {server.key_a}"}
+    response = httpx.post(f"{server.url}/v1/tts", json=body, headers=headers, timeout=300)
+    assert response.status_code == 200, response.text
+    output = tmp_path / "synth.pcm"
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
+    checkpoint = str(demo_checkpoint(tmp_path_factory.getbasetemp()))
+    argv = ["synth", text, "--checkpoint", checkpoint, "-o", str(output), "--quiet", *flags]
+    assert main([*argv, "--max-frames", str(MAX_NEW_FRAMES)]) == 0
+    served, synthesized = (
+        np.frombuffer(b, "<i2").astype(np.int32) for b in (response.content, output.read_bytes())
+    )
+    # Three text batches of up to MAX_NEW_FRAMES frames each; the same tokens, and audio equal but
+    # for float rounding (the server's codec runs on two threads, this process on one).
+    assert MAX_NEW_FRAMES * 2048 < len(served) == len(synthesized)
+    assert np.abs(served - synthesized).max() <= 8

@@ -3,6 +3,7 @@ decodes back (PyAV) at the right rate and length, with and without a reference c
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from shoal.cli import main
-from shoal.server.audio import encode_audio
+from shoal.server.audio import AudioFormatError, encode_audio
 from shoal.synth import Synthesizer, output_format
 
 MAX_FRAMES = 8
@@ -128,27 +129,47 @@ def test_synthesizer_is_deterministic_and_uses_the_reference(
 ) -> None:
     from shoal.synth import read_reference_clips
 
-    synthesizer = Synthesizer(demo_dir)
-    plain = np.concatenate(list(synthesizer.generate(TEXT, seed=SEED, max_frames=MAX_FRAMES)))
+    [(clip, text)] = read_reference_clips([reference_clip], ["A low hum."])
+
+    async def both() -> tuple[np.ndarray, np.ndarray, object]:
+        async with Synthesizer(demo_dir) as synthesizer:
+            plain = [a async for a in synthesizer.stream(TEXT, seed=SEED, max_frames=MAX_FRAMES)]
+            reference = await synthesizer.reference(clip, text)
+            voiced = [
+                a async for a in synthesizer.stream(TEXT, [reference], seed=SEED, max_frames=MAX_FRAMES)
+            ]
+        return np.concatenate(plain), np.concatenate(voiced), reference
+
+    plain, voiced, reference = asyncio.run(both())
     # The same frames and audio as the CLI's pcm file (which rounds to 16 bits).
     assert np.array_equal(np.round(plain * 32767).astype(np.int16), pcm_samples)
-    [(clip, text)] = read_reference_clips([reference_clip], ["A low hum."])
-    reference = synthesizer.reference(clip, text)
-    assert reference.codes.shape[0] == 10 and reference.codes.shape[1] == -(-len(clip) // FRAME_LENGTH)
-    voiced = np.concatenate(list(synthesizer.generate(TEXT, [reference], seed=SEED, max_frames=MAX_FRAMES)))
+    assert reference.codes.shape == (10, -(-len(clip) // FRAME_LENGTH))
     common = min(len(voiced), len(plain))
     assert common > 0 and not np.array_equal(voiced[:common], plain[:common])
 
 
-def test_long_text_is_generated_batch_by_batch(demo_dir: Path) -> None:
+def test_long_text_runs_batch_by_batch_with_progress(
+    demo_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Six text batches (one per speaker turn) of at most 4 frames each: the progress line
+    counts frames and audio seconds against that bound, and the last line says where the file
+    went."""
     from shoal.models.prompt import split_text
 
     text = "".join(f"<|speaker:{i % 2}|>Turn number {i} of a longer dialogue, said aloud. " for i in range(6))
     batches = split_text(text, 100, "s2")
-    assert len(batches) > 1
-    chunks = list(Synthesizer(demo_dir).generate(text, seed=SEED, max_frames=4, chunk_length=100))
-    assert 1 < len(chunks) <= len(batches)  # one audio array per batch that produced frames
-    assert all(chunk.dtype == np.float32 and len(chunk) % FRAME_LENGTH == 0 for chunk in chunks)
+    assert len(batches) == 6
+    output = tmp_path / "long.pcm"
+    argv = ["synth", text, "--checkpoint", str(demo_dir), "-o", str(output), "--seed", str(SEED)]
+    assert main([*argv, "--max-frames", "4", "--chunk-length", "100"]) == 0
+    samples = len(output.read_bytes()) // 2
+    # Each batch's last frame is not decoded (it carries <|im_end|> or ends at the cap).
+    assert samples % FRAME_LENGTH == 0 and len(batches) < samples // FRAME_LENGTH <= len(batches) * 3
+    err = capsys.readouterr().err
+    frames = samples // FRAME_LENGTH
+    assert f"{frames} frames, {frames * FRAME_LENGTH / 44100:.1f} s of audio" in err
+    assert "ETA" in err and "frames/s" in err
+    assert f"wrote {output.resolve()} (pcm, 44100 Hz" in err.splitlines()[-1]
 
 
 def test_bad_inputs_fail_with_a_message(
@@ -201,6 +222,20 @@ def test_demo_checkpoint_unwritable_target_is_an_error_line(
 def test_output_format_from_suffix() -> None:
     assert output_format(None, Path("a.mp3")) == "mp3"
     assert output_format(None, Path("a.ogg")) == "opus"
+    assert output_format(None, Path("a.OPUS")) == "opus"
     assert output_format(None, Path("a.raw")) == "pcm"
-    assert output_format(None, Path("a.out")) == "wav"
+    assert output_format(None, Path("a.pcm")) == "pcm"
+    assert output_format(None, Path("a.wav")) == "wav"
     assert output_format("mp3", Path("a.wav")) == "mp3"
+    assert output_format("wav", Path("a.flac")) == "wav"
+    for name in ("a.flac", "a.out", "noext"):
+        with pytest.raises(AudioFormatError, match="--format"):
+            output_format(None, Path(name))
+
+
+def test_an_unsupported_suffix_fails_before_any_work(
+    demo_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert synth(demo_dir, tmp_path / "x.flac") == 2
+    assert "suffix .flac" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
