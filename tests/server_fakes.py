@@ -74,6 +74,7 @@ class ToneEngine(Engine):
         self.chunk_delay = chunk_delay
         self.chunks_per_char = chunks_per_char
         self.max_waiting = max_waiting
+        self.max_voice_frames = 10_000  # what `check_voice` lets through
         self.pages_used = 0
         self.running: set[str] = set()
         self.submitted: list[SynthesisRequest] = []
@@ -103,6 +104,11 @@ class ToneEngine(Engine):
 
     async def prefill_voice(self, references: tuple[VoiceReference, ...], voice_key: str) -> None:
         self.prefilled.append(voice_key)
+
+    def check_voice(self, references: tuple[VoiceReference, ...]) -> None:
+        frames = sum(reference.codes.shape[1] for reference in references)
+        if frames > self.max_voice_frames:
+            raise InvalidRequest(f"voice of {frames} frames exceeds the context ({self.max_voice_frames})")
 
     async def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
         self.encoded += 1

@@ -12,7 +12,7 @@ import torch
 from model_testing import tiny_s2
 
 from shoal.config import EngineConfig
-from shoal.engine.api import FinishReason, SamplingOptions, SynthesisRequest, VoiceReference
+from shoal.engine.api import FinishReason, InvalidRequest, SamplingOptions, SynthesisRequest, VoiceReference
 from shoal.engine.engine import LocalEngine
 from shoal.engine.handles import V15_MAX_LENGTH
 from shoal.engine.request import SamplingParams
@@ -501,3 +501,25 @@ def test_vocoder_wakes_once_per_engine_step(model, codec):
     handle, chunks = synthesize_on_thread(engine, request)
     assert handle.finish_reason is FinishReason.LENGTH and sum(len(c.samples) for c in chunks) > 0
     assert len(entered) == engine.core.steps > 0  # every step's delivery, once
+
+
+def test_check_voice_refuses_a_voice_that_leaves_no_room_to_speak(model, codec):
+    from shoal.engine.engine import VOICE_MIN_SPEECH_FRAMES
+
+    engine = LocalEngine(model, EngineConfig(device="cpu", dtype="float64", num_pages=64), codec=codec)
+    n = model.config.num_codebooks
+    context = engine.core.max_seq_len  # 512
+
+    def voice(frames: int) -> tuple[VoiceReference, ...]:
+        return (VoiceReference("a clip", np.zeros((n, frames), dtype=np.int64)),)
+
+    refs = tuple(Reference(r.text, torch.as_tensor(r.codes)) for r in voice(1))
+    overhead = voice_prefix_length(model.config, model.tokenizer, refs) - 1  # text and markers
+    fits = context - VOICE_MIN_SPEECH_FRAMES - overhead  # the longest clip that leaves enough room
+    engine.check_voice(voice(fits))
+    with pytest.raises(InvalidRequest, match="shorter or fewer clips"):
+        engine.check_voice(voice(fits + 1))
+    with pytest.raises(InvalidRequest, match="out of the tokenizer.s semantic range"):
+        engine.check_voice((VoiceReference("x", np.full((n, 4), 10**6, dtype=np.int64)),))
+    with pytest.raises(InvalidRequest, match="reference audio"):
+        engine.check_voice((VoiceReference("x", np.zeros((n + 1, 4), dtype=np.int64)),))

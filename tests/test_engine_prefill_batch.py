@@ -87,10 +87,9 @@ def test_padded_chunks_equal_exact_prefill(model) -> None:
         got = (batch.hidden[:count], batch.normed[:count], static.kv.k[:, live], static.kv.v[:, live])
         want = (hidden, normed, exact.kv.k[:, live], exact.kv.v[:, live])
         for g, w in zip(got, want, strict=True):
-            if count == bucket:  # no padding: the very same computation
-                assert torch.equal(g, w), (count, start)
-            else:  # the GEMMs run over more rows: the BLAS may sum in another order (M = 1: GEMV)
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            # Padded, the GEMMs run over more rows (M = 1: a GEMV) and the BLAS may sum in
+            # another order; unpadded too on some CPUs, whose BLAS picks kernels by alignment.
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert torch.equal(batch.tokens[1:4], torch.zeros_like(batch.tokens[1:4]))  # the last fill's padding
     scratch = static.kv.scratch_page
     assert (batch.slots[1:4] // PAGE == scratch).all()
@@ -181,44 +180,55 @@ def engine(model, with_batch: bool, segments: int = 1) -> EngineCore:
     return core
 
 
+def run_traffic(core: EngineCore) -> dict[str, torch.Tensor]:
+    """Three requests admitted in one step, prompts longer than one prefill step (chunks continue
+    after cached ones), and one alone later: each request's frames."""
+    sink = Collector()
+    requests = []
+    for i in range(3):
+        params = SamplingParams(seed=7 + i, temperature=0.8, top_k=20, top_p=0.9)
+        requests.append(submit(core, core.model, sink, f"r{i}", TEXTS[i], [], params, 6, Priority.STANDARD))
+    for _ in range(3):
+        core.step()
+    params = SamplingParams(seed=30, top_k=10)
+    requests.append(submit(core, core.model, sink, "late", TEXTS[3], [], params, 6, Priority.STANDARD))
+    core.run_until_idle()
+    return {r.request_id: sink.output(r.request_id) for r, _ in requests}
+
+
+@pytest.fixture(scope="module")
+def frames_without_static_prefill(model) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return run_traffic(engine(model, False))
+
+
 @torch.no_grad()
 @pytest.mark.interpreter
 @pytest.mark.parametrize("segments", [1, 3])
-def test_engine_with_static_prefill_equals_without(model, segments: int) -> None:
-    """Prompts longer than one prefill step (chunks continue after cached ones), three requests
-    admitted in one step (with one segment their chunks run eagerly together, with three they are
-    packed into the static prefill) and one alone later (static)."""
-    outputs, static_calls = [], []
-    for with_batch in (False, True):
-        core = engine(model, with_batch, segments)
-        runner = core.runner
-        calls = []
-        if with_batch:
-            original = runner._prefill_static
+def test_engine_with_static_prefill_equals_without(
+    model, frames_without_static_prefill: dict[str, torch.Tensor], segments: int
+) -> None:
+    """The traffic of `run_traffic`: with one segment the three admitted prompts' chunks run
+    eagerly together, with three they are packed into the static prefill; the late one alone
+    takes the static path either way. The same frames as without the static prefill."""
+    core = engine(model, True, segments)
+    runner = core.runner
+    calls = []
+    original = runner._prefill_static
 
-            def counting(packed, original=original, calls=calls):
-                calls.append([columns.shape[0] for columns, _, _ in packed])
-                return original(packed)
+    def counting(packed):
+        calls.append([columns.shape[0] for columns, _, _ in packed])
+        return original(packed)
 
-            runner._prefill_static = counting
-        sink = Collector()
-        requests = []
-        for i in range(3):
-            params = SamplingParams(seed=7 + i, temperature=0.8, top_k=20, top_p=0.9)
-            requests.append(submit(core, model, sink, f"r{i}", TEXTS[i], [], params, 6, Priority.STANDARD))
-        for _ in range(3):
-            core.step()
-        params = SamplingParams(seed=30, top_k=10)
-        requests.append(submit(core, model, sink, "late", TEXTS[3], [], params, 6, Priority.STANDARD))
-        core.run_until_idle()
-        outputs.append({r.request_id: sink.output(r.request_id) for r, _ in requests})
-        static_calls.append(calls)
-    assert static_calls[1], "no chunk took the static path"
-    assert any(sum(counts) > 16 for counts in static_calls[1])  # bucket 32: padded
-    assert any(len(counts) > 1 for counts in static_calls[1]) == (segments > 1)
-    for name, frames in outputs[0].items():
+    runner._prefill_static = counting
+    outputs = run_traffic(core)
+    assert calls, "no chunk took the static path"
+    assert any(sum(counts) > 16 for counts in calls)  # bucket 32: padded
+    assert any(len(counts) > 1 for counts in calls) == (segments > 1)
+    assert outputs.keys() == frames_without_static_prefill.keys()
+    for name, frames in frames_without_static_prefill.items():
         assert frames.shape[1] == 6
-        assert torch.equal(outputs[1][name], frames), name
+        assert torch.equal(outputs[name], frames), name
 
 
 def test_which_chunks_take_the_static_path(model) -> None:

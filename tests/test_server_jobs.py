@@ -163,6 +163,10 @@ def test_job_synthesizes_every_item_at_batch_priority(client, engine, monkeypatc
     assert (
         page["total"] == 1 and page["items"][0]["id"] == created["id"] and page["items"][0]["items"] is None
     )
+    # Timestamps read back from the database keep their zone: the same UTC string everywhere.
+    assert created["created_at"].endswith("Z")
+    assert job["created_at"] == page["items"][0]["created_at"] == created["created_at"]
+    assert job["finished_at"].endswith("Z") and job["updated_at"].endswith("Z")
     wait_idle(engine)
 
 
@@ -265,7 +269,9 @@ def test_auth_tenants_pagination_and_the_unfinished_job_limit(client, engine, mo
     assert_fish_error(client.post("/v1/jobs", json={"text": "x"}, headers={"Authorization": ""}), 401)
     first = create(client, {"text": "First.", **SHORT})
     second = create(client, {"text": "Second.", **SHORT})
-    assert_fish_error(client.post("/v1/jobs", json={"text": "Third.", **SHORT}), 429)
+    refused = client.post("/v1/jobs", json={"text": "Third.", **SHORT})
+    assert_fish_error(refused, 429)
+    assert refused.headers["retry-after"] == "30"
     other = {"Authorization": f"Bearer {KEY_B}"}
     for method, path in [
         ("GET", f"/v1/jobs/{first['id']}"),

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import time
 import wave
+from pathlib import Path
 
 import anyio
 import av
@@ -14,12 +17,15 @@ import ormsgpack
 import pytest
 from fastapi.testclient import TestClient
 from server_fakes import ToneEngine
+from starlette.websockets import WebSocketDisconnect
 
 from shoal.server import audio
 from shoal.server.app import ServerSettings, create_app
 from shoal.server.auth import hash_api_key
 from shoal.server.live import split_ready_text
 from shoal.server.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
 
 KEY_A = "shoal_test_key_tenant_a"
 KEY_B = "shoal_test_key_tenant_b"
@@ -123,7 +129,9 @@ def test_engine_errors_map_to_statuses(client, engine):
     assert "synthesis failed" in assert_fish_error(msgpack_post(client, {"text": "FAIL"}), 500)
     assert_fish_error(msgpack_post(client, {"text": "INVALID"}), 400)
     engine.max_waiting = 0
-    assert_fish_error(msgpack_post(client, {"text": "hello"}), 503)
+    overloaded = msgpack_post(client, {"text": "hello"})
+    assert_fish_error(overloaded, 503)
+    assert overloaded.headers["retry-after"] == "1"
 
 
 def test_disconnect_before_first_audio_aborts(tmp_path):
@@ -286,11 +294,52 @@ def test_fish_speech_reference_routes(client):
     assert_fish_error(nested, 400)
 
 
+def test_reference_names_are_per_tenant_with_no_existence_oracle(client, engine):
+    """Tenant B cannot tell that A has a private reference named "x" (same answers as for a free
+    name), can take the name itself, and each tenant's "x" speaks with its own clip."""
+    other = {"Authorization": f"Bearer {KEY_B}"}
+
+    def add(name: str, headers: dict | None = None, seconds: float = 1.0):
+        files = {"audio": ("a.wav", wav_clip(seconds), "audio/wav")}
+        return client.post("/v1/references/add", data={"id": name}, files=files, headers=headers or {})
+
+    assert add("x").status_code == 200
+    assert_fish_error(add("x"), 409)  # a tenant's own names do clash
+    for name in ("x", "free"):  # taken by A, or by nobody: B sees the same
+        body = {"old_reference_id": name, "new_reference_id": "y"}
+        assert_fish_error(client.post("/v1/references/update", json=body, headers=other), 404)
+        delete = client.request("DELETE", "/v1/references/delete", json={"reference_id": name}, headers=other)
+        assert_fish_error(delete, 404)
+        tts = msgpack_post(client, {"text": "hi", "reference_id": name, "format": "pcm"}, headers=other)
+        assert_fish_error(tts, 404)
+    assert add("x", other, seconds=2.0).status_code == 200  # A's name does not block B's
+    listed = client.get("/v1/references/list?format=json", headers=other).json()
+    assert listed["reference_ids"] == ["x"]
+    assert client.get("/v1/references/list?format=json").json()["reference_ids"] == ["x"]
+    engine.submitted.clear()
+    for headers in ({}, other):
+        assert (
+            msgpack_post(
+                client, {"text": "hi", "reference_id": "x", "format": "pcm"}, headers=headers
+            ).status_code
+            == 200
+        )
+    clip_a, clip_b = (request.references[0].codes for request in engine.submitted[-2:])
+    assert clip_a.shape != clip_b.shape  # one second against two: each tenant's own clip
+    # B renames its "x"; A's stays
+    body = {"old_reference_id": "x", "new_reference_id": "z"}
+    assert client.post("/v1/references/update", json=body, headers=other).status_code == 200
+    assert client.get("/v1/references/list?format=json", headers=other).json()["reference_ids"] == ["z"]
+    assert client.get("/v1/references/list?format=json").json()["reference_ids"] == ["x"]
+
+
 def test_stream_limit_per_key_gives_429(client):
     other = {"Authorization": f"Bearer {KEY_B}"}
     with client.stream("POST", "/v1/tts", json={"text": "x" * 40, "format": "pcm"}, headers=other) as first:
         assert first.status_code == 200
-        assert_fish_error(client.post("/v1/tts", json={"text": "y"}, headers=other), 429)
+        refused = client.post("/v1/tts", json={"text": "y"}, headers=other)
+        assert_fish_error(refused, 429)
+        assert refused.headers["retry-after"] == "1"
     assert client.post("/v1/tts", json={"text": "y", "format": "pcm"}, headers=other).status_code == 200
 
 
@@ -305,6 +354,11 @@ def test_wallet_health_metrics(client):
     text = client.get("/metrics").text
     assert 'shoal_requests_total{route="/v1/tts",status="200"}' in text
     assert "shoal_time_to_first_audio_seconds_bucket" in text and "shoal_kv_pages_used 0.0" in text
+    # Every metric the docs name is one that /metrics exports.
+    names = set(re.findall(r"^# TYPE (\w+) ", text, re.MULTILINE))
+    for doc in ("deployment.md", "api.md"):
+        documented = set(re.findall(r"`(shoal_\w+)", (REPO / "docs" / doc).read_text()))
+        assert documented and documented <= names, (doc, documented - names)
 
 
 def live_session(client: TestClient, events: list[dict], headers: dict | None = None) -> list[dict]:
@@ -431,3 +485,136 @@ def test_split_ready_text():
     # Never inside a number: "3.14" is no sentence end (so nothing is cut yet).
     assert split_ready_text("x" * 100 + " costs 3.14 dollars", 100) == ("", "x" * 100 + " costs 3.14 dollars")
     assert split_ready_text("y" * 100 + "。好", 100) == ("y" * 100 + "。", "好")
+
+
+LONE_SURROGATE = '"bad \\ud800 text"'  # JSON for a string no UTF-8 encoder accepts
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/tts", '{"text": BAD}'),
+        ("POST", "/v1/tts", '{"text": "ok", "reference_id": BAD}'),
+        ("POST", "/v1/tts", '{"text": "ok", "references": [{"audio": "", "text": BAD}]}'),
+        ("POST", "/v1/audio/speech", '{"input": BAD}'),
+        ("POST", "/v1/jobs", '{"text": BAD}'),
+        ("POST", "/v1/jobs", '{"items": [{"text": "ok"}, {"text": BAD}]}'),
+        ("DELETE", "/v1/references/delete", '{"reference_id": BAD}'),
+        ("POST", "/v1/references/update", '{"old_reference_id": "a", "new_reference_id": BAD}'),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_that_names_the_field(client, engine, method, path, body):
+    content = body.replace("BAD", LONE_SURROGATE).encode()
+    response = client.request(method, path, content=content, headers={"Content-Type": "application/json"})
+    assert "Unicode" in assert_fish_error(response, 400)
+    assert not engine.submitted
+    assert client.get("/v1/jobs").json()["total"] == 0
+
+
+def test_a_lone_surrogate_in_a_live_text_event_ends_the_session_with_an_error(client):
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    with client.websocket_connect("/v1/tts/live", headers=headers) as socket:
+        socket.send_bytes(ormsgpack.packb({"event": "start", "request": {"format": "pcm"}}))
+        socket.send_text('{"event": "text", "text": BAD}'.replace("BAD", LONE_SURROGATE))
+        finish = ormsgpack.unpackb(socket.receive_bytes())
+    assert finish["event"] == "finish" and finish["reason"] == "error" and "Unicode" in finish["message"]
+
+
+@pytest.fixture()
+def quick_timeouts(tmp_path):
+    """An app whose live sessions time out after a fraction of a second; its engine speaks each
+    character for 0.1 s of audio in 0.05 s steps."""
+    store = Store.in_directory(tmp_path)
+    store.add_key(hash_api_key(KEY_A), tenant="a")
+    settings = ServerSettings(live_start_timeout=0.3, live_idle_timeout=0.4)
+    engine = ToneEngine(chunk_delay=0.05)
+    with TestClient(create_app(engine, store, settings)) as test_client:
+        yield test_client, engine
+
+
+def finish_and_close(socket) -> tuple[list[dict], int]:
+    """Every event up to `finish`, and the close code that follows it."""
+    events = []
+    while not events or events[-1]["event"] != "finish":
+        events.append(ormsgpack.unpackb(socket.receive_bytes()))
+    with pytest.raises(WebSocketDisconnect) as closed:
+        socket.receive_bytes()
+    return events, closed.value.code
+
+
+@pytest.mark.parametrize("send_start", [False, True])
+def test_a_silent_live_session_times_out_and_frees_its_slot(quick_timeouts, send_start):
+    client, engine = quick_timeouts
+    started = time.monotonic()
+    with client.websocket_connect("/v1/tts/live", headers={"Authorization": f"Bearer {KEY_A}"}) as socket:
+        assert client.app.state.limiter.total == 1
+        if send_start:
+            socket.send_bytes(ormsgpack.packb({"event": "start", "request": {"format": "pcm"}}))
+        events, code = finish_and_close(socket)
+    waited = time.monotonic() - started
+    assert code == 1008 and events[-1]["reason"] == "error"
+    expected = "no message for 0.4 s" if send_start else "no 'start' event for 0.3 s"
+    assert expected in events[-1]["message"]
+    assert waited >= (0.4 if send_start else 0.3) and waited < 5
+    assert client.app.state.limiter.total == 0
+    assert 'route="/v1/tts/live",status="408"' in client.get("/metrics").text
+
+
+def test_waiting_for_audio_is_not_idle(quick_timeouts):
+    """Twenty characters take a second to speak, more than twice the idle timeout: the session
+    keeps streaming, then times out only once the audio is done and the client stays quiet."""
+    client, engine = quick_timeouts
+    with client.websocket_connect("/v1/tts/live", headers={"Authorization": f"Bearer {KEY_A}"}) as socket:
+        socket.send_bytes(ormsgpack.packb({"event": "start", "request": {"format": "pcm"}}))
+        socket.send_bytes(ormsgpack.packb({"event": "text", "text": "twenty characters!!!"}))
+        socket.send_bytes(ormsgpack.packb({"event": "flush"}))
+        spoken_at = time.monotonic()
+        events, code = finish_and_close(socket)
+    audio = b"".join(event["audio"] for event in events if event["event"] == "audio")
+    assert len(audio) == 2 * 20 * (engine.sample_rate // 10)  # every chunk arrived
+    assert code == 1008 and time.monotonic() - spoken_at >= 1.0 + 0.4
+
+
+def test_live_overload_is_a_refusal_not_an_internal_error(client, engine, caplog):
+    engine.max_waiting = 0
+    events = live_session(
+        client,
+        [
+            {"event": "start", "request": {"format": "pcm"}},
+            {"event": "text", "text": "Hi."},
+            {"event": "stop"},
+        ],
+    )
+    assert events[-1]["reason"] == "error" and "capacity" in events[-1]["message"]
+    metrics = client.get("/metrics").text
+    assert 'route="/v1/tts/live",status="503"' in metrics and 'status="500"' not in metrics
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+
+
+def test_a_voice_the_model_cannot_speak_with_is_refused_at_upload(client, engine):
+    engine.max_voice_frames = 30  # wav_clip(): one second, 21 frames; two seconds do not fit
+    files = [("voices", ("long.wav", wav_clip(2.0), "audio/wav"))]
+    assert "exceeds the context" in assert_fish_error(
+        client.post("/model", data={"title": "t"}, files=files), 400
+    )
+    files = {"audio": ("long.wav", wav_clip(2.0), "audio/wav")}
+    refused = client.post("/v1/references/add", data={"id": "long"}, files=files)
+    assert "exceeds the context" in assert_fish_error(refused, 400)
+    assert client.get("/model").json()["total"] == 0
+    assert client.get("/v1/references/list?format=json").json()["reference_ids"] == []
+    files = [("voices", ("short.wav", wav_clip(1.0), "audio/wav"))]
+    assert client.post("/model", data={"title": "t"}, files=files).status_code == 201
+
+
+def test_the_server_sweeps_orphan_blobs_when_it_starts(tmp_path):
+    import os
+
+    store = Store.in_directory(tmp_path)
+    orphan = tmp_path / "blobs" / "voices" / "gone" / "sample.audio.tmp"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"left by a crash")
+    an_hour_ago = time.time() - 3600
+    os.utime(orphan, (an_hour_ago, an_hour_ago))
+    with TestClient(create_app(ToneEngine(), store, ServerSettings(auth=False))) as client:
+        assert client.get("/v1/health").status_code == 200
+        assert not orphan.exists() and not orphan.parent.exists()

@@ -74,7 +74,8 @@ def test_reused_voice_id_never_touches_another_voices_blobs(open_store, tmp_path
     mine = np.full((2, 5), 7, np.int64)
     theirs = np.full((2, 5), 9, np.int64)
     store.create_voice("a", "orig", [NewSample(text="a", audio=b"audio-a", codes=mine)], voice_id="orig")
-    assert store.rename_voice("orig", "moved")
+    assert store.rename_voice("orig", "moved", "moved")
+    assert store.get_voice("moved").title == "moved"
     store.create_voice("b", "orig", [NewSample(text="b", audio=b"audio-b", codes=theirs)], voice_id="orig")
     assert np.array_equal(store.voice_codes(store.get_voice("moved"))[0][1], mine)
     assert store.delete_voice("orig")
@@ -187,3 +188,63 @@ def test_default_data_dir_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("SHOAL_DATA_DIR", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert keys_cli.default_data_dir() == tmp_path / "shoal"
+
+
+CRASH_SCRIPT = """
+import os, sys
+from pathlib import Path
+import numpy as np
+from shoal.server import store as store_module
+from shoal.server.store import NewSample, Store
+
+data_dir, job_id, stage = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+store = Store.in_directory(data_dir, database_url=sys.argv[4])
+def killed(*args, **kwargs):
+    os._exit(9)  # a crash: no exception handler, no cleanup
+if stage == "item":  # the item's audio is written, its row never commits
+    store.sessions.begin = killed
+    store.finish_job_item(job_id, 1, b"orphan audio", "wav", 1.0)
+elif stage == "voice":  # a voice's samples are written, its row never commits
+    store.sessions.begin = killed
+    codes = np.zeros((2, 3), np.int64)
+    store.create_voice("acme", "lost", [NewSample(text="t", audio=b"a", codes=codes)])
+elif stage == "put":  # killed halfway through writing a blob
+    store_module.os.replace = killed
+    store.blobs.put("voices/half/sample.audio", b"half")
+"""
+
+
+def test_blobs_a_crash_leaves_are_swept_at_start_up(open_store, tmp_path):
+    """Killed processes leave a job item's audio, a voice's samples and a half-written `.tmp`
+    with no row naming them; the start-up sweep removes those (and the directories they leave
+    empty), never a blob a row names nor one young enough to belong to a write in flight."""
+    import subprocess
+    import sys
+
+    store = open_store()
+    codes = np.ones((2, 3), np.int64)
+    kept_voice = store.create_voice("acme", "kept", [NewSample(text="t", audio=b"kept", codes=codes)])
+    job = store.create_job("acme", {"format": "wav"}, None, [("ref", codes)], [("a", "x"), ("b", "y")])
+    store.finish_job_item(job.id, 0, b"kept audio", "wav", 1.0)
+    url = store.engine.url.render_as_string(hide_password=False)  # the same database, either backend
+    for stage in ("item", "voice", "put"):
+        crashed = subprocess.run(
+            [sys.executable, "-c", CRASH_SCRIPT, str(tmp_path), job.id, stage, url], capture_output=True
+        )
+        assert crashed.returncode == 9, crashed.stderr.decode()
+    blob_root = tmp_path / "blobs"
+    files = {p.relative_to(blob_root).as_posix() for p in blob_root.rglob("*") if p.is_file()}
+    referenced = store.referenced_blobs()
+    orphans = files - referenced
+    assert len(referenced) == 4  # the voice's audio + codes, the job's reference, item 0's audio
+    assert referenced <= files and len(orphans) == 4  # item 1's audio, the lost voice's two, a .tmp
+    assert any(name.endswith(".tmp") for name in orphans)
+
+    restarted = open_store()
+    assert restarted.sweep_orphan_blobs() == 0  # all of them are younger than the grace period
+    assert restarted.sweep_orphan_blobs(grace_seconds=0) == 4
+    left = {p.relative_to(blob_root).as_posix() for p in blob_root.rglob("*") if p.is_file()}
+    assert left == referenced
+    assert not [d for d in blob_root.rglob("*") if d.is_dir() and not any(d.iterdir())]
+    assert restarted.voice_codes(restarted.get_voice(kept_voice.id))[0][0] == "t"
+    assert restarted.blobs.get(restarted.job_items(job.id)[0].audio_blob) == b"kept audio"

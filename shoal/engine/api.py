@@ -137,6 +137,11 @@ class Engine(abc.ABC):
         """Compute and pin the voice prefix's KV pages ahead of the first request (realtime)."""
 
     @abc.abstractmethod
+    def check_voice(self, references: tuple[VoiceReference, ...]) -> None:
+        """Raise InvalidRequest if a voice made of these references could never be used: its
+        prompt prefix leaves no room in the model's context to speak (checked at upload)."""
+
+    @abc.abstractmethod
     async def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
         """Codec-encode mono float audio at any rate -> codes int [N, T]."""
 

@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 # it uses off CUDA, where nothing is compiled on first use and a long chunk would only cost time.
 WARMUP_DECODE_FRAMES = 4
 CPU_WARMUP_PREFILL_TOKENS = 64
+# A voice must leave this many context positions to speak in (6 s of audio), else it is refused.
+VOICE_MIN_SPEECH_FRAMES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,6 +439,22 @@ class LocalEngine(Engine):
         prefix = build_prompt(model.config, model.tokenizer, "", refs)
         prefix = prefix[:, : voice_prefix_length(model.config, model.tokenizer, refs)]
         await asyncio.wrap_future(self.call(self.core.prefill_voice, prefix))
+
+    def check_voice(self, references: tuple[VoiceReference, ...]) -> None:
+        model = self.core.model
+        refs = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in references)
+        try:
+            self.core._check_values(build_prompt(model.config, model.tokenizer, "", refs))
+            prefix = voice_prefix_length(model.config, model.tokenizer, refs)
+        except ValueError as error:  # codes of the wrong shape for this model
+            raise InvalidRequest(f"reference audio: {error}") from error
+        room = self.core.max_seq_len - prefix
+        if room < VOICE_MIN_SPEECH_FRAMES:
+            raise InvalidRequest(
+                f"the voice's references take {prefix} of the model's {self.core.max_seq_len} context "
+                f"positions, leaving {max(room, 0)} (at least {VOICE_MIN_SPEECH_FRAMES} are needed to "
+                "speak): use shorter or fewer clips"
+            )
 
     async def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
         if self.codec is None:

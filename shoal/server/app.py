@@ -42,6 +42,10 @@ class ServerSettings:
     max_voice_samples: int = 20  # audio files per voice
     max_streams_per_key: int = 16  # concurrent /v1/tts + live streams per API key (429 beyond)
     max_new_frames: int = 2048  # cap on max_new_tokens per text chunk
+    # /v1/tts/live: seconds from the handshake to `start`, and of client silence while nothing
+    # is being synthesized, before the session ends (its stream slot is freed).
+    live_start_timeout: float = 10.0
+    live_idle_timeout: float = 120.0
     # Bulk jobs (/v1/jobs): items per job (each item's text is capped by max_text_length),
     # unfinished jobs per tenant (429 beyond), engine requests in flight per job and in all.
     max_job_items: int = 1000
@@ -110,6 +114,9 @@ def create_app(engine: Engine, store: Store, settings: ServerSettings | None = N
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not settings.auth:
             log.warning("authentication is OFF (--no-auth): anyone who can reach this port may use it")
+        removed = await anyio.to_thread.run_sync(store.sweep_orphan_blobs)
+        if removed:
+            log.info("removed %d orphan blob files (left by an earlier crash)", removed)
         await engine.start()
         await app.state.jobs.start()  # resumes the jobs a previous process left unfinished
         try:

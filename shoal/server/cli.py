@@ -80,6 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="longest audio upload, seconds (SHOAL_MAX_UPLOAD_SECONDS)",
     )
     parser.add_argument(
+        "--live-start-timeout",
+        type=float,
+        default=float(env("LIVE_START_TIMEOUT", "10") or 10),
+        help="seconds a /v1/tts/live connection may wait before its 'start' event (SHOAL_LIVE_START_TIMEOUT)",
+    )
+    parser.add_argument(
+        "--live-idle-timeout",
+        type=float,
+        default=float(env("LIVE_IDLE_TIMEOUT", "120") or 120),
+        help="seconds of client silence, with nothing left to synthesize, before a live session "
+        "ends (SHOAL_LIVE_IDLE_TIMEOUT)",
+    )
+    parser.add_argument(
         "--queue-limit",
         action="append",
         type=queue_limit,
@@ -189,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         max_upload_seconds=args.max_upload_seconds,
         max_streams_per_key=args.max_streams_per_key,
         max_new_frames=args.max_new_frames,
+        live_start_timeout=args.live_start_timeout,
+        live_idle_timeout=args.live_idle_timeout,
     )
     store = Store.in_directory(args.data_dir, args.database_url)
     log.info("data directory: %s", args.data_dir)

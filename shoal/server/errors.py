@@ -24,17 +24,31 @@ log = logging.getLogger("shoal.server")
 class ApiError(Exception):
     """Raise anywhere in a route to answer `{"status", "message"}` with that status."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after  # seconds, for 429 and 503 (else the default)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 
 def error_body(status: int, message: str) -> dict[str, int | str]:
     return {"status": status, "message": message}
 
 
+# 429 and 503 say when to come back (RFC 9110 Retry-After, whole seconds): a stream slot or
+# queue room frees as soon as one request ends, so one second unless the refusal says more.
+RETRY_STATUSES = (429, 503)
+DEFAULT_RETRY_AFTER_SECONDS = 1
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if status in RETRY_STATUSES and not any(name.lower() == "retry-after" for name in headers):
+        headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_SECONDS)
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
@@ -66,7 +80,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
         error = exception_to_error(exc)
-        return error_response(error.status, error.message)
+        return error_response(error.status, error.message, error.headers)
 
     async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

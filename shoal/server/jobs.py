@@ -45,6 +45,7 @@ log = logging.getLogger("shoal.server.jobs")
 
 RETRY_INITIAL_SECONDS = 0.1  # first wait after EngineOverloaded; doubles up to the maximum
 RETRY_MAX_SECONDS = 5.0
+JOB_LIMIT_RETRY_AFTER_SECONDS = 30  # a 429 for too many unfinished jobs: jobs take minutes
 FILE_EXTENSIONS = {"wav": "wav", "pcm": "pcm", "mp3": "mp3", "opus": "ogg"}
 # Fields of the request that are not job options: the texts are items, the voice is a snapshot.
 NOT_OPTIONS = {"text", "items", "references", "reference_id"}
@@ -301,7 +302,9 @@ async def create_job(request: Request, principal: Principal_, runner: Runner_) -
     active = await anyio.to_thread.run_sync(runner.store.count_active_jobs, principal.tenant)
     if active >= settings.max_jobs_per_tenant:
         raise ApiError(
-            429, f"too many unfinished jobs for this account (limit {settings.max_jobs_per_tenant})"
+            429,
+            f"too many unfinished jobs for this account (limit {settings.max_jobs_per_tenant})",
+            retry_after=JOB_LIMIT_RETRY_AFTER_SECONDS,
         )
     references, voice_key = await request.app.state.voices.resolve(principal, body)
     options = body.model_dump(mode="json", exclude=NOT_OPTIONS)

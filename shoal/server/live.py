@@ -8,6 +8,10 @@ sentence ends once `chunk_length` bytes are waiting, and each cut is synthesized
 worker task while the reader keeps receiving, so the event loop never waits on inference and the
 client's keepalive pings are answered throughout. One encoder spans the whole session, so the
 concatenated `audio` payloads form one valid file.
+
+A session holds a stream slot, so one that goes quiet is ended: no `start` within
+`live_start_timeout` seconds of the handshake, or no message for `live_idle_timeout` seconds
+while nothing is being synthesized, ends it with a `finish`/`error` event and close code 1008.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pydantic import ValidationError
 from shoal.engine.api import Engine, Priority, SynthesisRequest, VoiceReference
 from shoal.server.auth import Principal, StreamLimiter, authenticate
 from shoal.server.errors import ApiError, error_response, exception_to_error
+from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.tts import EncodedAudio, build_synthesis_request, make_encoder
 
@@ -64,6 +69,14 @@ def pack(event: dict) -> bytes:
     return ormsgpack.packb(event)
 
 
+class SessionTimeout(Exception):
+    """The client sent nothing for too long; the session ends (close code 1008)."""
+
+
+TIMEOUT_CLOSE_CODE = 1008  # policy violation: the slot is not held by a silent client
+TIMEOUT_STATUS = 408  # how /metrics counts a session ended for silence
+
+
 class LiveSession:
     """One WebSocket connection from `start` to `finish`."""
 
@@ -78,9 +91,20 @@ class LiveSession:
         self.first_text_at: float | None = None
         self.audio_sent = False
         self.audio_seconds = 0.0
+        self.segments_pending = 0  # sent to the synthesizer and not yet spoken
+        self.last_activity = time.monotonic()  # the last message, or the last segment spoken
 
-    async def receive_event(self) -> dict:
-        message = await self.websocket.receive()
+    async def receive_event(self, timeout: float, waiting_for: str) -> dict:
+        """The next message; SessionTimeout after `timeout` seconds of silence while no segment
+        is pending (a client waiting for audio is not idle)."""
+        while True:
+            left = self.last_activity + timeout - time.monotonic()
+            if left <= 0 and self.segments_pending == 0:
+                raise SessionTimeout(f"no {waiting_for} for {timeout:g} s: closing the session")
+            with anyio.move_on_after(max(left, 0.05)):
+                message = await self.websocket.receive()
+                break
+        self.last_activity = time.monotonic()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
         data = message.get("bytes")
@@ -89,13 +113,11 @@ class LiveSession:
         if size > limit:
             raise ProtocolError(f"a message of {size} bytes exceeds the {limit}-byte limit")
         try:
-            if message.get("bytes") is not None:
-                event = ormsgpack.unpackb(message["bytes"])
+            if data is not None:
+                event = decode_payload(data, msgpack=True)
             else:
-                import json
-
-                event = json.loads(message.get("text") or "")
-        except (ValueError, RecursionError, ormsgpack.MsgpackDecodeError) as error:
+                event = decode_payload(message.get("text") or "", msgpack=False)
+        except MalformedPayload as error:
             raise ProtocolError(f"malformed message: {error}") from error
         if not isinstance(event, dict) or not isinstance(event.get("event"), str):
             raise ProtocolError("every message must be a map with an 'event' key")
@@ -110,7 +132,7 @@ class LiveSession:
         await self.websocket.send_bytes(pack({"event": "audio", "audio": data}))
 
     async def start(self) -> tuple[TTSRequestBody, tuple[VoiceReference, ...], str | None]:
-        event = await self.receive_event()
+        event = await self.receive_event(self.settings.live_start_timeout, "'start' event")
         if event["event"] != "start":
             raise ProtocolError(f"the first event must be 'start', got {event['event']!r}")
         try:
@@ -130,7 +152,7 @@ class LiveSession:
             raise ApiError(413, f"session text exceeds {self.settings.max_text_length} characters")
         async with segments:
             while True:
-                event = await self.receive_event()
+                event = await self.receive_event(self.settings.live_idle_timeout, "message")
                 kind = event["event"]
                 if kind == "text":
                     text = event.get("text")
@@ -146,9 +168,11 @@ class LiveSession:
                     buffer += text
                     ready, buffer = split_ready_text(buffer, body.chunk_length)
                     if ready.strip():
+                        self.segments_pending += 1
                         await segments.send(ready)
                 elif kind in ("flush", "stop"):
                     if buffer.strip():
+                        self.segments_pending += 1
                         await segments.send(buffer)
                     buffer = ""
                     if kind == "stop":
@@ -177,14 +201,17 @@ class LiveSession:
                         await self.send_audio(data)
                 finally:
                     self.audio_seconds += stream.audio_seconds
+                    self.segments_pending -= 1
+                    self.last_activity = time.monotonic()
                     await stream.aclose()
         # Flush whenever audio went in, even if no bytes came out yet: an mp3 encoder at a low rate
         # holds a short session's audio until finish. A session without audio sends nothing.
         if self.audio_sent or self.audio_seconds > 0:
             await self.send_audio(await anyio.to_thread.run_sync(encoder.finish))
 
-    async def run(self) -> str:
-        """Serve the session; returns the finish reason sent ("stop" or "error")."""
+    async def run(self) -> int:
+        """Serve the session until its `finish` event; returns the status /metrics counts it
+        under (101 for a session that ended with `stop`)."""
         try:
             body, references, voice_key = await self.start()
             send_segments, receive_segments = anyio.create_memory_object_stream[str](math.inf)
@@ -192,19 +219,27 @@ class LiveSession:
                 group.start_soon(self.synthesize, body, references, voice_key, receive_segments)
                 await self.read_text(body, send_segments)
             await self.websocket.send_bytes(pack({"event": "finish", "reason": "stop"}))
-            return "stop"
+            return 101
         except Exception as raised:
             if _is_disconnect(raised):
                 raise
             error = _unwrap(raised)
+            if isinstance(error, SessionTimeout):
+                await self.websocket.send_bytes(
+                    pack({"event": "finish", "reason": "error", "message": str(error)})
+                )
+                await self.websocket.close(TIMEOUT_CLOSE_CODE, "idle timeout")
+                return TIMEOUT_STATUS
             if isinstance(error, ProtocolError):
                 error = ApiError(400, str(error))
             error = exception_to_error(error)
-            if error.status >= 500:
+            if error.status == 500:
                 log.error("live session failed", exc_info=raised)
+            elif error.status >= 500:  # a refusal (e.g. 503 at capacity), not a fault
+                log.warning("live session refused: %s", error.message)
             finish = {"event": "finish", "reason": "error", "message": error.message}
             await self.websocket.send_bytes(pack(finish))
-            return "error"
+            return error.status
 
 
 def _is_disconnect(error: BaseException) -> bool:
@@ -231,18 +266,19 @@ async def live_tts(websocket: WebSocket) -> None:
         limiter.acquire(principal)
     except ApiError as error:
         state.metrics.count("/v1/tts/live", error.status)
-        await websocket.send_denial_response(error_response(error.status, error.message))
+        await websocket.send_denial_response(error_response(error.status, error.message, error.headers))
         return
     session = LiveSession(websocket, principal)
-    reason = "disconnect"
+    status = 499  # the client went away before the session's finish
     try:  # from here on the stream slot is held: every path, accept included, releases it
         await websocket.accept()
-        reason = await session.run()
-        await websocket.close(1000)
+        status = await session.run()
+        if status != TIMEOUT_STATUS:  # a timeout has closed the socket with its own code
+            await websocket.close(1000)
     except BaseException as error:
         if not (_is_disconnect(error) or isinstance(error, OSError)):  # OSError: client gone
             raise
     finally:
         limiter.release(principal)
         state.metrics.observe_audio(session.audio_seconds)
-        state.metrics.count("/v1/tts/live", {"stop": 101, "error": 500}.get(reason, 499))
+        state.metrics.count("/v1/tts/live", status)

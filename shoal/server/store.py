@@ -7,9 +7,11 @@ All methods are synchronous (SQLAlchemy + file IO); async routes call them in a 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +32,32 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
+from sqlalchemy.types import TypeDecorator
+
+# Blobs younger than this are never swept: their rows may be about to commit.
+ORPHAN_GRACE_SECONDS = 300.0
 
 
 def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timestamp stored in UTC and read back timezone-aware on every database: SQLite keeps no
+    zone, so without this a row read back would lose the `Z` it was created with."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("timestamps must be timezone-aware")
+        return value.astimezone(dt.UTC) if value is not None else None
+
+    def process_result_value(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
 
 
 class Base(DeclarativeBase):
@@ -48,8 +72,8 @@ class ApiKeyRow(Base):
     name: Mapped[str] = mapped_column(String(200), default="")
     priority: Mapped[str] = mapped_column(String(20), default="standard")  # standard | batch
     max_streams: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utc_now)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class VoiceRow(Base):
@@ -63,8 +87,8 @@ class VoiceRow(Base):
     languages: Mapped[list] = mapped_column(JSON, default=list)
     cover_image: Mapped[str] = mapped_column(String(500), default="")  # blob key or ""
     task_count: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utc_now)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utc_now)
     samples: Mapped[list[SampleRow]] = relationship(
         back_populates="voice", order_by="SampleRow.position", cascade="all, delete-orphan", lazy="selectin"
     )
@@ -100,9 +124,9 @@ class JobRow(Base):
     items_done: Mapped[int] = mapped_column(Integer, default=0)
     audio_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utc_now)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utc_now)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class JobItemRow(Base):
@@ -146,6 +170,23 @@ class BlobStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def sweep(self, keep: set[str], older_than: float) -> int:
+        """Delete every file not named in `keep` (a key, or a `.tmp` left by a crashed `put`)
+        last written before `older_than` (a `time.time()`), then the directories left empty;
+        returns the files deleted. Younger files may belong to a write whose row is about to
+        commit (in this process or another sharing the directory)."""
+        removed = 0
+        for path in sorted(self.root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if path.is_dir():
+                with contextlib.suppress(OSError):  # not empty
+                    path.rmdir()
+                continue
+            key = path.relative_to(self.root).as_posix()
+            if key not in keep and path.stat().st_mtime < older_than:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
 
 def codes_to_bytes(codes: np.ndarray) -> bytes:
@@ -377,24 +418,25 @@ class Store:
             self.blobs.delete(key)
         return True
 
-    def rename_voice(self, old_id: str, new_id: str) -> bool:
-        """fish-speech's `/v1/references/update`: the id is the name there. Blob keys keep the old id."""
+    def rename_voice(self, old_id: str, new_id: str, title: str) -> bool:
+        """fish-speech's `/v1/references/update`: the voice moves to `new_id` with `title` (the
+        reference's name). Blob keys keep the old id."""
         try:
-            return self._rename_voice(old_id, new_id)
+            return self._rename_voice(old_id, new_id, title)
         except IntegrityError:  # a concurrent create or rename took new_id first
             return False
 
-    def _rename_voice(self, old_id: str, new_id: str) -> bool:
+    def _rename_voice(self, old_id: str, new_id: str, title: str) -> bool:
         with self.sessions.begin() as session:
             row = session.get(VoiceRow, old_id)
             if row is None or session.get(VoiceRow, new_id) is not None:
                 return False
             samples = [(s.position, s.text, s.audio_blob, s.codes_blob) for s in row.samples]
-            fields = {c: getattr(row, c) for c in ("tenant", "title", "description", "visibility", "tags")}
+            fields = {c: getattr(row, c) for c in ("tenant", "description", "visibility", "tags")}
             fields |= {c: getattr(row, c) for c in ("languages", "cover_image", "task_count", "created_at")}
             session.delete(row)
             session.flush()
-            new_row = VoiceRow(id=new_id, updated_at=utc_now(), **fields)
+            new_row = VoiceRow(id=new_id, title=title, updated_at=utc_now(), **fields)
             for position, text, audio_key, codes_key in samples:
                 new_row.samples.append(
                     SampleRow(
@@ -411,6 +453,26 @@ class Store:
     def voice_codes(self, row: VoiceRow) -> list[tuple[str, np.ndarray]]:
         """(transcript, codes [N, T]) of each sample, in order."""
         return [(sample.text, codes_from_bytes(self.blobs.get(sample.codes_blob))) for sample in row.samples]
+
+    def referenced_blobs(self) -> set[str]:
+        """Every blob key a row names: voice samples and covers, job voices and item audio."""
+        with self.sessions() as session:
+            keys = set(session.scalars(select(SampleRow.audio_blob)))
+            keys |= set(session.scalars(select(SampleRow.codes_blob)))
+            keys |= set(session.scalars(select(VoiceRow.cover_image).where(VoiceRow.cover_image != "")))
+            keys |= set(
+                session.scalars(select(JobItemRow.audio_blob).where(JobItemRow.audio_blob.is_not(None)))
+            )
+            for references in session.scalars(select(JobRow.references)):
+                keys |= {reference["codes_blob"] for reference in references or []}
+        return keys
+
+    def sweep_orphan_blobs(self, grace_seconds: float = ORPHAN_GRACE_SECONDS) -> int:
+        """Remove blobs that no row names, as a crash leaves them: each blob is written before the
+        row that names it commits (so a row never names a missing file), and a crash in between
+        leaves the blob alone. Run at start-up; returns the files removed."""
+        keep = self.referenced_blobs()
+        return self.blobs.sweep(keep, time.time() - grace_seconds)
 
     def count_voices(self) -> int:
         with self.sessions() as session:

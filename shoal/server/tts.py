@@ -8,14 +8,12 @@ A client that goes away aborts its engine request and frees its pages.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Annotated
 
 import anyio
 import anyio.to_thread
-import ormsgpack
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
@@ -33,6 +31,7 @@ from shoal.engine.api import (
 from shoal.server import audio
 from shoal.server.auth import Principal, StreamLimiter, request_priority, require_principal
 from shoal.server.errors import ApiError, exception_to_error
+from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import OpenAISpeechBody, TTSRequestBody
 
 if TYPE_CHECKING:
@@ -260,12 +259,9 @@ def decode_body(raw: bytes, content_type: str) -> object:
     if not raw:
         raise ApiError(400, "request body is empty")
     try:
-        if "msgpack" in content_type:
-            return ormsgpack.unpackb(raw)
-        return json.loads(raw)
-    except (ValueError, RecursionError, ormsgpack.MsgpackDecodeError) as error:  # RecursionError: nesting
-        kind = "msgpack" if "msgpack" in content_type else "JSON"
-        raise ApiError(400, f"malformed {kind} body: {error}") from error
+        return decode_payload(raw, msgpack="msgpack" in content_type)
+    except MalformedPayload as error:
+        raise ApiError(400, str(error)) from error
 
 
 async def parse_model(request: Request, model: type[TTSRequestBody] | type[OpenAISpeechBody]):

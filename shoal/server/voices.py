@@ -22,6 +22,7 @@ from shoal.engine.api import Engine, VoiceReference
 from shoal.server import audio
 from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import ApiError
+from shoal.server.payload import MalformedPayload, check_unicode, decode_payload
 from shoal.server.schemas import Author, ReferenceAudio, Sample, TTSRequestBody, VoiceEntity, VoicePage
 from shoal.server.store import NewSample, Store, VoiceExistsError, VoiceRow
 
@@ -31,6 +32,13 @@ if TYPE_CHECKING:
 VOICE_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 INLINE_CACHE_SIZE = 256
 STORED_CACHE_SIZE = 512
+
+
+def reference_voice_id(tenant: str, name: str) -> str:
+    """The voice row of `tenant`'s fish-speech reference `name`. Those routes use names as ids;
+    names are per tenant, so the row id is derived from both: one tenant's names can neither
+    block nor reveal another's."""
+    return "ref-" + hashlib.sha256(f"{tenant}\0{name}".encode()).hexdigest()[:40]
 
 
 def sha256_hex(data: bytes) -> str:
@@ -114,16 +122,29 @@ class VoiceResolver:
             raise ApiError(404, f"voice not found: {voice_id}")
         return row
 
-    async def stored_references(self, principal: Principal, voice_id: str) -> tuple[VoiceReference, ...]:
-        row = await self.visible_voice(principal, voice_id)
-        cached = self._stored.get(voice_id)
+    async def voice_for(self, principal: Principal, voice_id: str) -> VoiceRow:
+        """A request's `reference_id`: the caller's own reference of that name, else a voice id
+        (a `/model` voice, or a reference made before names were per tenant) it may use."""
+        own = await self.own_reference(principal, voice_id)
+        return own if own is not None else await self.visible_voice(principal, voice_id)
+
+    async def own_reference(self, principal: Principal, name: str) -> VoiceRow | None:
+        row = await anyio.to_thread.run_sync(self.store.get_voice, reference_voice_id(principal.tenant, name))
+        if row is None:  # a reference added before names were per tenant: its id is its name
+            row = await anyio.to_thread.run_sync(self.store.get_voice, name)
+            if row is not None and (row.tenant != principal.tenant or row.title != name):
+                row = None
+        return row
+
+    async def stored_references(self, row: VoiceRow) -> tuple[VoiceReference, ...]:
+        cached = self._stored.get(row.id)
         if cached is None:
             pairs = await anyio.to_thread.run_sync(self.store.voice_codes, row)
             cached = tuple(VoiceReference(text=text, codes=codes) for text, codes in pairs)
-            self._stored[voice_id] = cached
+            self._stored[row.id] = cached
             while len(self._stored) > STORED_CACHE_SIZE:
                 self._stored.popitem(last=False)
-        await anyio.to_thread.run_sync(self.store.count_use, voice_id)
+        await anyio.to_thread.run_sync(self.store.count_use, row.id)
         return cached
 
     async def resolve(
@@ -133,9 +154,10 @@ class VoiceResolver:
         voice_ids = body.reference_ids()
         if voice_ids:
             references: list[VoiceReference] = []
-            for voice_id in voice_ids:
-                references.extend(await self.stored_references(principal, voice_id))
-            return tuple(references), "voice:" + ",".join(voice_ids)
+            rows = [await self.voice_for(principal, voice_id) for voice_id in voice_ids]
+            for row in rows:
+                references.extend(await self.stored_references(row))
+            return tuple(references), "voice:" + ",".join(row.id for row in rows)
         inline = body.flat_references()
         if inline:
             return await self.inline_references(inline)
@@ -176,6 +198,9 @@ async def create_voice_row(
         data = await upload.read()
         codes = await resolver.encode_upload(data)
         samples.append(NewSample(text=texts[index] if index < len(texts) else "", audio=data, codes=codes))
+    # A voice the loaded model could never speak with is refused now, not at every use.
+    voice = tuple(VoiceReference(text=sample.text, codes=sample.codes) for sample in samples)
+    await anyio.to_thread.run_sync(resolver.engine.check_voice, voice)
     try:
         return await anyio.to_thread.run_sync(
             lambda: resolver.store.create_voice(principal.tenant, samples=samples, **fields)  # type: ignore[arg-type]
@@ -309,18 +334,15 @@ async def read_fields(request: Request) -> dict:
     content_type = request.headers.get("content-type", "")
     try:
         if "form" in content_type:
-            return dict(await request.form())
-        body = await request.body()
-        if not body:
-            return dict(request.query_params)
-        if "msgpack" in content_type:
-            data = ormsgpack.unpackb(body)
+            data: object = dict(await request.form())
+            check_unicode(data)
         else:
-            import json
-
-            data = json.loads(body)
-    except (ValueError, RecursionError, ormsgpack.MsgpackDecodeError) as error:
-        raise ApiError(400, f"malformed request body: {error}") from error
+            body = await request.body()
+            if not body:
+                return dict(request.query_params)
+            data = decode_payload(body, msgpack="msgpack" in content_type)
+    except MalformedPayload as error:
+        raise ApiError(400, str(error)) from error
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be an object")
     return data
@@ -332,6 +354,13 @@ def checked_reference_id(value: object) -> str:
     return value
 
 
+async def owned_reference(resolver: VoiceResolver, principal: Principal, name: str) -> VoiceRow:
+    row = await resolver.own_reference(principal, name)
+    if row is None:
+        raise ApiError(404, f"reference not found: {name}")
+    return row
+
+
 @router.post("/v1/references/add")
 async def add_reference(
     request: Request,
@@ -341,47 +370,52 @@ async def add_reference(
     audio: Annotated[UploadFile, File()],
     text: Annotated[str, Form()] = "",
 ) -> Response:
-    reference_id = checked_reference_id(id)
-    if await anyio.to_thread.run_sync(resolver.store.get_voice, reference_id) is not None:
-        raise ApiError(409, f"reference already exists: {reference_id}")
-    await create_voice_row(resolver, principal, [audio], [text], title=reference_id, voice_id=reference_id)
-    payload = {"success": True, "message": "reference added", "reference_id": reference_id}
+    name = checked_reference_id(id)
+    if await resolver.own_reference(principal, name) is not None:
+        raise ApiError(409, f"reference already exists: {name}")
+    voice_id = reference_voice_id(principal.tenant, name)
+    await create_voice_row(resolver, principal, [audio], [text], title=name, voice_id=voice_id)
+    payload = {"success": True, "message": "reference added", "reference_id": name}
     return reference_reply(request, payload)
 
 
 @router.get("/v1/references/list")
 async def list_references(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
+    """The caller's reference names (voices made by `/v1/references/add`)."""
     _, rows = await anyio.to_thread.run_sync(
         lambda: resolver.store.list_voices(visible_to=principal.tenant, own_only=True, limit=1_000_000)
     )
-    ids = sorted(row.id for row in rows)
-    return reference_reply(request, {"success": True, "reference_ids": ids, "message": "ok"})
+    names = sorted(
+        row.title for row in rows if row.id in (reference_voice_id(principal.tenant, row.title), row.title)
+    )
+    return reference_reply(request, {"success": True, "reference_ids": names, "message": "ok"})
 
 
 @router.delete("/v1/references/delete")
 async def delete_reference(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
-    reference_id = checked_reference_id((await read_fields(request)).get("reference_id"))
-    await owned_voice(resolver, principal, reference_id)
-    await anyio.to_thread.run_sync(resolver.store.delete_voice, reference_id)
-    resolver.forget(reference_id)
-    return reference_reply(
-        request, {"success": True, "message": "reference deleted", "reference_id": reference_id}
-    )
+    name = checked_reference_id((await read_fields(request)).get("reference_id"))
+    row = await owned_reference(resolver, principal, name)
+    await anyio.to_thread.run_sync(resolver.store.delete_voice, row.id)
+    resolver.forget(row.id)
+    return reference_reply(request, {"success": True, "message": "reference deleted", "reference_id": name})
 
 
 @router.post("/v1/references/update")
 async def rename_reference(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
     fields = await read_fields(request)
-    old_id = checked_reference_id(fields.get("old_reference_id"))
-    new_id = checked_reference_id(fields.get("new_reference_id"))
-    await owned_voice(resolver, principal, old_id)
-    if not await anyio.to_thread.run_sync(resolver.store.rename_voice, old_id, new_id):
-        raise ApiError(409, f"reference already exists: {new_id}")
-    resolver.forget(old_id)
+    old_name = checked_reference_id(fields.get("old_reference_id"))
+    new_name = checked_reference_id(fields.get("new_reference_id"))
+    row = await owned_reference(resolver, principal, old_name)
+    if await resolver.own_reference(principal, new_name) is not None:
+        raise ApiError(409, f"reference already exists: {new_name}")
+    new_id = reference_voice_id(principal.tenant, new_name)
+    if not await anyio.to_thread.run_sync(resolver.store.rename_voice, row.id, new_id, new_name):
+        raise ApiError(409, f"reference already exists: {new_name}")
+    resolver.forget(row.id)
     payload = {
         "success": True,
         "message": "reference renamed",
-        "old_reference_id": old_id,
-        "new_reference_id": new_id,
+        "old_reference_id": old_name,
+        "new_reference_id": new_name,
     }
     return reference_reply(request, payload)
