@@ -618,3 +618,12 @@ def test_the_server_sweeps_orphan_blobs_when_it_starts(tmp_path):
     with TestClient(create_app(ToneEngine(), store, ServerSettings(auth=False))) as client:
         assert client.get("/v1/health").status_code == 200
         assert not orphan.exists() and not orphan.parent.exists()
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/model"])
+def test_a_huge_page_number_is_a_422_not_an_overflow(client, path):
+    for page in ("9223372036854775807", "286883999691015083155283937067008"):
+        message = assert_fish_error(client.get(path, params={"page_number": page}), 422)
+        assert "page_number" in message
+    last = client.get(path, params={"page_number": 1_000_000})
+    assert last.status_code == 200 and last.json()["items"] == []

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.engine.api import Engine
@@ -24,10 +24,12 @@ from shoal.server import jobs, live, tts, voices
 from shoal.server.auth import Principal, StreamLimiter, require_principal
 from shoal.server.errors import error_response, install_error_handlers
 from shoal.server.metrics import RequestCounterMiddleware, ServerMetrics
+from shoal.server.openapi import errors, install_openapi
 from shoal.server.schemas import Credits, Health, Package
 from shoal.server.store import Store
 
 log = logging.getLogger("shoal.server")
+PROMETHEUS = "Prometheus text exposition format (version 0.0.4)"
 
 
 @dataclass
@@ -135,6 +137,7 @@ def create_app(engine: Engine, store: Store, settings: ServerSettings | None = N
     app.state.jobs = jobs.JobRunner(engine, store, settings)
     app.state.metrics = ServerMetrics(engine, lambda: app.state.limiter.total)
     install_error_handlers(app)
+    install_openapi(app, settings.auth)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestCounterMiddleware)
     app.include_router(tts.router)
@@ -150,7 +153,8 @@ def system_router():
 
     router = APIRouter(tags=["system"])
 
-    @router.api_route("/v1/health", methods=["GET", "POST"], response_model=Health)
+    @router.get("/v1/health", response_model=Health, operation_id="health")
+    @router.post("/v1/health", response_model=Health, operation_id="health_post")
     async def health(request: Request) -> Health:
         """Liveness plus the engine's load; `pages_used` returns to 0 when no request runs."""
         engine: Engine = request.app.state.engine
@@ -168,12 +172,12 @@ def system_router():
             active_streams=request.app.state.limiter.total,
         )
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": PROMETHEUS}})
     async def metrics(request: Request) -> Response:
         text = await anyio.to_thread.run_sync(request.app.state.metrics.render)  # reads engine.stats()
         return Response(text, media_type="text/plain; version=0.0.4")
 
-    @router.get("/wallet/{user_id}/api-credit")
+    @router.get("/wallet/{user_id}/api-credit", response_model=Credits, responses=errors(401))
     async def api_credit(
         user_id: str, principal: Annotated[Principal, Depends(require_principal)]
     ) -> JSONResponse:
@@ -185,7 +189,7 @@ def system_router():
         )  # fmt: skip
         return JSONResponse(credits.model_dump(by_alias=True))
 
-    @router.get("/wallet/{user_id}/package")
+    @router.get("/wallet/{user_id}/package", response_model=Package, responses=errors(401))
     async def package(
         user_id: str, principal: Annotated[Principal, Depends(require_principal)]
     ) -> JSONResponse:

@@ -11,13 +11,16 @@ import hashlib
 import secrets
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Annotated
 
 import anyio.to_thread
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials
 from starlette.requests import HTTPConnection
 
 from shoal.engine.api import Priority
 from shoal.server.errors import ApiError
+from shoal.server.openapi import bearer_scheme
 from shoal.server.store import Store
 
 KEY_PREFIX = "shoal_"
@@ -89,8 +92,12 @@ async def authenticate(connection: HTTPConnection) -> Principal:
     return Principal(tenant=row.tenant, key_id=row.id, priority=priority, max_streams=row.max_streams)
 
 
-async def require_principal(request: Request) -> Principal:
-    """FastAPI dependency: every route except health and metrics takes it."""
+async def require_principal(
+    request: Request,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)] = None,
+) -> Principal:
+    """FastAPI dependency: every route except health and metrics takes it. The bearer scheme
+    only documents the header in the OpenAPI document; `authenticate` reads it."""
     principal = await authenticate(request)
     request.state.principal = principal
     return principal

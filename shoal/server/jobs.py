@@ -34,7 +34,8 @@ from shoal.engine.api import (
 from shoal.server import audio
 from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import ApiError
-from shoal.server.schemas import JobCreateBody, JobEntity, JobItemEntity, JobPage
+from shoal.server.openapi import audio_response, body, errors
+from shoal.server.schemas import MAX_PAGE_NUMBER, JobCreateBody, JobEntity, JobItemEntity, JobPage
 from shoal.server.store import JOB_ACTIVE, JobItemRow, JobRow, Store, codes_from_bytes
 from shoal.server.tts import build_synthesis_request, encode_chunk, make_encoder, parse_model
 
@@ -291,7 +292,13 @@ async def detailed(runner: JobRunner, job_id: str) -> JSONResponse:
     return JSONResponse(entity.model_dump(mode="json"))
 
 
-@router.post("/v1/jobs", status_code=202)
+@router.post(
+    "/v1/jobs",
+    status_code=202,
+    response_model=JobEntity,
+    responses=errors(400, 401, 404, 413, 422, 429),
+    openapi_extra=body(JobCreateBody),
+)
 async def create_job(request: Request, principal: Principal_, runner: Runner_) -> JSONResponse:
     """Queue a bulk job (202); poll `GET /v1/jobs/{id}`, fetch each item's file when done."""
     settings: ServerSettings = request.app.state.settings
@@ -316,12 +323,12 @@ async def create_job(request: Request, principal: Principal_, runner: Runner_) -
     return JSONResponse(job_entity(row).model_dump(mode="json"), status_code=202)
 
 
-@router.get("/v1/jobs", response_model=JobPage)
+@router.get("/v1/jobs", response_model=JobPage, responses=errors(401, 422))
 async def list_jobs(
     principal: Principal_,
     runner: Runner_,
     page_size: Annotated[int, Query(ge=1, le=100)] = 10,
-    page_number: Annotated[int, Query(ge=1)] = 1,
+    page_number: Annotated[int, Query(ge=1, le=MAX_PAGE_NUMBER)] = 1,
 ) -> JSONResponse:
     """The caller's jobs, newest first, without their item lists."""
     total, rows = await anyio.to_thread.run_sync(
@@ -333,13 +340,16 @@ async def list_jobs(
     return JSONResponse(page.model_dump(mode="json"))
 
 
-@router.get("/v1/jobs/{job_id}")
+@router.get("/v1/jobs/{job_id}", response_model=JobEntity, responses=errors(401, 404))
 async def get_job(job_id: str, principal: Principal_, runner: Runner_) -> JSONResponse:
     await owned_job(runner, principal, job_id)
     return await detailed(runner, job_id)
 
 
-@router.get("/v1/jobs/{job_id}/items/{item_id}")
+@router.get(
+    "/v1/jobs/{job_id}/items/{item_id}",
+    responses={**audio_response("the item's audio file"), **errors(401, 404, 409)},
+)
 async def get_job_item(job_id: str, item_id: str, principal: Principal_, runner: Runner_) -> Response:
     """A finished item's audio file (409 while it is not finished yet)."""
     job = await owned_job(runner, principal, job_id)
@@ -353,7 +363,7 @@ async def get_job_item(job_id: str, item_id: str, principal: Principal_, runner:
     return Response(data, media_type=media_type)
 
 
-@router.delete("/v1/jobs/{job_id}")
+@router.delete("/v1/jobs/{job_id}", response_model=JobEntity, responses=errors(401, 404))
 async def cancel_job(job_id: str, principal: Principal_, runner: Runner_) -> JSONResponse:
     """Cancel: in-flight items are aborted (their KV pages freed), finished items stay
     downloadable. A job that already ended is left as it is."""

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AudioFormat = Literal["wav", "pcm", "mp3", "opus"]
+# Listing pages past this are refused (422): offsets stay far inside every database's integers.
+MAX_PAGE_NUMBER = 1_000_000
 Visibility = Literal["public", "unlist", "private"]
 
 
@@ -57,6 +59,15 @@ class Prosody(LenientModel):
 class TTSRequestBody(LenientModel):
     """`POST /v1/tts` and the WebSocket `start` event's `request` (cloud `TTSRequest` schema)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"text": "Hello from Shoal.", "format": "mp3"},
+                {"text": "Hi.", "format": "pcm", "seed": 1},
+            ]
+        }
+    )
+
     text: str = ""
     temperature: float = Field(0.7, ge=0.0, le=1.0)
     top_p: float = Field(0.7, ge=0.0, le=1.0)
@@ -92,6 +103,8 @@ class TTSRequestBody(LenientModel):
 
 class OpenAISpeechBody(LenientModel):
     """`POST /v1/audio/speech` (OpenAI-compatible): `voice` is a stored voice id."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"input": "Hello.", "response_format": "wav"}]})
 
     input: str
     model: str = "s2-pro"
@@ -151,6 +164,38 @@ class VoicePage(BaseModel):
     has_more: bool = False
 
 
+class DeletedVoice(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    id: str = Field(alias="_id")
+    deleted: bool = True
+
+
+# ---- fish-speech's reference routes ----------------------------------------------------------
+
+REFERENCE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class ReferenceDeleteBody(BaseModel):
+    reference_id: str = Field(pattern=REFERENCE_ID_PATTERN)
+
+
+class ReferenceRenameBody(BaseModel):
+    old_reference_id: str = Field(pattern=REFERENCE_ID_PATTERN)
+    new_reference_id: str = Field(pattern=REFERENCE_ID_PATTERN)
+
+
+class ReferenceReply(BaseModel):
+    """What the reference routes answer (msgpack, or JSON when asked); each route sets the
+    fields that concern it."""
+
+    success: bool
+    message: str
+    reference_id: str | None = None
+    reference_ids: list[str] | None = None
+    old_reference_id: str | None = None
+    new_reference_id: str | None = None
+
+
 # ---- account --------------------------------------------------------------------------------
 
 
@@ -207,6 +252,10 @@ class JobCreateBody(TTSRequestBody):
     (one item, id "0") or `items`."""
 
     items: list[JobItemBody] | None = None
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"items": [{"id": "ch-1", "text": "It was late."}], "format": "wav"}]}
+    )
 
 
 class JobItemEntity(BaseModel):

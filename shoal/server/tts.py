@@ -31,6 +31,7 @@ from shoal.engine.api import (
 from shoal.server import audio
 from shoal.server.auth import Principal, StreamLimiter, request_priority, require_principal
 from shoal.server.errors import ApiError, exception_to_error
+from shoal.server.openapi import audio_response, body, errors
 from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import OpenAISpeechBody, TTSRequestBody
 
@@ -284,7 +285,15 @@ async def parse_model(request: Request, model: type[TTSRequestBody] | type[OpenA
 router = APIRouter(tags=["tts"])
 
 
-@router.post("/v1/tts", response_class=StreamingResponse)
+SYNTHESIS_ERRORS = errors(400, 401, 404, 413, 422, 429, 500, 503)
+
+
+@router.post(
+    "/v1/tts",
+    response_class=StreamingResponse,
+    responses={**audio_response("the audio file, streamed as it is generated"), **SYNTHESIS_ERRORS},
+    openapi_extra=body(TTSRequestBody),
+)
 async def text_to_speech(
     request: Request,
     principal: Annotated[Principal, Depends(require_principal)],
@@ -297,7 +306,12 @@ async def text_to_speech(
     return await synthesize_response(request, principal, body, priority, "tts")
 
 
-@router.post("/v1/audio/speech", response_class=StreamingResponse)
+@router.post(
+    "/v1/audio/speech",
+    response_class=StreamingResponse,
+    responses={**audio_response("the audio file, streamed as it is generated"), **SYNTHESIS_ERRORS},
+    openapi_extra=body(OpenAISpeechBody, "application/json"),
+)
 async def openai_speech(
     request: Request, principal: Annotated[Principal, Depends(require_principal)]
 ) -> AudioStreamResponse:
@@ -314,6 +328,6 @@ async def openai_speech(
     return await synthesize_response(request, principal, body, request_priority(principal, None), "openai")
 
 
-@router.post("/v1/asr")
+@router.post("/v1/asr", include_in_schema=False)  # answers only to say it is not here
 async def speech_to_text(principal: Annotated[Principal, Depends(require_principal)]) -> None:
     raise ApiError(501, "speech recognition (/v1/asr) is not part of Shoal; use a dedicated ASR server")

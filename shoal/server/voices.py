@@ -22,14 +22,28 @@ from shoal.engine.api import Engine, VoiceReference
 from shoal.server import audio
 from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import ApiError
+from shoal.server.openapi import MSGPACK, body, errors, json_or_msgpack
 from shoal.server.payload import MalformedPayload, check_unicode, decode_payload
-from shoal.server.schemas import Author, ReferenceAudio, Sample, TTSRequestBody, VoiceEntity, VoicePage
+from shoal.server.schemas import (
+    MAX_PAGE_NUMBER,
+    REFERENCE_ID_PATTERN,
+    Author,
+    DeletedVoice,
+    ReferenceAudio,
+    ReferenceDeleteBody,
+    ReferenceRenameBody,
+    ReferenceReply,
+    Sample,
+    TTSRequestBody,
+    VoiceEntity,
+    VoicePage,
+)
 from shoal.server.store import NewSample, Store, VoiceExistsError, VoiceRow
 
 if TYPE_CHECKING:
     from shoal.server.app import ServerSettings
 
-VOICE_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+VOICE_ID_PATTERN = re.compile(REFERENCE_ID_PATTERN)
 INLINE_CACHE_SIZE = 256
 STORED_CACHE_SIZE = 512
 
@@ -214,7 +228,7 @@ Principal_ = Annotated[Principal, Depends(require_principal)]
 Resolver_ = Annotated[VoiceResolver, Depends(resolver_of)]
 
 
-@router.post("/model", status_code=201)
+@router.post("/model", status_code=201, response_model=VoiceEntity, responses=errors(400, 401, 413, 422))
 async def create_model(
     principal: Principal_,
     resolver: Resolver_,
@@ -244,17 +258,17 @@ async def create_model(
     return entity_json(row, status_code=201)
 
 
-@router.get("/model", response_model=VoicePage)
+@router.get("/model", response_model=VoicePage, responses=errors(401, 422))
 async def list_models(
     principal: Principal_,
     resolver: Resolver_,
     page_size: Annotated[int, Query(ge=1, le=100)] = 10,
-    page_number: Annotated[int, Query(ge=1)] = 1,
+    page_number: Annotated[int, Query(ge=1, le=MAX_PAGE_NUMBER)] = 1,
     title: str | None = None,
-    tag: Annotated[list[str] | None, Query()] = None,
+    tag: Annotated[list[str], Query()] = [],  # noqa: B006 (FastAPI copies defaults)
     self_only: Annotated[bool, Query(alias="self")] = False,
     author_id: str | None = None,
-    language: Annotated[list[str] | None, Query()] = None,
+    language: Annotated[list[str], Query()] = [],  # noqa: B006
     sort_by: Literal["score", "task_count", "created_at"] = "task_count",
 ) -> JSONResponse:
     """The caller's voices and everyone's public ones (unlisted voices are not listed to others)."""
@@ -277,12 +291,12 @@ async def list_models(
     return JSONResponse(page.model_dump(mode="json", by_alias=True))
 
 
-@router.get("/model/{voice_id}")
+@router.get("/model/{voice_id}", response_model=VoiceEntity, responses=errors(401, 404))
 async def get_model(voice_id: str, principal: Principal_, resolver: Resolver_) -> JSONResponse:
     return entity_json(await resolver.visible_voice(principal, voice_id))
 
 
-@router.patch("/model/{voice_id}")
+@router.patch("/model/{voice_id}", response_model=VoiceEntity, responses=errors(400, 401, 403, 404, 413, 422))
 async def update_model(
     voice_id: str,
     principal: Principal_,
@@ -310,7 +324,7 @@ async def update_model(
     return entity_json(row)
 
 
-@router.delete("/model/{voice_id}")
+@router.delete("/model/{voice_id}", response_model=DeletedVoice, responses=errors(401, 403, 404))
 async def delete_model(voice_id: str, principal: Principal_, resolver: Resolver_) -> JSONResponse:
     await owned_voice(resolver, principal, voice_id)
     await anyio.to_thread.run_sync(resolver.store.delete_voice, voice_id)
@@ -361,7 +375,13 @@ async def owned_reference(resolver: VoiceResolver, principal: Principal, name: s
     return row
 
 
-@router.post("/v1/references/add")
+@router.post(
+    "/v1/references/add",
+    responses={
+        **json_or_msgpack(ReferenceReply, "the reference was added"),
+        **errors(400, 401, 409, 413, 422),
+    },
+)
 async def add_reference(
     request: Request,
     principal: Principal_,
@@ -379,7 +399,9 @@ async def add_reference(
     return reference_reply(request, payload)
 
 
-@router.get("/v1/references/list")
+@router.get(
+    "/v1/references/list", responses={**json_or_msgpack(ReferenceReply, "the caller's names"), **errors(401)}
+)
 async def list_references(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
     """The caller's reference names (voices made by `/v1/references/add`)."""
     _, rows = await anyio.to_thread.run_sync(
@@ -391,7 +413,11 @@ async def list_references(request: Request, principal: Principal_, resolver: Res
     return reference_reply(request, {"success": True, "reference_ids": names, "message": "ok"})
 
 
-@router.delete("/v1/references/delete")
+@router.delete(
+    "/v1/references/delete",
+    responses={**json_or_msgpack(ReferenceReply, "the reference was deleted"), **errors(400, 401, 404, 413)},
+    openapi_extra=body(ReferenceDeleteBody, "application/json", MSGPACK, "application/x-www-form-urlencoded"),
+)
 async def delete_reference(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
     name = checked_reference_id((await read_fields(request)).get("reference_id"))
     row = await owned_reference(resolver, principal, name)
@@ -400,7 +426,14 @@ async def delete_reference(request: Request, principal: Principal_, resolver: Re
     return reference_reply(request, {"success": True, "message": "reference deleted", "reference_id": name})
 
 
-@router.post("/v1/references/update")
+@router.post(
+    "/v1/references/update",
+    responses={
+        **json_or_msgpack(ReferenceReply, "the reference was renamed"),
+        **errors(400, 401, 404, 409, 413),
+    },
+    openapi_extra=body(ReferenceRenameBody, "application/json", MSGPACK, "application/x-www-form-urlencoded"),
+)
 async def rename_reference(request: Request, principal: Principal_, resolver: Resolver_) -> Response:
     fields = await read_fields(request)
     old_name = checked_reference_id(fields.get("old_reference_id"))
