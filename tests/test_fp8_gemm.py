@@ -373,7 +373,7 @@ def test_scales_ahead_at_s2_shapes_gives_the_tuned_configs_bits(m: int) -> None:
         config = replace(gemm.pick_config(n, k, m, x.device, fp8_activations=True), scales_ahead=False)
         base = gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=config)
         ahead = replace(config, scales_ahead=True)
-        workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, ahead, k), DEVICE)
+        workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, ahead), DEVICE)
         graph = torch.cuda.CUDAGraph()
         gemm.fp8_gemm(x_q, x_s, w_q, w_s, config=ahead, workspace=workspace)  # compile outside
         with torch.cuda.graph(graph):

@@ -219,7 +219,7 @@ def _check_in_a_pdl_chain(
 ) -> None:
     (m, k), n = x.shape, w_q.shape[0]
     x_q, x_s = quant.quantize_activations(x)
-    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config, k), DEVICE)
+    workspace = gemm.SplitKWorkspace(*gemm.SplitKWorkspace.required(m, n, config), DEVICE)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
 
     def step() -> torch.Tensor:

@@ -205,7 +205,7 @@ def workspace_shortfall(core, changes: list[Change], batch: int) -> str | None:
         for m in graph_row_counts([batch]):
             if m_bucket(m) != bucket:
                 continue
-            partials, tiles = SplitKWorkspace.required(m, n, config, k)
+            partials, tiles = SplitKWorkspace.required(m, n, config)
             if partials > workspace.partials.numel() or tiles > workspace.counters.numel():
                 need = f"{partials} partials and {tiles} tile counters"
                 have = f"{workspace.partials.numel()} and {workspace.counters.numel()}"

@@ -338,8 +338,7 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
     pipeline stages (8 warps instead of 6 stages for 64+ row M tiles). With `tma` (W8A8), each
     also with TMA descriptor loads; the Gluon kernel (`kernels/fp8_gemm_gluon.py`, one weight tile
     before the PDL wait: timed alone there is no kernel before it to overlap, so only `shoal bench
-    ab` in the step shows that part of its gain), swapped at M <= 32 and unswapped at M >= 64; and
-    at M <= 16 stream-K launches of one and two programs per SM (`kernels/fp8_gemm_stream_k.py`)."""
+    ab` in the step shows that part of its gain), swapped at M <= 32 and unswapped at M >= 64."""
     from shoal.kernels.fp8_gemm import BLOCK_K, GemmConfig
 
     k_blocks = -(-k // BLOCK_K)
@@ -374,12 +373,6 @@ def candidate_configs(n: int, k: int, m: int, sms: int = H200_SMS, tma: bool = F
             for split in split_counts(64, bn, (1, 2, 3)):
                 for stages in (4, 6):
                     configs.append(GemmConfig(64, bn, split, 4, stages, gluon=True, tiles_before_wait=1))
-    if tma and m <= 16:  # stream-K (pre-quantized activations only): one or two programs per SM
-        for programs in (sms, 2 * sms):
-            for bn in (64, 128):
-                for stages in (4, 6, 8):
-                    for use_tma in (False, True):
-                        configs.append(GemmConfig(16, bn, 1, 4, stages, tma=use_tma, stream_k=programs))
     return configs
 
 
@@ -472,17 +465,12 @@ def sweep(
                 default = next((t for t, c in timed if c is None), math.nan)
                 best_t, best_c = min((item for item in timed if item[1] is not None), key=lambda i: i[0])
                 row[mode] = {"best_us": best_t * 1e6, "config": repr(best_c), "default_us": default * 1e6}
-                if mode == "w8a8" and not best_c.stream_k:  # the same tiles, scales loaded ahead
+                if mode == "w8a8":  # the same tiles, scales loaded ahead
                     ahead = dataclasses.replace(best_c, scales_ahead=True)
                     ahead_t = time_variant(_sweep_fn(mode, ahead), x, sets, 20, 3)
                     row[mode]["scales_ahead_us"] = ahead_t * 1e6
                     rate = n * k / ahead_t / 1e12
                     print(f"      best config with scales_ahead: {ahead_t * 1e6:.1f} us ({rate:.2f} TB/s)")
-                streamed = [item for item in timed if item[1] is not None and item[1].stream_k]
-                if streamed:  # stream-K's best beside split-K's, to see how far apart they are
-                    sk_t, sk_c = min(streamed, key=lambda i: i[0])
-                    row[mode]["stream_k"] = {"us": sk_t * 1e6, "config": repr(sk_c)}
-                    print(f"      best stream-K {sk_t * 1e6:.1f} us: {sk_c!r}")
                 table = "TUNED_CONFIGS_FP8" if mode == "w8a8" else "TUNED_CONFIGS"
                 print(
                     f"    ({n}, {k}, {fp8_gemm.m_bucket(m)}): {best_c!r},  # {table} {name} "

@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from shoal.kernels.fp8_gemm_stream_k import MAX_ROWS, StreamKPlan, launch_stream_k
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 from shoal.kernels.quant import (
     FP8_MAX,
@@ -79,9 +78,6 @@ class GemmConfig:
     # of fp32: half the partial bytes written and read back (10.3 MB per layer at M = 64 with
     # today's tables). The output's bits change, so only with the correctness gate's consent.
     bf16_partials: bool = False
-    # Stream-K (`kernels/fp8_gemm_stream_k.py`) with about this many programs instead of split-K
-    # (0: off; `split_k`, `block_m` and `swap_ab` are then unused). Pre-quantized activations only.
-    stream_k: int = 0
     # Pre-quantized activations: each K step's two scales are loaded one step ahead (carried
     # through the loop) instead of picked out of vectors preloaded for the whole split. The pick
     # is a cross-warp reduction (shuffles, shared memory, CTA barriers): the sm_90 build of the
@@ -105,9 +101,6 @@ class GemmConfig:
     # layout of 16 contiguous bytes per thread before its store, instead of stored from the
     # wgmma accumulator's layout (2-4 bytes per store instruction). The same bits.
     vector_stores: bool = False
-
-    def stream_k_plan(self, n: int, k: int) -> StreamKPlan:
-        return StreamKPlan.make(n, k, self.block_n, BLOCK_K, self.stream_k)
 
 
 # Measured winners per (N, K, M bucket), filled from `shoal bench gemm --sweep` on the H200, for
@@ -280,7 +273,7 @@ def pick_config(
     if config is None:
         sms = _multiprocessors(device) if device is not None else H200_SMS
         config = default_config(n, k, m, sms)
-    if _bf16_partials_everywhere and (config.split_k > 1 or config.stream_k):
+    if _bf16_partials_everywhere and config.split_k > 1:
         config = dataclasses.replace(config, bf16_partials=True)
     return config
 
@@ -310,28 +303,21 @@ class SplitKWorkspace:
         self.counters = torch.zeros(max(1, max_tiles), dtype=torch.int32, device=device)
 
     @staticmethod
-    def required(m: int, n: int, config: GemmConfig, k: int | None = None) -> tuple[int, int]:
+    def required(m: int, n: int, config: GemmConfig) -> tuple[int, int]:
         """(fp32 partial elements, counters) a launch with this config needs (bf16 partials
-        take half the fp32 elements). Stream-K configs need K too (their slot count)."""
-        if config.stream_k:
-            if k is None:
-                raise ValueError("a stream-K config's workspace depends on K: pass k")
-            plan = config.stream_k_plan(n, k)
-            slots, tiles = plan.slots, triton.cdiv(m, MAX_ROWS) * plan.n_tiles
-        elif config.split_k == 1:
+        take half the fp32 elements)."""
+        if config.split_k == 1:
             return 0, 0
-        else:
-            slots = config.split_k
-            tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-        partials = slots * m * n
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+        partials = config.split_k * m * n
         return (partials + 1) // 2 if config.bf16_partials else partials, tiles
 
     def partials_for(self, config: GemmConfig) -> torch.Tensor:
         """The flat partial buffer in the config's partial dtype (one memory, two views)."""
         return self.partials.view(torch.bfloat16) if config.bf16_partials else self.partials
 
-    def check(self, m: int, n: int, config: GemmConfig, k: int | None = None) -> None:
-        partials, tiles = self.required(m, n, config, k)
+    def check(self, m: int, n: int, config: GemmConfig) -> None:
+        partials, tiles = self.required(m, n, config)
         if partials > self.partials.numel() or tiles > self.counters.numel():
             raise ValueError(
                 f"split-K workspace too small: need {partials} partials and {tiles} counters, "
@@ -374,9 +360,9 @@ class SplitKPartials:
 _default_workspaces: dict[torch.device, SplitKWorkspace] = {}
 
 
-def _workspace_for(device: torch.device, m: int, n: int, k: int, config: GemmConfig) -> SplitKWorkspace:
+def _workspace_for(device: torch.device, m: int, n: int, config: GemmConfig) -> SplitKWorkspace:
     """A lazily grown per-device workspace, for callers (tests, eager use) that pass none."""
-    need_partials, need_tiles = SplitKWorkspace.required(m, n, config, k)
+    need_partials, need_tiles = SplitKWorkspace.required(m, n, config)
     current = _default_workspaces.get(device)
     if current is None or current.partials.numel() < need_partials or current.counters.numel() < need_tiles:
         have_p = current.partials.numel() if current else 0
@@ -646,8 +632,6 @@ def _launch(
         return out
     if config is None:
         config = pick_config(n, k, m, a.device, fp8_activations=mode != ACT_BF16)
-        if config.stream_k and mode != ACT_FP8:  # the FP8 table also serves inline quantization
-            config = default_config(n, k, m, _multiprocessors(a.device))
     if config.gluon and (mode != ACT_FP8 or not _gluon_runs(a.device)):  # its Triton equivalent
         config = dataclasses.replace(config, gluon=False, tma=True, scales_ahead=True)
     if config.scales_ahead and mode != ACT_FP8:
@@ -655,10 +639,8 @@ def _launch(
     if config.block_n > BLOCK_K or BLOCK_K % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK_K} (one weight-scale row per tile): {config}")
     if workspace is None:
-        workspace = _workspace_for(a.device, m, n, k, config)
-    workspace.check(m, n, config, k)
-    if config.stream_k:
-        return _launch_stream_k(mode, a, a_scale, w_q, w_scale, out, workspace, config, unreduced)
+        workspace = _workspace_for(a.device, m, n, config)
+    workspace.check(m, n, config)
     if a_scale is None:
         a_scale_arg, stride_asm, stride_asg = w_scale, 0, 0  # unused by the bf16/inline modes
     else:
@@ -750,36 +732,6 @@ def _gluon_imports() -> bool:
         )
         return False
     return True
-
-
-def _launch_stream_k(
-    mode: int,
-    a: torch.Tensor,
-    a_scale: torch.Tensor | None,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    out: torch.Tensor,
-    workspace: SplitKWorkspace,
-    config: GemmConfig,
-    unreduced: bool,
-) -> torch.Tensor | SplitKPartials:
-    if mode != ACT_FP8 or a_scale is None:
-        raise ValueError("stream-K configs take pre-quantized activations (fp8_gemm) only")
-    (m, k), n = a.shape, w_q.shape[0]
-    check_activation_scales(a_scale, m, k)
-    plan = config.stream_k_plan(n, k)
-    if config.tma and k % 16:
-        raise ValueError(f"TMA loads need K % 16 == 0 (16-byte aligned e4m3 rows), got K = {k}")
-    partials = workspace.partials_for(config)
-    launch_stream_k(
-        a, a_scale, w_q, w_scale, out, partials, workspace.counters, plan,
-        block_n=config.block_n, block_k=BLOCK_K, bf16_partials=config.bf16_partials,
-        leave_partials=unreduced, use_tma=config.tma, num_warps=config.num_warps,
-        num_stages=config.num_stages, launch=pdl_launch(),
-    )  # fmt: skip
-    if unreduced:
-        return SplitKPartials(partials[: plan.slots * m * n].view(plan.slots, m, n))
-    return out
 
 
 def fp8_gemm(

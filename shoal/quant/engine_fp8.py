@@ -309,7 +309,7 @@ class Fp8Projections:
         for w in self.weights():  # every FP8 variant, so that the table may change after reserve
             for fp8_activations in (True, False):
                 config = pick_config(w.n, w.k, m, w.q.device, fp8_activations=fp8_activations)
-                p, t = SplitKWorkspace.required(m, w.n, config, w.k)
+                p, t = SplitKWorkspace.required(m, w.n, config)
                 partials, tiles = max(partials, p), max(tiles, t)
         return partials, tiles
 
