@@ -535,44 +535,6 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
         assert torch.equal(got, want)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("split_rows", [False, True], ids=["row-programs", "split-rows"])
-def test_norm_gathering_the_codes_equals_the_gather_launch(tmp_path, monkeypatch, split_rows: bool) -> None:
-    """`DecodeStep.norm_gathers_codes`: fast passes 2..N start with their first norm gathering
-    the drawn codes' embeddings (`GatheredRows`) instead of a `gather_rows` launch; the whole
-    step (every frame, the window, the next tokens) equals the step with the launch bit for bit,
-    with the norms writing the FP8 inputs, one program per row or rows split over programs."""
-    from shoal.kernels import gather_rows as gather_module
-
-    launches = []
-    original = gather_module.gather_rows
-    monkeypatch.setattr(gather_module, "gather_rows", lambda *a, **k: launches.append(1) or original(*a, **k))
-    model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
-    outputs = []
-    for gathers in (True, False):
-        monkeypatch.setenv("SHOAL_NORM_GATHERS_CODES", "1" if gathers else "0")
-        step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
-        assert step.norm_gathers_codes == gathers
-        step.fp8.reserve(graph_row_counts([2]))
-        step.norm_split_max_rows = 1 << 20
-        step.norm_slice_groups = 1 if split_rows else 0
-        b = DecodeBuffers.allocate(2, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
-        for name in fields:
-            getattr(b, name).copy_(getattr(runner.host.host, name)[:2])
-        b.frames.fill_(-7)  # poison: every element must be written
-        launches.clear()
-        with torch.no_grad():
-            step(b, True)
-        assert len(launches) == (0 if gathers else model.config.num_codebooks - 2)
-        assert (b.frames >= 0).all()
-        outputs.append((b.frames.clone(), b.window.clone(), b.tokens.clone()))
-    for got, want in zip(*outputs, strict=True):
-        assert torch.equal(got, want)
-    monkeypatch.setenv("SHOAL_NORM_GATHERS_CODES", "yes")
-    with pytest.raises(ValueError, match="SHOAL_NORM_GATHERS_CODES"):
-        DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
-
-
 @pytest.mark.parametrize(
     "split_rows,fused_fast", [(False, True), (True, False)], ids=["row-programs", "split-rows-unfused-fast"]
 )

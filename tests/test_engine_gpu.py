@@ -439,27 +439,6 @@ def test_packed_prefill_graph_replay_equals_eager_static_run(golden_dir, weight_
 
 
 @pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
-def test_norms_gathering_the_codes_give_the_same_frames(golden_dir, weight_format: str, monkeypatch) -> None:
-    """`SHOAL_NORM_GATHERS_CODES=1` (fast passes 2..N without a gather launch) through the CUDA
-    graphs, staggered requests at several batch sizes: the frames of the default engine exactly."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from model_testing import staggered_request_frames
-
-    frames = {}
-    for gathers in ("0", "1"):
-        monkeypatch.setenv("SHOAL_NORM_GATHERS_CODES", gathers)
-        core = first_frame_core(golden_dir, weight_format, None, ignore_eos=True)
-        assert core.runner.step.norm_gathers_codes == (gathers == "1")
-        frames[gathers] = staggered_request_frames(core, seed=9)
-        del core
-        torch.cuda.empty_cache()
-    assert len(frames["1"]) == len(frames["0"]) == 7
-    for gathered, launched in zip(frames["1"], frames["0"], strict=True):
-        assert torch.equal(gathered, launched)
-
-
-@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
 def test_advancing_on_the_device_gives_the_same_frames(golden_dir, weight_format: str) -> None:
     """`EngineConfig.advance_on_device` (the step's last kernel advances the metadata and stores
     the frames into pinned host memory) through the CUDA graphs, staggered requests at several

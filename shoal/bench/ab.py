@@ -43,7 +43,6 @@ STEP_SWITCHES = frozenset(
         "norm_slice_groups",
         "norm_max_registers",
         "sample_chunks",
-        "norm_gathers_codes",
         "fast_attention_partials_max_batch",
         "max_top_k",
         "fp8_fast_head",

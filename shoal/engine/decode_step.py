@@ -202,12 +202,6 @@ class DecodeStep:
         # The head kernel reads a rounded fast head's e4m3 codes (`quant/fp8_head.py`) rather than
         # its bf16 weight, which holds the same values: half the bytes.
         self.fp8_fast_head = True
-        # Fast passes 2..N start from the embeddings of the codes just drawn: the pass's first norm
-        # gathers them itself (`GatheredRows`) instead of a `kernels/gather_rows.py` launch whose
-        # output the norm would read back: the same bits, a launch and a round trip to L2 fewer
-        # per pass. On the H200 (docs/performance.md run 166): batch-1 step 0.991x, batch 16
-        # 1.003x and 64 1.000x (within their spread). `SHOAL_NORM_GATHERS_CODES=0`: the launch.
-        self.norm_gathers_codes = use_kernels and env_switch("SHOAL_NORM_GATHERS_CODES", ("1", "0")) == "1"
         # Pinned host ring [R, max_batch, N+1] the step's last kernel writes the frames into while
         # it advances the step's metadata for the next step (`kernels.window.StepAdvance`); set by
         # `ModelRunner.advance_on_device`, None: the metadata comes from the host every step.
@@ -297,16 +291,12 @@ class DecodeStep:
             fast_logits = self.model.forward_fast(x, 0, cache)[:, 1]
         for k in range(1, mc.num_codebooks):
             if k >= 2:
-                if self.use_kernels:  # the sampler's int32 codes read in place, one PDL launch
-                    from shoal.kernels.gather_rows import GatheredRows, gather_rows
+                if self.use_kernels:  # the pass's first norm gathers the drawn codes' embeddings
+                    from shoal.kernels.gather_rows import GatheredRows
 
                     table = self.model.fast_embeddings.weight
-                    if self.norm_gathers_codes:  # by the pass's first norm (no launch here)
-                        rows = table.new_empty(frames.shape[0], table.shape[1])
-                        x = GatheredRows(frames[:, k], table, rows)
-                    else:
-                        x = gather_rows(frames[:, k], table)
-                    fast_logits = self._fast_kernels(x, k)
+                    rows = table.new_empty(frames.shape[0], table.shape[1])
+                    fast_logits = self._fast_kernels(GatheredRows(frames[:, k], table, rows), k)
                 else:
                     x = self.model.fast_embed(frames[:, k].long())
                     fast_logits = self.model.forward_fast(x[:, None], k, cache)[:, 0]

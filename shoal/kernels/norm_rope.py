@@ -477,7 +477,7 @@ def rms_norm(
 
     x may be a `GatheredRows` (ids, table, out): the norm reads row `ids[r]` of the table as row
     r, stores it into `out` (the residual stream it starts; returned as the second value) and
-    normalizes it: the same bits as `gather_rows` then this norm, one launch fewer. No residual
+    normalizes it: the same bits as `F.embedding` then this norm, one launch fewer. No residual
     add then.
 
     `max_registers`: the build's register limit (None: ptxas's own choice); decode-sized launches
