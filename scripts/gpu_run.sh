@@ -5,8 +5,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# The golden data beside the checkout does not travel to the GPU machine: carry a copy (see docs/performance.md).
-[ -d .gpu_shared/golden ] && export SHOAL_SHARED=$PWD/.gpu_shared
 OUT=${OUT:-/tmp/shoal-gpu}
 mkdir -p "$OUT"
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(all)

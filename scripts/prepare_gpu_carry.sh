@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
-# Prepare what a call to the lent H200 carries beside the working tree (both folders are ignored
-# by git, see .git/info/exclude): .gpu_shared/golden (the golden data, which lives outside the
-# checkout) and .whl (Python 3.12 wheels of the web stack, which that machine lacks).
-# Then: device run with carry [".gpu_shared"] (GPU tests, benchmarks: scripts/gpu_run.sh) or
-# [".whl", ".gpu_shared"] (scripts/gpu_serve_bench.sh).
+# Prepare what a call to the lent H200 carries beside the working tree: .whl (Python 3.12 wheels
+# of the web stack, which that machine lacks; ignored by git, see .git/info/exclude). The golden
+# data is in the checkout (tests/golden) and travels with it.
+# Then: device run with carry [".whl"] (scripts/gpu_serve_bench.sh; scripts/gpu_run.sh needs none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for path in /.gpu_shared/ /.whl/; do
-  grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude
-done
-mkdir -p .gpu_shared && rm -rf .gpu_shared/golden && cp -r ../shared/golden .gpu_shared/
+grep -qxF /.whl/ .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_34_x86_64 \
@@ -18,4 +14,4 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   typing-inspection==0.4.5 uvicorn==0.54.0 python-multipart==0.0.34 ormsgpack==1.13.1 av==18.1.0 \
   SQLAlchemy==2.1.9 websockets==17.4 opentelemetry-api==1.45.2 typing_extensions==4.16.0 anyio==4.16.0 annotated-doc==0.0.7 \
   py-spy==0.4.3  # not a server dependency: probe_server_load.py --py-spy, gpu_serve_bench.sh PYSPY_S
-du -sh .gpu_shared .whl
+du -sh .whl
