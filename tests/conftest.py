@@ -54,9 +54,57 @@ def _allow_scalar_loop_bounds_in_interpreter() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+class _NoPatches:
+    def restore(self) -> None:
+        pass
+
+
+def _patch_language_once_per_launch() -> None:
+    """Triton 3.6's interpreter re-patches `triton.language` (an `inspect.getmembers` walk over
+    every module) at each call of a `@triton.jit` helper inside a kernel, although the launch
+    has patched the same modules already: 40% of an interpreted engine step. Within a launch,
+    a helper whose language modules are patched skips it; the launch restores them as before.
+    Idempotent; only ever applied when TRITON_INTERPRET=1."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    if getattr(original, "_shoal_once_per_launch", False):
+        return
+    active: dict = {"scope": None, "langs": set()}
+
+    def languages(fn) -> set[int]:
+        values = fn.__globals__.values()
+        return {id(v) for v in values if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def patched(fn):
+        langs = languages(fn)
+        if active["scope"] is not None and langs <= active["langs"]:
+            return _NoPatches()  # a helper called inside a launch that patched these modules
+        scope = original(fn)
+        if active["scope"] is None:  # a launch: it restores its scope when its grid has run
+            active.update(scope=scope, langs=langs)
+            restore = scope.restore
+
+            def restore_and_forget() -> None:
+                restore()
+                active.update(scope=None, langs=set())
+
+            scope.restore = restore_and_forget
+        else:
+            active["langs"] |= langs
+        return scope
+
+    patched._shoal_once_per_launch = True
+    interpreter._patch_lang = patched
+
+
 def _patch_interpreter_if_interpreting() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         _allow_scalar_loop_bounds_in_interpreter()
+        _patch_language_once_per_launch()
 
 
 # Kernel test modules set TRITON_INTERPRET=1 themselves (on a machine without CUDA) when pytest
