@@ -242,14 +242,11 @@ def test_rms_norm_row_split_over_programs_gives_the_same_bits(quantized: bool, w
             assert torch.equal(split_residual, whole_residual)
 
 
-def test_rows_are_a_power_of_two_tile_and_a_tail(monkeypatch) -> None:
+def test_rows_are_a_power_of_two_tile_and_a_tail() -> None:
     """S2-Pro's 2,560 columns: 16 + 4 groups, no masked lanes; widths of a power of two of groups
-    take one tile; `SHOAL_NORM_ONE_TILE=1` restores the one masked tile of 32 groups."""
-    from shoal.kernels import norm_rope
+    take one tile."""
     from shoal.kernels.norm_rope import row_tiles
 
-    monkeypatch.delenv("SHOAL_NORM_ONE_TILE", raising=False)
-    norm_rope._one_tile.cache_clear()
     assert [row_tiles(d) for d in (2560, 1024, 640, 320, 200, 48)] == [
         (16, 4),
         (8, 0),
@@ -259,14 +256,6 @@ def test_rows_are_a_power_of_two_tile_and_a_tail(monkeypatch) -> None:
         (1, 0),
     ]
     assert row_tiles(128 * 23) == (16, 8)
-    monkeypatch.setenv("SHOAL_NORM_ONE_TILE", "1")
-    norm_rope._one_tile.cache_clear()  # the switch is read once per process
-    try:
-        assert row_tiles(2560) == (32, 0)
-    finally:
-        monkeypatch.delenv("SHOAL_NORM_ONE_TILE")
-        norm_rope._one_tile.cache_clear()
-    assert row_tiles(2560) == (16, 4)
 
 
 def test_rms_norm_row_split_refuses_an_in_place_residual() -> None:

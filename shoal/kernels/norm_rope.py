@@ -18,7 +18,6 @@ the bf16 pool would hold (k after norm + RoPE, v as loaded), quantized with one 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -416,20 +415,11 @@ def _rms_norm_kernel(
             )  # fmt: skip
 
 
-@functools.cache
-def _one_tile() -> bool:
-    """`SHOAL_NORM_ONE_TILE=1`, read once per process as the other A/B switches are (`rms_norm`
-    runs on the eager prefill's host path, about 73 calls per chunk)."""
-    return os.environ.get("SHOAL_NORM_ONE_TILE") == "1"
-
-
 def row_tiles(dim: int) -> tuple[int, int]:
     """(main, tail) groups of a `dim`-wide row: the largest power of two of its 128-column groups,
-    then the rest rounded up to a power of two (0 when none). `SHOAL_NORM_ONE_TILE=1`: one tile
-    of the groups rounded up to a power of two, masked past dim (the build before run 213)."""
+    then the rest rounded up to a power of two (0 when none): no masked lanes at S2-Pro's width
+    (one masked tile of 32 groups was 1.5x slower in the prefill, docs/performance.md run 213)."""
     groups = triton.cdiv(dim, GROUP)
-    if _one_tile():
-        return triton.next_power_of_2(groups), 0
     main = 1 << (groups.bit_length() - 1)
     return main, (triton.next_power_of_2(groups - main) if groups > main else 0)
 

@@ -29,11 +29,9 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 # Under Triton's CPU interpreter the fp32 -> e4m3 cast mis-rounds values just below a power of
 # two, so the kernels round on the bits there (fixed when this module is imported). On the GPU the
-# cast rounds in one instruction; `SHOAL_E4M3_ON_BITS=1` takes the bit rounding there too (the same
-# codes, more instructions: docs/performance.md run 212 compares them).
-_ROUND_E4M3_ON_BITS = tl.constexpr(
-    os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SHOAL_E4M3_ON_BITS") == "1"
-)
+# cast rounds in one instruction (the bit rounding there gives the same codes with more
+# instructions: docs/performance.md run 212).
+_ROUND_E4M3_ON_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def new_activation_scales(m: int, k: int, device: torch.device | str) -> torch.Tensor:
