@@ -181,18 +181,17 @@ def test_kernel_step_never_writes_what_its_kernels_read_before_the_pdl_wait(gold
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("select,chunks", [("sort", None), ("radix", None), ("radix", 4)])
+@pytest.mark.parametrize("chunks", [None, 4])
 def test_kernel_step_with_wide_rows_equals_torch_step(
-    tmp_path, select: str, chunks: int | None, monkeypatch: pytest.MonkeyPatch
+    tmp_path, chunks: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tiny S2 model with 256 codes per codebook: the main row (256 semantic ids + `<|im_end|>`,
     one column past a power of two) and the codebook rows are wider than the 64 candidates the
-    capped kernel extracts, so the step reaches the split last column and the top-k selection
-    (`select`) that the golden model's 64-column rows skip (they sort the whole tile); with
+    capped kernel extracts, so the step reaches the split last column and the radix selection
+    that the golden model's 64-column rows skip (they sort the whole tile); with
     `chunks` the step's `sample_chunks` switch spreads each sampled row over that many programs."""
     from shoal.models.writer import tiny_config, write_checkpoint
 
-    monkeypatch.setenv("SHOAL_SAMPLE_SELECT", select)
     config = tiny_config("s2").replace(vocab_size=768, codebook_size=256, semantic_end_id=655)
     write_checkpoint(tmp_path, config, seed=5)
     model = load_model(tmp_path, dtype=torch.float32)

@@ -170,17 +170,15 @@ def sampler_case(rows: int, main: bool, device: str, scale: float = 1.0):
 def sample_kernel_table() -> None:
     """The sampling kernel alone (CUDA-graph replays) at the decode step's shapes: codebook rows
     (4,096 columns) and S2's main row (4,097, with token ids and RAS), batch 1 and 64, `max_top_k`
-    64; every way to extract the top keys (`select`: "sort" = `tl.topk`, "radix" = the radix
-    select), and for the main row each with its last column split off (`split_last_column`) and
-    without (the 8,192 tile); the radix select also at 4 and 16 warps (`/4w`, `/16w`; 8 by
-    default: run 20 timed 4 to 32 warps for the sort, when it was the default, and 8 was fastest).
-    Those run one program per row (`chunks=1`); `radix/c4`, `/c8`, `/c16` (`radix+split/c8` for the
-    main row) spread each row over that many programs (`sample_tokens`' `chunks`, 8 warps; the
-    default at batch <= 64 is `DEFAULT_CHUNKS`), requested explicitly at both batches."""
+    64; for the main row with its last column split off (`split_last_column`) and without (the
+    8,192 tile); at 4, 8 and 16 warps (`/4w`, `/16w`; 8 by default). Those run one program per
+    row (`chunks=1`); `/c4`, `/c8`, `/c16` spread each row over that many programs
+    (`sample_tokens`' `chunks`, 8 warps; the default at batch <= 64 is `DEFAULT_CHUNKS`),
+    requested explicitly at both batches."""
     import torch
 
     from shoal.bench.timing import time_graph_ms
-    from shoal.kernels.sample import SELECTS, sample_tokens
+    from shoal.kernels.sample import sample_tokens
 
     device = "cuda"
     for rows, main in ((1, False), (1, True), (64, False), (64, True)):
@@ -189,18 +187,17 @@ def sample_kernel_table() -> None:
         out = torch.empty(rows, dtype=torch.long, device=device)
         times = {}
         variants = [
-            (select, split, warps, 1)
-            for select in SELECTS
+            (split, warps, 1)
             for split in ((True, False) if main else (True,))  # a 4,096-column row has no column to split
-            for warps in ((4, 8, 16) if select == "radix" and split else (8,))
+            for warps in ((4, 8, 16) if split else (8,))
         ]
-        variants += [("radix", True, 8, chunks) for chunks in (4, 8, 16)]
-        for select, split, warps, chunks in variants:
+        variants += [(True, 8, chunks) for chunks in (4, 8, 16)]
+        for split, warps, chunks in variants:
             call = functools.partial(
                 sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
-                split_last_column=split, select=select, num_warps=warps, chunks=chunks, **extra,
+                split_last_column=split, num_warps=warps, chunks=chunks, **extra,
             )  # fmt: skip
-            label = f"{select}+{'split' if split else 'whole'}" if main else select
+            label = ("split" if split else "whole") if main else "row"
             label += f"/{warps}w" if warps != 8 else ""
             label += f"/c{chunks}" if chunks != 1 else ""
             times[label] = 1000 * time_graph_ms(call, repeats=30)

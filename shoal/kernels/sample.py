@@ -13,21 +13,17 @@ equals the full constrained row's), or a codebook row (1024 / 4096). Sorting pac
 into one 64-bit key, so ties break toward the lower vocabulary id as a stable sort does; with
 `max_top_k` only the top-k keys are extracted, otherwise the whole row is sorted.
 
-Two ways to extract the top k keys (`select`), both giving the same k keys in the same order:
-- "sort": `tl.topk`, Triton's bitonic networks, which cost per stage over the whole power-of-two
-  tile: 22 µs for a 4,096-column row on the H200, and S2's main row (4,096 semantic ids +
-  `<|im_end|>`) would take an 8,192-wide tile (50 µs). So a row of 2^n + 1 columns extracts the
-  top k of its first 2^n and inserts the last column's key into that sorted list (`_insert_key`,
-  `split_last_column`, on by default: 49.8 -> 28.2 µs, docs/performance.md run 22).
-- "radix": `_select_top_keys`, a radix select that finds where the k-th largest key lies with a
-  few 32-bin histograms instead of sorting the row, compacts the fewer than 2k keys above that
-  through a [rows, 2k] global scratch buffer and extracts the top k of those 2k. Its cost hardly
-  depends on the tile width. Measured on the H200 (`shoal bench profile --sample-kernel`, single
-  replays): 4,096 columns 20.4 -> 16.8 µs; S2's main row 30.1 (sort+split) -> 19.3 (radix+split),
-  23.2 (radix+whole); the same at batch 64 (21.9 -> 18.0, 30.3 -> 19.6).
-Inside the decode step the kernel went from 33 to 13 µs per call and the FP8 step from 4.25 to
-4.05 ms at batch 1 (6.91 -> 6.70 at 64; run 25), so "radix" is the default; `SHOAL_SAMPLE_SELECT`
-overrides it (same-run A/B).
+The top k keys of a row wider than k come from `_select_top_keys`, a radix select that finds
+where the k-th largest key lies with a few 32-bin histograms instead of sorting the row,
+compacts the fewer than 2k keys above that through a [rows, 2k] global scratch buffer and
+extracts the top k of those 2k; its cost hardly depends on the tile width. (`tl.topk`, Triton's
+bitonic networks, costs per stage over the whole power-of-two tile: on the H200 4,096 columns
+took 20.4 µs against the radix select's 16.8, S2's main row 30.1 against 19.3, and the FP8 step
+4.25 against 4.05 ms at batch 1: docs/performance.md run 25. It still sorts a row whose k is its
+whole tile, and the chunked kernel's runs.) A row of 2^n + 1 columns (S2's main row: 4,096
+semantic ids + `<|im_end|>`) extracts the top k of its first 2^n and inserts the last column's
+key into that sorted list (`_insert_key`, `split_last_column`, on by default) instead of taking
+a tile twice as wide (run 22).
 
 Chunked rows (`chunks`, `_sample_chunked_kernel`): the one program per row is one SM issuing a
 chain of block-wide steps (run 102: 4,280 instructions per warp at 4.9 cycles each, 10.6 µs in
@@ -41,7 +37,7 @@ codebook row 10.6 -> 5.8 µs with 8 chunks (4 chunks 7.2, 16 chunks 6.9), S2's m
 8.1; the same at batch 16 (10.7 -> 5.9, 13.3 -> 8.5); at batch 64 (512 programs) 10.8 -> 9.8.
 With the radix select in the chunks it was 8.0 / 10.6, and merging with `tl.topk` over the P * k
 candidates (sorting runs that arrive sorted) 8.5 / 11.4. `DEFAULT_CHUNKS` at batch <= 64 on a GPU
-with "radix" (the one-program kernel otherwise); `SHOAL_SAMPLE_CHUNKS` overrides. In the FP8
+for rows wider than k (the one-program kernel otherwise); `SHOAL_SAMPLE_CHUNKS` overrides. In the FP8
 decode step (10 sampling calls) 8 chunks made the step 0.993x / 0.988x / 0.996x at batch 1 / 16 /
 64, 4 chunks 0.997x / 0.991x / 0.997x (docs/performance.md run 137). The candidate count is
 most of the chunked kernel's cost: with `max_top_k` 32 instead of 64 (the engine's default since
@@ -66,8 +62,6 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 MAX_COLUMNS = 16384
 RAS_TEMPERATURE = 1.0  # exactly representable in bf16
 RAS_TOP_P = float(torch.tensor(0.9).to(torch.bfloat16).float())  # 0.8984375, the reference's bf16
-SELECTS = ("sort", "radix")
-DEFAULT_SELECT = "radix"
 # The radix select's digit: 5 bits, 32 bins. On the H200 a 32-bin histogram costs less than a
 # 256-bin one by more than the extra passes cost (measured with 16 to 256 bins).
 RADIX_BITS = tl.constexpr(5)
@@ -454,7 +448,6 @@ def sample_tokens(
     out: Tensor | None = None,
     num_warps: int | None = None,
     split_last_column: bool = True,
-    select: str | None = None,
     chunks: int | None = None,
 ) -> Tensor:
     """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
@@ -462,20 +455,17 @@ def sample_tokens(
     RAS when `window` int32 [B, W, N+1] and `semantic_range` (inclusive) are given (slot 0).
     `max_top_k`: a bound on every row's top_k that lets the kernel extract only that many
     candidates; rows with a larger top_k are then treated as top_k = that bound.
-    `split_last_column` (with `max_top_k`): a row of 2^n + 1 columns runs the 2^n-wide tile and
-    inserts the last column after, instead of the 2^(n+1)-wide tile (same draws); measured on the
-    H200 with "sort": 49.8 -> 28.2 µs for S2's 4,097-column main row (docs/performance.md run 22).
-    `select` (with `max_top_k`): how the top keys are found, "sort" (`tl.topk`) or "radix"
-    (`_select_top_keys`); the same draws either way. None reads `SHOAL_SAMPLE_SELECT` (default
-    `DEFAULT_SELECT`) at each call, so an A/B run needs no code change; under CUDA-graph capture the value
-    at capture time is what the graph replays. "radix" allocates its [B, 2k] int64 scratch with
-    `torch.empty` per call: inside a capture that block comes from the graph's private pool and is
-    reused in stream order like any temporary, so nothing is allocated at replay, and no cached
-    workspace can be freed or regrown under a graph that still uses it.
+    `split_last_column` (with `max_top_k`): a row of 2^n + 1 columns runs the 2^n-wide tile and inserts
+    the last column after, instead of the 2^(n+1)-wide tile (same draws; docs/performance.md run 22).
+    With `max_top_k` below the tile width the top keys come from the radix select, which allocates its
+    [B, 2k] int64 scratch with `torch.empty` per call: inside a capture that block comes from the
+    graph's private pool and is reused in stream order like any temporary, so nothing is allocated at
+    replay, and no cached workspace can be freed or regrown under a graph that still uses it.
     `chunks`: programs per row (a power of two; chunks of at least k columns, so with `max_top_k`;
     at most `CHUNKED_MAX_ROWS` rows), the same draws as 1 (the one-program kernel, `_sample_kernel`)
     at the same `num_warps`. None reads `SHOAL_SAMPLE_CHUNKS` at each call (1: one program), else
-    `DEFAULT_CHUNKS` for at most `DEFAULT_CHUNKS_MAX_ROWS` rows on a GPU with "radix", else 1;
+    `DEFAULT_CHUNKS` for at most `DEFAULT_CHUNKS_MAX_ROWS` rows on a GPU when the radix select
+    runs, else 1;
     those fall back to 1 where the shape cannot take them, an explicit value raises a ValueError.
     The chunked kernel's [B, chunks * k] int64 candidates come from `torch.empty` per call as the
     radix scratch does; its per-row counters are one buffer per device (`chunk_counters`): chunked
@@ -490,9 +480,6 @@ def sample_tokens(
         raise ValueError(f"need contiguous rows of at most {MAX_COLUMNS} columns (got {columns})")
     if (window is None) != (semantic_range is None) or (window is not None and slot != 0):
         raise ValueError("RAS needs both window and semantic_range, and the main slot 0")
-    select = os.environ.get("SHOAL_SAMPLE_SELECT", DEFAULT_SELECT) if select is None else select
-    if select not in SELECTS:
-        raise ValueError(f"select must be one of {SELECTS} (SHOAL_SAMPLE_SELECT), got {select!r}")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
     if rows == 0:
         return out
@@ -507,7 +494,7 @@ def sample_tokens(
     )
     if extra_last:
         block_v = columns - 1
-    radix = select == "radix" and k < block_v  # k == block_v sorts the whole tile either way
+    radix = k < block_v  # k == block_v sorts the whole tile
     chunks = _resolve_chunks(chunks, rows, block_v, k, radix and logits.is_cuda)
     begin, end = semantic_range if semantic_range is not None else (0, -1)
     args = (
