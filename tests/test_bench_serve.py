@@ -165,7 +165,8 @@ def tone_server(tmp_path, **settings):
     """The real app over the ToneEngine on a real port (uvicorn in a thread)."""
     import uvicorn
 
-    from shoal.server.app import ServerSettings, create_app
+    from shoal.server.app import create_app
+    from shoal.server.settings import ServerSettings
     from shoal.server.store import Store
 
     engine = ToneEngine(chunk_delay=0.01)

@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 
 from shoal.engine.api import EngineOverloaded, InvalidRequest, Priority
 from shoal.server import audio
-from shoal.server.app import ServerSettings, create_app
+from shoal.server.app import create_app
 from shoal.server.auth import hash_api_key
+from shoal.server.settings import ServerSettings
 from shoal.server.store import Store
 
 KEY_A = "shoal_jobs_key_tenant_a"

@@ -20,9 +20,10 @@ from server_fakes import ToneEngine
 from starlette.websockets import WebSocketDisconnect
 
 from shoal.server import audio
-from shoal.server.app import ServerSettings, create_app
+from shoal.server.app import create_app
 from shoal.server.auth import hash_api_key
 from shoal.server.live import split_ready_text
+from shoal.server.settings import ServerSettings
 from shoal.server.store import Store
 
 REPO = Path(__file__).resolve().parents[1]

@@ -188,7 +188,8 @@ def build_engine(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from shoal.server.app import ServerSettings, create_app
+    from shoal.server.app import create_app
+    from shoal.server.settings import ServerSettings
     from shoal.server.store import Store
 
     logging.basicConfig(

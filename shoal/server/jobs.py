@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Query, Request
@@ -36,11 +36,9 @@ from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import ApiError
 from shoal.server.openapi import audio_response, body, errors
 from shoal.server.schemas import MAX_PAGE_NUMBER, JobCreateBody, JobEntity, JobItemEntity, JobPage
+from shoal.server.settings import ServerSettings
 from shoal.server.store import JOB_ACTIVE, JobItemRow, JobRow, Store, codes_from_bytes
 from shoal.server.tts import build_synthesis_request, encode_chunk, make_encoder, parse_model
-
-if TYPE_CHECKING:
-    from shoal.server.app import ServerSettings
 
 log = logging.getLogger("shoal.server.jobs")
 

@@ -20,7 +20,6 @@ import logging
 import math
 import re
 import time
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -34,10 +33,8 @@ from shoal.server.auth import Principal, StreamLimiter, authenticate
 from shoal.server.errors import ApiError, error_response, exception_to_error
 from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import TTSRequestBody
+from shoal.server.settings import ServerSettings
 from shoal.server.tts import EncodedAudio, build_synthesis_request, make_encoder
-
-if TYPE_CHECKING:
-    from shoal.server.app import ServerSettings
 
 log = logging.getLogger("shoal.server.live")
 # Latin punctuation ends a sentence only before whitespace (never inside "3.14" or "e.g.x"); CJK

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import anyio
 import anyio.to_thread
@@ -34,9 +34,7 @@ from shoal.server.errors import ApiError, exception_to_error
 from shoal.server.openapi import audio_response, body, errors
 from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import OpenAISpeechBody, TTSRequestBody
-
-if TYPE_CHECKING:
-    from shoal.server.app import ServerSettings
+from shoal.server.settings import ServerSettings
 
 THREADED_PARSE_BYTES = 256 * 1024
 OPENAI_BUILTIN_VOICES = frozenset(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 import anyio.to_thread
 import numpy as np
@@ -38,10 +38,8 @@ from shoal.server.schemas import (
     VoiceEntity,
     VoicePage,
 )
+from shoal.server.settings import ServerSettings
 from shoal.server.store import NewSample, Store, VoiceExistsError, VoiceRow
-
-if TYPE_CHECKING:
-    from shoal.server.app import ServerSettings
 
 VOICE_ID_PATTERN = re.compile(REFERENCE_ID_PATTERN)
 INLINE_CACHE_SIZE = 256
