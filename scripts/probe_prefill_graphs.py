@@ -1,6 +1,6 @@
 """The engine's prefill graphs timed as replays, per token bucket, on random S2-Pro weights.
 
-Why: which GEMM variant the prefill projections take above 128 rows (`quant/engine_fp8.py`'s
+Why: which GEMM variant the prefill projections take above 128 rows (`engine/fp8_weights.py`'s
 `VARIANT_TABLE`: our FP8 kernel, block-scaled `torch._scaled_mm`, or bf16 cuBLAS over bf16
 copies of the weights) was decided by timing these graphs with each variant forced everywhere
 (docs/performance.md runs 157-158). `SHOAL_FP8_PREFILL=bf16|scaled_mm|w8a8` forces one variant,

@@ -18,9 +18,9 @@ from test_engine_fp8 import _checkpoint, prompt_for  # noqa: E402
 from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.core import EngineCore  # noqa: E402
 from shoal.engine.decode_step import DecodeStep  # noqa: E402
+from shoal.engine.fp8_weights import graph_row_counts  # noqa: E402
 from shoal.engine.request import SamplingParams  # noqa: E402
 from shoal.models import load_model  # noqa: E402
-from shoal.quant.engine_fp8 import graph_row_counts  # noqa: E402
 
 FRAMES = 6  # per request: 2 before the swap, 4 on the kernel step (row 0 enters a new page among them)
 

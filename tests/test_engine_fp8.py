@@ -1,4 +1,4 @@
-"""FP8 weights in the engine (`EngineConfig.weight_format="fp8"`, `quant/engine_fp8.py`) on the CPU.
+"""FP8 weights in the engine (`EngineConfig.weight_format="fp8"`, `engine/fp8_weights.py`) on the CPU.
 
 - the engine on an FP8-quantized tiny model gives exactly the frames of `reference.generate` on the
   same model (both the reference and the torch-ops fast step: the dequantized arithmetic path);
@@ -28,13 +28,7 @@ from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.batch import DecodeBuffers  # noqa: E402
 from shoal.engine.core import EngineCore  # noqa: E402
 from shoal.engine.decode_step import DecodeStep  # noqa: E402
-from shoal.engine.load import load_engine_model  # noqa: E402
-from shoal.engine.request import SamplingParams  # noqa: E402
-from shoal.models import load_model  # noqa: E402
-from shoal.models.reference import generate  # noqa: E402
-from shoal.models.writer import random_state_dict, tiny_config, write_checkpoint  # noqa: E402
-from shoal.quant import fp8  # noqa: E402
-from shoal.quant.engine_fp8 import (  # noqa: E402
+from shoal.engine.fp8_weights import (  # noqa: E402
     M_BUCKETS,
     PREFILL_BUCKETS,
     S2_PRO_SHAPES,
@@ -45,6 +39,12 @@ from shoal.quant.engine_fp8 import (  # noqa: E402
     prepare_model,
     variant_for,
 )
+from shoal.engine.load import load_engine_model  # noqa: E402
+from shoal.engine.request import SamplingParams  # noqa: E402
+from shoal.models import load_model  # noqa: E402
+from shoal.models.reference import generate  # noqa: E402
+from shoal.models.writer import random_state_dict, tiny_config, write_checkpoint  # noqa: E402
+from shoal.quant import fp8  # noqa: E402
 from shoal.quant.fp8_head import Fp8RoundedHead  # noqa: E402
 from shoal.quant.fp8_linear import Fp8Linear, LayoutError, fp8_layers, quantize_model_  # noqa: E402
 
@@ -272,8 +272,8 @@ def test_scaled_mm_prefill_equals_reference_at_s2_shapes(rows: int, monkeypatch:
     (S2-Pro shapes); into a given output or a padded one of its own, the same bits."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from shoal.engine.fp8_weights import Fp8Weight
     from shoal.kernels import reference
-    from shoal.quant.engine_fp8 import Fp8Weight
 
     monkeypatch.setenv("SHOAL_FP8_PREFILL", "scaled_mm")
     assert variant_for(6144, 2560, rows) == "scaled_mm"

@@ -16,8 +16,8 @@ from shoal.bench import gate_performance
 from shoal.bench.engine import make_prompts, run_closed_loop
 from shoal.config import EngineConfig
 from shoal.engine.core import EngineCore
+from shoal.engine.fp8_weights import Fp8Projections, prepare_model
 from shoal.models import load_model
-from shoal.quant.engine_fp8 import Fp8Projections, prepare_model
 
 
 def test_config_switch(monkeypatch) -> None:

@@ -188,8 +188,8 @@ def workspace_shortfall(core, changes: list[Change], batch: int) -> str | None:
     """Why a GEMM change cannot run at this batch (its split-K partials exceed the workspace the
     engine reserved before capture), or None. Checked before timing: a launch refused inside a
     graph capture would leave the capture broken."""
+    from shoal.engine.fp8_weights import graph_row_counts
     from shoal.kernels.fp8_gemm import SplitKWorkspace, m_bucket
-    from shoal.quant.engine_fp8 import graph_row_counts
 
     fp8 = core.runner.step.fp8 if core.runner.step is not None else None
     workspace = getattr(fp8, "workspace", None)

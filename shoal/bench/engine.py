@@ -14,7 +14,7 @@ the rows, the sweep and the run's environment (GPU, torch/triton, date, commit, 
 `shoal gate performance --results FILE [--write-baseline]` reads.
 
 `--weight-format bf16 fp8` runs both engines in one call, one after the other on the same random
-weights (FP8: quantized at engine start, `quant/engine_fp8.py`), prints fp8/bf16 ratios and checks
+weights (FP8: quantized at engine start, `engine/fp8_weights.py`), prints fp8/bf16 ratios and checks
 the issue's targets (`bench/gate_performance.py: TARGETS`). `--fp8-sweep` times every FP8 projection variant
 per S2-Pro GEMM shape and M as CUDA-graph replays and prints `VARIANT_TABLE` entries to paste.
 """
@@ -420,7 +420,7 @@ def free_gpu() -> None:
 def fp8_sweep(ms: list[int], device: str = "cuda") -> list[dict]:
     """µs per call of each FP8 projection variant for the S2-Pro GEMM shapes (block 0 of a random
     model), as CUDA-graph replays on reserved buffers: the numbers `VARIANT_TABLE` is filled from."""
-    from shoal.quant.engine_fp8 import VARIANTS, Fp8Projections, m_bucket, prepare_model
+    from shoal.engine.fp8_weights import VARIANTS, Fp8Projections, m_bucket, prepare_model
 
     model = build_random_s2(device, torch.bfloat16)
     prepare_model(model)
@@ -450,13 +450,13 @@ def fp8_sweep(ms: list[int], device: str = "cuda") -> list[dict]:
 
 
 def print_sweep(rows: list[dict]) -> None:
-    from shoal.quant.engine_fp8 import VARIANTS, m_bucket
+    from shoal.engine.fp8_weights import VARIANTS, m_bucket
 
     print(f"{'shape':>12} {'m':>5} " + " ".join(f"{v:>12}" for v in VARIANTS) + "  best")
     for r in rows:
         cells = " ".join(f"{r['us'][v]:>12.1f}" for v in VARIANTS)
         print(f"{r['shape']:>12} {r['m']:>5} {cells}  {r['best']}")
-    print("VARIANT_TABLE entries (shoal/quant/engine_fp8.py):")
+    print("VARIANT_TABLE entries (shoal/engine/fp8_weights.py):")
     for r in rows:
         key = f"({r['n']}, {r['k']}, {m_bucket(r['m'])})"
         print(f"    {key}: {r['best']!r},  # {r['shape']} {r['us'][r['best']]:.1f} us")

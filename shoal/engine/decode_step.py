@@ -19,7 +19,7 @@ Two implementations of the same math, chosen per op:
   rules over the restricted row (`counter_uniform_columns` draws the full row's numbers).
 
 FP8 (`weight_format="fp8"`): on the kernel path the projections run through
-`quant/engine_fp8.Fp8Projections` (`self.fp8`, None for a bf16 model, whose lines are unchanged).
+`engine/fp8_weights.Fp8Projections` (`self.fp8`, None for a bf16 model, whose lines are unchanged).
 
 S2's main token can only be a semantic id or `<|im_end|>`, so only those 4,097 rows of the
 output head are computed (a gathered weight slice, ids in ascending order so ties break as
@@ -158,7 +158,7 @@ class DecodeStep:
             chunk_counters(device)
         if use_kernels:
             self._init_fast_pages(max_batch)
-        # FP8 projections (`quant/engine_fp8.py`) when the model holds Fp8Linear layers; the
+        # FP8 projections (`engine/fp8_weights.py`) when the model holds Fp8Linear layers; the
         # torch-ops path runs the layers' own forward instead.
         self.fp8 = None
         # Which kernels write the W8A8 projections' inputs already quantized (a launch fewer each).
@@ -207,7 +207,7 @@ class DecodeStep:
         # `ModelRunner.advance_on_device`, None: the metadata comes from the host every step.
         self.advance_ring: Tensor | None = None
         if use_kernels:
-            from shoal.quant.engine_fp8 import Fp8Projections, has_fp8_layers
+            from shoal.engine.fp8_weights import Fp8Projections, has_fp8_layers
 
             if has_fp8_layers(model):
                 self.fp8 = Fp8Projections(model, backend="triton")
@@ -345,8 +345,8 @@ class DecodeStep:
         writes its product in place and takes inputs quantized by the norms and the attention
         (`Fp8Projections.fp8_input`); every kernel treats rows independently, so the pad rows
         touch nothing but themselves, and they are dropped from the result."""
+        from shoal.engine.fp8_weights import SCALED_MM_ROWS
         from shoal.kernels.attention import paged_prefill_attention
-        from shoal.quant.engine_fp8 import SCALED_MM_ROWS
 
         model = self.model
         tables, seq_lens, starts, max_query = meta
@@ -381,10 +381,10 @@ class DecodeStep:
         `attend` by one call (the fast transformer's `kernels/fast_attention.py`), which is handed
         the qkv GEMM's split-K partials with `fast_qkv_partials`. `fp8`: the FP8 projections to
         run (default `self.fp8`)."""
+        from shoal.engine.fp8_weights import SMALL_PREFILL_M
         from shoal.kernels.gather_rows import GatheredRows
         from shoal.kernels.norm_rope import NORM_MAX_REGISTERS, qk_norm_rope_kv_write, rms_norm
         from shoal.kernels.quant import GROUP
-        from shoal.quant.engine_fp8 import SMALL_PREFILL_M
 
         first_input = residual
         if isinstance(residual, GatheredRows):

@@ -24,7 +24,7 @@ def is_fp8_checkpoint(checkpoint: str | Path) -> bool:
 def load_engine_model(checkpoint: str | Path, device: str, dtype: str, weight_format: str | None = None):
     """(model, weight format) for the engine. An FP8 checkpoint (`shoal quantize`) loads through
     `quant.fp8_linear.load_quantized`, which verifies every layer's scale layout; with
-    `weight_format="fp8"` a bf16 checkpoint is quantized in place (`quant.engine_fp8.prepare_model`,
+    `weight_format="fp8"` a bf16 checkpoint is quantized in place (`engine.fp8_weights.prepare_model`,
     same checks). None: "fp8" for an FP8 checkpoint, else "bf16"."""
     import torch
 
@@ -43,7 +43,7 @@ def load_engine_model(checkpoint: str | Path, device: str, dtype: str, weight_fo
 
     model = load_model(str(checkpoint), device=device, dtype=torch_dtype)
     if weight_format == "fp8":
-        from shoal.quant.engine_fp8 import prepare_model
+        from shoal.engine.fp8_weights import prepare_model
 
         prepare_model(model)
     return model, weight_format

@@ -10,7 +10,7 @@ Decodes run the whole frame step on the static `DecodeBuffers` (`batch.py`): wit
 replayed as a CUDA graph per batch-size bucket (`graphs.py`); with `"reference"` (the default
 elsewhere) `models/reference.decode_frame`, the oracle's own code. Each row has its own
 parameters and counter-based randomness, so batching never changes a request's frames. With
-`weight_format="fp8"` the model's projections are FP8 (`quant/engine_fp8.py`): the fused step runs
+`weight_format="fp8"` the model's projections are FP8 (`engine/fp8_weights.py`): the fused step runs
 them through `Fp8Projections`, whose GEMM buffers are reserved for every captured batch size
 before the graphs are captured.
 
@@ -240,7 +240,7 @@ class ModelRunner:
             from shoal.engine.graphs import DecodeGraphs, FirstFrameGraphs
 
             if self.step is not None and self.step.fp8 is not None:
-                from shoal.quant.engine_fp8 import graph_row_counts
+                from shoal.engine.fp8_weights import graph_row_counts
 
                 # FP8 GEMM outputs and workspaces for every captured M (the prefill buckets'
                 # token counts too), allocated once, before any capture; beside the decode, the
@@ -539,7 +539,7 @@ def _prepare_weights(model, config: EngineConfig) -> None:
     """weight_format="fp8": quantize (unless loaded FP8) and verify in place, and with
     `fp8_fast_head` round the fast head (`quant/fp8_head.py`); "bf16": refuse a model holding FP8
     layers, which the bf16 step cannot multiply."""
-    from shoal.quant.engine_fp8 import has_fp8_layers, prepare_model
+    from shoal.engine.fp8_weights import has_fp8_layers, prepare_model
     from shoal.quant.fp8_head import round_fast_head_
 
     if config.weight_format == "fp8":
