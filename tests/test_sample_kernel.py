@@ -14,7 +14,6 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from shoal.kernels import sample as sample_module  # noqa: E402
-from shoal.kernels.reference_attention import sample_reference  # noqa: E402
 from shoal.kernels.sample import (  # noqa: E402
     CHUNKED_MAX_ROWS,
     DEFAULT_CHUNKS,
@@ -28,6 +27,7 @@ from shoal.kernels.sample import (  # noqa: E402
     sample_tokens,
 )
 from shoal.models import sampling  # noqa: E402
+from shoal.models.sampling import sample_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

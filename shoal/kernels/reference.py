@@ -1,8 +1,8 @@
 """Plain-torch versions of every Triton kernel: the CPU path and the oracle the kernels are tested against.
 
-FP8 ops live here; attention, norm, RoPE, window shift and sampling references live in
-`kernels/reference_attention.py` and are re-exported at the bottom, so this module is the one
-place to look. Layouts:
+FP8 ops live here; attention, norm, RoPE and window shift references live in
+`kernels/reference_attention.py` and are re-exported at the bottom (the sampling kernel's is
+`models.sampling.sample_reference`). Layouts:
 
 - weights: e4m3 [N, K] (nn.Linear layout) with fp32 scales [ceil(N/128), ceil(K/128)], one per
   128x128 block, row-major contiguous: `scale[n // 128, k // 128]`;
@@ -141,9 +141,5 @@ def fp8_linear(
     return fp8_weight_gemm(a, w_q, w_scale, out_dtype)
 
 
-# Attention, norm, RoPE, window and sampling references, written beside this file.
-try:
-    from shoal.kernels.reference_attention import *  # noqa: E402,F401,F403
-except ModuleNotFoundError as error:  # only tolerate the file itself being absent
-    if error.name != "shoal.kernels.reference_attention":
-        raise
+# Attention, norm, RoPE and window references, written beside this file.
+from shoal.kernels.reference_attention import *  # noqa: E402,F401,F403

@@ -7,8 +7,8 @@ Each function here is the definition the matching Triton kernel is tested agains
 - `rms_norm_reference` / `qk_norm_rope_reference`: the reference model's RMSNorm and the fused
   QK-norm + interleaved RoPE + KV-cache write (`kernels/norm_rope.py`).
 - `window_shift_reference`: the previous-frames window push (`kernels/window.py`).
-- `sample_reference`: top-p / top-k / temperature / exponential race with RAS
-  (`kernels/sample.py`), written in terms of `shoal.models.sampling` so the two cannot drift.
+
+The sampling kernel's reference is `models.sampling.sample_reference`, beside the rules it applies.
 
 Paged KV layout (see `kernels/attention.py`): per layer k and v pools
 `[num_pages, page_size, n_kv_heads, head_dim]`; token position p of sequence b lives in page
@@ -22,15 +22,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from shoal.models.sampling import (
-    MAIN_SLOT,
-    RAS_SLOT,
-    counter_uniform_columns,
-    exponential_race,
-    logits_to_probs,
-    round_to_bf16,
-)
 
 
 def gather_sequence_kv(
@@ -145,40 +136,3 @@ def window_shift_reference(window: Tensor, frames: Tensor) -> None:
     """In place: drop the oldest frame, append `frames` [bs, N+1] as the newest."""
     window[:, :-1] = window[:, 1:].clone()
     window[:, -1] = frames
-
-
-def sample_reference(
-    logits: Tensor,
-    temperature: Tensor,
-    top_p: Tensor,
-    top_k: Tensor,
-    seed: Tensor,
-    frame: Tensor,
-    slot: int,
-    token_ids: Tensor | None = None,
-    window: Tensor | None = None,
-    semantic_range: tuple[int, int] | None = None,
-    ras_temperature: float = 1.0,
-    ras_top_p: float = 0.9,
-) -> Tensor:
-    """Token ids int64 [B] drawn from logits [B, V] by `models.sampling`'s rules.
-
-    `token_ids` [V] maps column j to its vocabulary id (a restricted S2 row: semantic ids then
-    `<|im_end|>`); the random stream is keyed by that id, so a restricted row draws what the full
-    constrained row would. With `window` [B, W, N+1] and `semantic_range` (inclusive ids), RAS:
-    a semantic normal draw already among the window's main tokens at frame >= 1 is replaced by
-    the draw at (ras_temperature, ras_top_p) from slot RAS_SLOT; RAS needs slot == MAIN_SLOT."""
-    columns = torch.arange(logits.shape[-1], device=logits.device) if token_ids is None else token_ids
-    columns = columns.long()
-    probs = logits_to_probs(logits, temperature, top_p, top_k)
-    token = columns[exponential_race(probs, counter_uniform_columns(seed, frame, slot, columns))]
-    if window is None:
-        return token
-    assert semantic_range is not None and slot == MAIN_SLOT
-    high_t = round_to_bf16(torch.full_like(temperature, ras_temperature))
-    high_p = round_to_bf16(torch.full_like(top_p, ras_top_p))
-    high_probs = logits_to_probs(logits, high_t, high_p, top_k)
-    high = columns[exponential_race(high_probs, counter_uniform_columns(seed, frame, RAS_SLOT, columns))]
-    repeated = (window[:, :, 0].long() == token[:, None]).any(dim=1)
-    semantic = (token >= semantic_range[0]) & (token <= semantic_range[1])
-    return torch.where(repeated & semantic & (frame >= 1), high, token)

@@ -339,3 +339,41 @@ class Sampler:
         probs = logits_to_probs(logits, params.temperature, params.top_p, params.top_k)
         uniforms = counter_uniform(params.seed, frame_index, codebook_slot(codebook), logits.shape[-1])
         return exponential_race(probs, uniforms)
+
+
+def sample_reference(
+    logits: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    seed: Tensor,
+    frame: Tensor,
+    slot: int,
+    token_ids: Tensor | None = None,
+    window: Tensor | None = None,
+    semantic_range: tuple[int, int] | None = None,
+    ras_temperature: float = 1.0,
+    ras_top_p: float = 0.9,
+) -> Tensor:
+    """Token ids int64 [B] drawn from logits [B, V] by these rules: the definition
+    `kernels/sample.py` is tested against.
+
+    `token_ids` [V] maps column j to its vocabulary id (a restricted S2 row: semantic ids then
+    `<|im_end|>`); the random stream is keyed by that id, so a restricted row draws what the full
+    constrained row would. With `window` [B, W, N+1] and `semantic_range` (inclusive ids), RAS:
+    a semantic normal draw already among the window's main tokens at frame >= 1 is replaced by
+    the draw at (ras_temperature, ras_top_p) from slot RAS_SLOT; RAS needs slot == MAIN_SLOT."""
+    columns = torch.arange(logits.shape[-1], device=logits.device) if token_ids is None else token_ids
+    columns = columns.long()
+    probs = logits_to_probs(logits, temperature, top_p, top_k)
+    token = columns[exponential_race(probs, counter_uniform_columns(seed, frame, slot, columns))]
+    if window is None:
+        return token
+    assert semantic_range is not None and slot == MAIN_SLOT
+    high_t = round_to_bf16(torch.full_like(temperature, ras_temperature))
+    high_p = round_to_bf16(torch.full_like(top_p, ras_top_p))
+    high_probs = logits_to_probs(logits, high_t, high_p, top_k)
+    high = columns[exponential_race(high_probs, counter_uniform_columns(seed, frame, RAS_SLOT, columns))]
+    repeated = (window[:, :, 0].long() == token[:, None]).any(dim=1)
+    semantic = (token >= semantic_range[0]) & (token <= semantic_range[1])
+    return torch.where(repeated & semantic & (frame >= 1), high, token)
