@@ -9,6 +9,10 @@ import os
 
 from shoal.config import KV_CACHE_DTYPES, EngineConfig, default_overlap_steps
 from shoal.server.keys_cli import add_storage_arguments
+from shoal.server.settings import ServerSettings
+
+DEFAULTS = ServerSettings()  # the options default to the server's own defaults (server/settings.py)
+MIB = 1024 * 1024
 
 log = logging.getLogger("shoal.server")
 
@@ -46,49 +50,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-new-frames",
         type=int,
-        default=int(env("MAX_NEW_FRAMES", "2048") or 2048),
+        default=int(env("MAX_NEW_FRAMES") or DEFAULTS.max_new_frames),
         help="cap on frames generated per text chunk (SHOAL_MAX_NEW_FRAMES)",
     )
     parser.add_argument(
         "--max-streams-per-key",
         type=int,
-        default=int(env("MAX_STREAMS_PER_KEY", "16") or 16),
+        default=int(env("MAX_STREAMS_PER_KEY") or DEFAULTS.max_streams_per_key),
         help="concurrent streams per API key before 429 (SHOAL_MAX_STREAMS_PER_KEY)",
     )
     parser.add_argument(
         "--max-text-length",
         type=int,
-        default=int(env("MAX_TEXT_LENGTH", "10000") or 10000),
+        default=int(env("MAX_TEXT_LENGTH") or DEFAULTS.max_text_length),
         help="characters per request (SHOAL_MAX_TEXT_LENGTH)",
     )
     parser.add_argument(
         "--max-body-mb",
         type=float,
-        default=float(env("MAX_BODY_MB", "64") or 64),
+        default=float(env("MAX_BODY_MB") or DEFAULTS.max_body_bytes / MIB),
         help="largest request body or WebSocket message, MiB (SHOAL_MAX_BODY_MB)",
     )
     parser.add_argument(
         "--max-upload-mb",
         type=float,
-        default=float(env("MAX_UPLOAD_MB", "20") or 20),
+        default=float(env("MAX_UPLOAD_MB") or DEFAULTS.max_upload_bytes / MIB),
         help="largest audio upload (voice sample or inline reference), MiB (SHOAL_MAX_UPLOAD_MB)",
     )
     parser.add_argument(
         "--max-upload-seconds",
         type=float,
-        default=float(env("MAX_UPLOAD_SECONDS", "120") or 120),
+        default=float(env("MAX_UPLOAD_SECONDS") or DEFAULTS.max_upload_seconds),
         help="longest audio upload, seconds (SHOAL_MAX_UPLOAD_SECONDS)",
     )
     parser.add_argument(
         "--live-start-timeout",
         type=float,
-        default=float(env("LIVE_START_TIMEOUT", "10") or 10),
+        default=float(env("LIVE_START_TIMEOUT") or DEFAULTS.live_start_timeout),
         help="seconds a /v1/tts/live connection may wait before its 'start' event (SHOAL_LIVE_START_TIMEOUT)",
     )
     parser.add_argument(
         "--live-idle-timeout",
         type=float,
-        default=float(env("LIVE_IDLE_TIMEOUT", "120") or 120),
+        default=float(env("LIVE_IDLE_TIMEOUT") or DEFAULTS.live_idle_timeout),
         help="seconds of client silence, with nothing left to synthesize, before a live session "
         "ends (SHOAL_LIVE_IDLE_TIMEOUT)",
     )
@@ -189,7 +193,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from shoal.server.app import create_app
-    from shoal.server.settings import ServerSettings
     from shoal.server.store import Store
 
     logging.basicConfig(
@@ -198,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         auth=not args.no_auth,
         max_text_length=args.max_text_length,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
+        max_body_bytes=int(args.max_body_mb * MIB),
+        max_upload_bytes=int(args.max_upload_mb * MIB),
         max_upload_seconds=args.max_upload_seconds,
         max_streams_per_key=args.max_streams_per_key,
         max_new_frames=args.max_new_frames,
