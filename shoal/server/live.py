@@ -96,9 +96,11 @@ class LiveSession:
         is pending (a client waiting for audio is not idle)."""
         while True:
             left = self.last_activity + timeout - time.monotonic()
-            if left <= 0 and self.segments_pending == 0:
-                raise SessionTimeout(f"no {waiting_for} for {timeout:g} s: closing the session")
-            with anyio.move_on_after(max(left, 0.05)):
+            if left <= 0:
+                if self.segments_pending == 0:
+                    raise SessionTimeout(f"no {waiting_for} for {timeout:g} s: closing the session")
+                left = timeout  # audio still to come; the last spoken segment restarts the clock
+            with anyio.move_on_after(left):
                 message = await self.websocket.receive()
                 break
         self.last_activity = time.monotonic()
