@@ -224,9 +224,7 @@ class LiveSession:
                 raise
             error = _unwrap(raised)
             if isinstance(error, SessionTimeout):
-                await self.websocket.send_bytes(
-                    pack({"event": "finish", "reason": "error", "message": str(error)})
-                )
+                await self.finish_with_error(str(error))
                 await self.websocket.close(TIMEOUT_CLOSE_CODE, "idle timeout")
                 return TIMEOUT_STATUS
             if isinstance(error, ProtocolError):
@@ -236,9 +234,11 @@ class LiveSession:
                 log.error("live session failed", exc_info=raised)
             elif error.status >= 500:  # a refusal (e.g. 503 at capacity), not a fault
                 log.warning("live session refused: %s", error.message)
-            finish = {"event": "finish", "reason": "error", "message": error.message}
-            await self.websocket.send_bytes(pack(finish))
+            await self.finish_with_error(error.message)
             return error.status
+
+    async def finish_with_error(self, message: str) -> None:
+        await self.websocket.send_bytes(pack({"event": "finish", "reason": "error", "message": message}))
 
 
 def _is_disconnect(error: BaseException) -> bool:

@@ -49,8 +49,15 @@ RETRY_AFTER_HEADER = {
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}
 }
 
-# Registered by `body()`, added to the components by `install_openapi()`.
+# Registered by `component()`, added to the components by `install_openapi()`.
 _BODY_MODELS: dict[str, type[BaseModel]] = {}
+ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorBody"}
+
+
+def component(model: type[BaseModel]) -> dict[str, str]:
+    """A reference to `model`'s schema, which `install_openapi` adds to the components."""
+    _BODY_MODELS[model.__name__] = model
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -67,8 +74,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def body(model: type[BaseModel], *media_types: str) -> dict[str, Any]:
     """`openapi_extra=` for a route that reads its own body: `model` in each media type
     (default JSON and msgpack)."""
-    _BODY_MODELS[model.__name__] = model
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    schema = component(model)
     types = media_types or ("application/json", MSGPACK)
     return {"requestBody": {"required": True, "content": {media: {"schema": schema} for media in types}}}
 
@@ -81,8 +87,7 @@ def audio_response(description: str) -> dict[int | str, dict[str, Any]]:
 
 def json_or_msgpack(model: type[BaseModel], description: str, status: int = 200) -> dict[int | str, Any]:
     """fish-speech's reference routes: msgpack unless the caller asks for JSON."""
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
-    _BODY_MODELS[model.__name__] = model
+    schema = component(model)
     return {
         status: {
             "description": description,
@@ -109,17 +114,15 @@ def install_openapi(app: FastAPI, auth: bool) -> None:
         # FastAPI declares its own validation body for 422; this server answers the Fish one.
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
-        fish_422 = errors(422)[422]
+        fish_422 = {
+            "description": ERROR_MEANINGS[422],
+            "content": {"application/json": {"schema": ERROR_SCHEMA}},
+        }
         for operations in document["paths"].values():
             for operation in operations.values():
                 responses = operation.setdefault("responses", {})
                 if "422" in responses:
-                    responses["422"] = {
-                        "description": fish_422["description"],
-                        "content": {
-                            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
-                        },
-                    }
+                    responses["422"] = fish_422
                 if not auth:
                     operation.pop("security", None)
                     responses.pop("401", None)

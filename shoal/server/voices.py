@@ -136,8 +136,10 @@ class VoiceResolver:
 
     async def voice_for(self, principal: Principal, voice_id: str) -> VoiceRow:
         """A request's `reference_id`: the caller's own reference of that name, else a voice id
-        (a `/model` voice, or a reference made before names were per tenant) it may use."""
-        own = await self.own_reference(principal, voice_id)
+        it may use (a `/model` voice, or a reference made before names were per tenant, whose
+        id is its name)."""
+        own_id = reference_voice_id(principal.tenant, voice_id)
+        own = await anyio.to_thread.run_sync(self.store.get_voice, own_id)
         return own if own is not None else await self.visible_voice(principal, voice_id)
 
     async def own_reference(self, principal: Principal, name: str) -> VoiceRow | None:
