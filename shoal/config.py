@@ -6,33 +6,26 @@ without loading the model stack.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+
+from shoal.tuning import TUNING
 
 WEIGHT_FORMATS = ("bf16", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def default_overlap_steps() -> bool:
-    # On by default: FP8 per-request frames/s +5.6% / +9.7% / +11% at concurrency 1 / 16 / 64 on
-    # the H200, concurrency 1 now at its step's rate (docs/performance.md run 42). The price: a
-    # request submitted while a step is launched ahead joins one step (4-6 ms) later.
-    # SHOAL_OVERLAP_STEPS=0 (or `shoal serve --no-overlap-steps`) turns it off.
-    return os.environ.get("SHOAL_OVERLAP_STEPS", "1").strip().lower() in ("1", "true", "yes", "on")
+    """`Tuning.overlap_steps`: the price is that a request submitted while a
+    step is launched ahead joins one step later."""
+    return TUNING.overlap_steps
 
 
 def default_overlap_prefill() -> bool:
-    # On by default: the prefill graphs replay on a stream of their own beside the step's decode
-    # graph (docs/engine.md). SHOAL_OVERLAP_PREFILL=0 turns it off (one stream, as before).
-    return os.environ.get("SHOAL_OVERLAP_PREFILL", "1").strip().lower() in ("1", "true", "yes", "on")
+    return TUNING.overlap_prefill
 
 
 def default_advance_on_device() -> bool:
-    # On by default: the decode step's last kernel advances the next step's metadata and writes
-    # the frames into pinned host memory, so steady decoding puts no copy between two steps'
-    # graphs (docs/engine.md): on the H200 the GPU's idle time between two steps at concurrency 1
-    # went from 16.2 to 2.0 µs (docs/performance.md run 166). SHOAL_ADVANCE_ON_DEVICE=0: off.
-    return os.environ.get("SHOAL_ADVANCE_ON_DEVICE", "1").strip().lower() in ("1", "true", "yes", "on")
+    return TUNING.advance_on_device
 
 
 def _default_queue_limits() -> dict[str, int]:

@@ -18,14 +18,13 @@ from shoal.kernels.attention import (  # noqa: E402
     AttentionConfig,
     paged_decode_attention,
     paged_prefill_attention,
-    shared_prefix_decode_attention,
 )
 from shoal.kernels.quant import new_activation_scales, quantize_activations  # noqa: E402
 from shoal.kernels.reference import dequantize_kv, quantize_kv  # noqa: E402
 from shoal.kernels.reference_attention import paged_attention_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL = AttentionConfig(block_n=16, block_m=4, prefix_block_rows=16, prefix_splits=2)
+SMALL = AttentionConfig(block_n=16, block_m=4)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -33,21 +32,15 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def make_paged_cache(
-    seq_lens: list[int], hkv: int, d: int, page_size: int, generator: torch.Generator, shared_pages: int = 0
-):
-    """Random k/v pools with each sequence's pages scattered at random; the first
-    `shared_pages` pages of every row point at the same physical pages."""
+def make_paged_cache(seq_lens: list[int], hkv: int, d: int, page_size: int, generator: torch.Generator):
+    """Random k/v pools with each sequence's pages scattered at random."""
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
-    own = [p - shared_pages for p in pages_per_seq]
-    num_pages = shared_pages + sum(own) + 3
+    num_pages = sum(pages_per_seq) + 3
     perm = torch.randperm(num_pages, generator=generator)
-    shared, cursor = perm[:shared_pages], shared_pages
-    max_pages = max(pages_per_seq)
-    tables = torch.full((len(seq_lens), max_pages), -1, dtype=torch.int32)  # -1: never read
-    for b, count in enumerate(own):
-        tables[b, :shared_pages] = shared
-        tables[b, shared_pages : shared_pages + count] = perm[cursor : cursor + count]
+    cursor = 0
+    tables = torch.full((len(seq_lens), max(pages_per_seq)), -1, dtype=torch.int32)  # -1: never read
+    for b, count in enumerate(pages_per_seq):
+        tables[b, :count] = perm[cursor : cursor + count]
         cursor += count
     shape = (num_pages, page_size, hkv, d)
     k = torch.randn(shape, generator=generator).to(torch.bfloat16)
@@ -93,7 +86,7 @@ def test_split_rows_take_split_block_n(monkeypatch: pytest.MonkeyPatch) -> None:
     launch = attention._launch_attention
 
     def recording(*args, **kwargs):
-        launched.append(args[15].block_n)  # the config
+        launched.append(args[14].block_n)  # the config
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_launch_attention", recording)
@@ -141,37 +134,6 @@ def test_chunked_prefill_matches_reference(hq: int, hkv: int) -> None:
     out = poisoned(q.shape)
     paged_prefill_attention(q, k, v, tables, lens, starts, max(q_lens), config=SMALL, out=out)
     ref = paged_attention_reference(q, k, v, tables, lens, starts)
-    assert relative_error(out, ref) < 1e-2
-
-
-@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)])
-def test_shared_prefix_matches_reference(hq: int, hkv: int) -> None:
-    """Two groups sharing 2 and 1 pages, plus an unshared row; suffixes cross page bounds."""
-    gen = torch.Generator().manual_seed(11 * hq)
-    d, page = 16, 8
-    group_a = [20, 16 + 1, 30]  # share 2 pages = 16 tokens
-    group_b = [9, 12]  # share 1 page = 8 tokens
-    loner = [13]
-    k_a, v_a, t_a = make_paged_cache(group_a, hkv, d, page, gen, shared_pages=2)
-    k_b, v_b, t_b = make_paged_cache(group_b, hkv, d, page, gen, shared_pages=1)
-    k_c, v_c, t_c = make_paged_cache(loner, hkv, d, page, gen)
-    # One pool: offset each group's page ids.
-    k = torch.cat([k_a, k_b, k_c])
-    v = torch.cat([v_a, v_b, v_c])
-    width = max(t.shape[1] for t in (t_a, t_b, t_c))
-    pad = lambda t, base: torch.nn.functional.pad(t + base, (0, width - t.shape[1]))  # noqa: E731
-    tables = torch.cat([pad(t_a, 0), pad(t_b, k_a.shape[0]), pad(t_c, k_a.shape[0] + k_b.shape[0])])
-    tables = tables.to(torch.int32)
-    seq_lens = group_a + group_b + loner
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    prefix = torch.tensor([16, 16, 16, 8, 8, 0], dtype=torch.int32, device=DEVICE)
-    starts = torch.tensor([0, 3, 5, 6], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
-    out = poisoned(q.shape)
-    shared_prefix_decode_attention(
-        q, k, v, tables, lens, prefix, starts, max_group_size=3, num_splits=2, config=SMALL, out=out
-    )
-    ref = paged_attention_reference(q, k, v, tables, lens)
     assert relative_error(out, ref) < 1e-2
 
 
@@ -344,31 +306,6 @@ def test_chunked_prefill_fp8_kv_matches_dequantized_reference(hq: int, hkv: int)
     assert_scales_matter(q, k8, v8, ks, vs, tables, lens, ref, starts)
 
 
-def test_shared_prefix_fp8_kv_matches_dequantized_reference() -> None:
-    """A group of three rows sharing 2 pages and a group of two sharing 1, FP8 pages."""
-    gen = torch.Generator().manual_seed(61)
-    hq, hkv, d, page = 4, 2, 16, 8
-    group_a, group_b = [20, 17, 30], [9, 12]
-    k_a, v_a, t_a = make_paged_cache(group_a, hkv, d, page, gen, shared_pages=2)
-    k_b, v_b, t_b = make_paged_cache(group_b, hkv, d, page, gen, shared_pages=1)
-    width = max(t_a.shape[1], t_b.shape[1])
-    pad = lambda t, base: torch.nn.functional.pad(t + base, (0, width - t.shape[1]))  # noqa: E731
-    tables = torch.cat([pad(t_a, 0), pad(t_b, k_a.shape[0])]).to(torch.int32)
-    k8, v8, ks, vs, k_deq, v_deq = fp8_pools(torch.cat([k_a, k_b]), torch.cat([v_a, v_b]), gen, spread=True)
-    lens = torch.tensor(group_a + group_b, dtype=torch.int32, device=DEVICE)
-    prefix = torch.tensor([16, 16, 16, 8, 8], dtype=torch.int32, device=DEVICE)
-    starts = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(5, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
-    out = poisoned(q.shape)
-    shared_prefix_decode_attention(
-        q, k8, v8, tables, lens, prefix, starts, max_group_size=3, num_splits=2,
-        config=SMALL, out=out, k_scales=ks, v_scales=vs,
-    )  # fmt: skip
-    ref = paged_attention_reference(q, k_deq, v_deq, tables, lens)
-    assert relative_error(out, ref) < FP8_KV_TOLERANCE
-    assert_scales_matter(q, k8, v8, ks, vs, tables, lens, ref)
-
-
 def test_fp8_kv_rejects_bad_inputs() -> None:
     gen = torch.Generator().manual_seed(80)
     k, v, tables = make_paged_cache([3, 5], 2, 16, 8, gen)
@@ -376,14 +313,10 @@ def test_fp8_kv_rejects_bad_inputs() -> None:
     lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 4, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
     starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
-    prefix, groups = torch.zeros_like(lens), torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
     calls = {
         "decode": lambda kp, vp, **s: paged_decode_attention(q, kp, vp, tables, lens, config=SMALL, **s),
         "prefill": lambda kp, vp, **s: paged_prefill_attention(
             q, kp, vp, tables, lens, starts, 1, config=SMALL, **s
-        ),
-        "shared": lambda kp, vp, **s: shared_prefix_decode_attention(
-            q, kp, vp, tables, lens, prefix, groups, 1, config=SMALL, **s
         ),
     }
     bad = [
@@ -421,17 +354,16 @@ def test_bench_fp8_kv_helpers() -> None:
     assert relative_error(out, paged_attention_reference(q, k_deq, v_deq, tables, lens)) < FP8_KV_TOLERANCE
     rows = [
         {"case": "decode b=1 ctx=1024", "bytes": bench.kv_bytes(1024), "ours_us": 10.0, "sdpa_us": 20.0},
-        {"case": "shared", "bytes": 10**6, "ours_us": 3.0, "sdpa_us": 4.0, "unshared_us": 5.0},
+        {"case": "decode b=16 ctx=512", "bytes": 10**6, "ours_us": 3.0, "sdpa_us": 4.0},
     ]
     rows[0]["fp8_kv_us"] = 7.5
     lines = bench.table_lines(rows, read_gbs=4000.0)
-    assert len(lines) == 4 and lines[0].endswith("FP8-KV µs  x bf16")
+    assert len(lines) == 3 and lines[0].endswith("FP8-KV µs  x bf16")
     assert lines[1].split()[-2:] == ["7.5", "0.75x"] and lines[2].endswith("%")  # no FP8 column
 
 
 # The last two: short rows (a few hundred keys), as in the engine at the start of a request.
 S2_DECODE_SHAPES = [(1, 8192), (16, 4096), (64, 1024), (1, 300), (16, 500)]
-S2_PREFIX_LENS = [1025 + 5 * i for i in range(64)]  # every row longer than the 1024 shared
 
 
 def decode_lengths(batch: int, context: int) -> list[int]:
@@ -446,7 +378,6 @@ def test_gpu_shapes_are_sensible(batch: int, context: int) -> None:
     assert len(lens) == batch and all(context // 2 < n <= context for n in lens), lens
     if batch > 1:
         assert len({n % 16 for n in lens}) > 1, "rows should end at different page offsets"
-    assert min(S2_PREFIX_LENS) > 1024 and len(S2_PREFIX_LENS) == 64
 
 
 @pytest.mark.gpu
@@ -466,22 +397,16 @@ def test_decode_full_s2_shapes(batch: int, context: int, fused: bool) -> None:
 
 
 @pytest.mark.gpu
-def test_prefill_and_shared_prefix_full_s2_shapes() -> None:
+def test_prefill_full_s2_shapes() -> None:
     gen = torch.Generator().manual_seed(3)
-    seq_lens = S2_PREFIX_LENS
-    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen, shared_pages=64)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(64, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    prefix = torch.full((64,), 1024, dtype=torch.int32, device=DEVICE)
-    starts = torch.tensor([0, 64], dtype=torch.int32, device=DEVICE)
-    out = shared_prefix_decode_attention(q, k, v, tables, lens, prefix, starts, max_group_size=64)
-    assert relative_error(out, paged_attention_reference(q, k, v, tables, lens)) < 1e-2
+    seq_lens = [1025, 1030, 1035]
+    k, v, tables = make_paged_cache(seq_lens, 8, 128, 16, gen)
     q_lens = [300, 1, 77]
-    pre_lens = torch.tensor(seq_lens[:3], dtype=torch.int32, device=DEVICE)
+    pre_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 300, 301, 378], dtype=torch.int32, device=DEVICE)
     qp = torch.randn(sum(q_lens), 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    out = paged_prefill_attention(qp, k, v, tables[:3], pre_lens, starts, max(q_lens))
-    ref = paged_attention_reference(qp, k, v, tables[:3], pre_lens, starts)
+    out = paged_prefill_attention(qp, k, v, tables, pre_lens, starts, max(q_lens))
+    ref = paged_attention_reference(qp, k, v, tables, pre_lens, starts)
     assert relative_error(out, ref) < 1e-2
 
 

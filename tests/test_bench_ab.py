@@ -12,6 +12,7 @@ import torch
 from shoal.bench import ab
 from shoal.kernels.attention import TUNED_DECODE_CONFIGS
 from shoal.kernels.fp8_gemm import TUNED_CONFIGS_FP8, SplitKWorkspace
+from shoal.tuning import TUNING
 
 DOWN_64 = (2560, 9728, 64)
 
@@ -27,66 +28,50 @@ def test_parse_variant() -> None:
             ab.parse_variant(bad)
 
 
-def test_applied_changes_and_restores_the_tables() -> None:
+def test_variant_replaces_table_entries_and_leaves_the_tables_alone() -> None:
     attention, gemm = TUNED_DECODE_CONFIGS[16], TUNED_CONFIGS_FP8[DOWN_64]
-    with ab.applied(ab.parse_variant("attention@16:num_stages=4+gemm@2560x9728x64:split_k=4")):
-        changed = TUNED_DECODE_CONFIGS[16]
-        assert changed.num_stages == 4 and changed.block_n == attention.block_n
-        assert TUNED_CONFIGS_FP8[DOWN_64].split_k == 4 and TUNED_CONFIGS_FP8[DOWN_64].block_n == gemm.block_n
+    tuning = ab.variant(TUNING, ab.parse_variant("attention@16:num_stages=4+gemm@2560x9728x64:split_k=4"))
+    changed = tuning.attention_configs[16]
+    assert changed.num_stages == 4 and changed.block_n == attention.block_n
+    assert tuning.gemm_configs[DOWN_64].split_k == 4 and tuning.gemm_configs[DOWN_64].block_n == gemm.block_n
     assert TUNED_DECODE_CONFIGS[16] is attention and TUNED_CONFIGS_FP8[DOWN_64] is gemm
-    with pytest.raises(TypeError):  # not a field: the change before it is undone too
-        with ab.applied(ab.parse_variant("attention@16:num_stages=4+gemm@2560x9728x64:nonsense=1")):
-            pass
-    assert TUNED_DECODE_CONFIGS[16] is attention and TUNED_CONFIGS_FP8[DOWN_64] is gemm
+    assert not TUNING.attention_configs and not TUNING.gemm_configs
+    with pytest.raises(TypeError):  # not a field
+        ab.variant(TUNING, ab.parse_variant("attention@16:num_stages=4+gemm@2560x9728x64:nonsense=1"))
     with pytest.raises(KeyError, match="no entry"):
-        with ab.applied(ab.parse_variant("gemm@1x2x3:split_k=1")):
-            pass
+        ab.variant(TUNING, ab.parse_variant("gemm@1x2x3:split_k=1"))
 
 
-def test_step_switches_are_set_and_restored() -> None:
-    """`step:` changes set `DecodeStep` switches for the variant only (also when a later change
-    of the same variant fails), and only the listed ones."""
+def test_step_and_kernel_switches_are_set_and_restored() -> None:
+    """`step:` and `kernel:` changes give the step a variant of its tuning for the variant only
+    (also when a later change of the same variant fails); unknown names are refused."""
     changes = ab.concrete(ab.parse_variant("step:head_kernel_max_rows=16,two_launch_fast_to=64"))
     assert changes == [ab.Change("step", None, {"head_kernel_max_rows": 16, "two_launch_fast_to": 64})]
-    step = SimpleNamespace(head_kernel_max_rows=1, two_launch_fast_to=39)
+    changes += ab.parse_variant("kernel:packed_pairs=false,words_min_rows=9+step:max_top_k=16")
+    step = SimpleNamespace(tuning=TUNING, max_top_k=32)
     with ab.applied(changes, step):
-        assert (step.head_kernel_max_rows, step.two_launch_fast_to) == (16, 64)
-    assert (step.head_kernel_max_rows, step.two_launch_fast_to) == (1, 39)
+        t = step.tuning
+        assert (t.head_kernel_max_rows, t.two_launch_fast_to, t.packed_pairs, t.words_min_rows) == (
+            16,
+            64,
+            False,
+            9,
+        )
+        assert step.max_top_k == 16
+    assert step.tuning is TUNING and step.max_top_k == 32
     with pytest.raises(KeyError):
         with ab.applied(ab.parse_variant("step:head_kernel_max_rows=16+gemm@1x2x3:split_k=1"), step):
             pass
-    assert step.head_kernel_max_rows == 1
-    with pytest.raises(ValueError, match="DecodeStep"):
-        with ab.applied(changes):
-            pass
+    assert step.tuning is TUNING
     with pytest.raises(ValueError, match="step switches are"):
         ab.parse_variant("step:max_batch=3")
-
-
-def test_kernel_switches_are_set_and_restored() -> None:
-    """`kernel:` changes set a launcher's module constant for the variant only (also when a later
-    change of the same variant fails), without a DecodeStep; unknown names are refused."""
-    from shoal.kernels import fast_attention
-
-    changes = ab.parse_variant("kernel:packed_pairs=false,words_min_rows=9")
-    assert changes == [ab.Change("kernel", None, {"packed_pairs": False, "words_min_rows": 9})]
-    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 8
-    with ab.applied(changes):
-        assert not fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 9
-    assert fast_attention.PACKED_PAIRS and fast_attention.WORDS_MIN_ROWS == 8
-    with pytest.raises(KeyError):
-        with ab.applied(ab.parse_variant("kernel:packed_pairs=false+gemm@1x2x3:split_k=1")):
-            pass
-    assert fast_attention.PACKED_PAIRS
     with pytest.raises(ValueError, match="kernel switches are"):
         ab.parse_variant("kernel:PACKED_PAIRS=false")
 
 
-def test_every_switch_names_what_it_sets(golden_dir) -> None:
-    """A renamed constant or `DecodeStep` attribute would otherwise turn its switch into a new,
-    unread attribute (setattr creates it) and the variant would time the base."""
-    import importlib
-
+def test_every_switch_is_read_by_the_step(golden_dir) -> None:
+    """Every `step:` switch is a field of the step's tuning (or `max_top_k`), so a variant cannot
+    set an attribute nothing reads."""
     import torch
 
     from shoal.config import EngineConfig
@@ -94,12 +79,11 @@ def test_every_switch_names_what_it_sets(golden_dir) -> None:
     from shoal.engine.decode_step import DecodeStep
     from shoal.models import load_model
 
-    for name, (module, constant) in ab.KERNEL_SWITCHES.items():
-        assert hasattr(importlib.import_module(module), constant), name
     model = load_model(golden_dir / "s2_tiny", device="cpu", dtype=torch.float32)
     runner = EngineCore(model, EngineConfig(device="cpu", dtype="float32", num_pages=16)).runner
     step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)  # the engine's on a GPU
-    assert not [name for name in ab.STEP_SWITCHES if not hasattr(step, name)]
+    for name in ab.STEP_SWITCHES:
+        assert hasattr(step.tuning, name) or hasattr(step, name), name
 
 
 def test_wildcard_gemm_keys_expand_to_the_matching_entries() -> None:

@@ -23,12 +23,13 @@ from prefill_testing import prefill_tokens, prefill_two_prompts  # noqa: E402
 from shoal.config import EngineConfig  # noqa: E402
 from shoal.engine.batch import DecodeBuffers  # noqa: E402
 from shoal.engine.core import EngineCore  # noqa: E402
-from shoal.engine.decode_step import DecodeStep, sampling_probs  # noqa: E402
+from shoal.engine.decode_step import DecodeStep  # noqa: E402
 from shoal.engine.request import SamplingParams  # noqa: E402
 from shoal.models import load_model  # noqa: E402
 from shoal.models.prompt import Reference, build_prompt, voice_prefix_length  # noqa: E402
 from shoal.models.reference import generate  # noqa: E402
 from shoal.models.sampling import logits_to_probs  # noqa: E402
+from shoal.tuning import TUNING, Tuning  # noqa: E402
 
 
 def add(core, model, name, text, params, max_frames, refs=()):
@@ -44,15 +45,19 @@ def add(core, model, name, text, params, max_frames, refs=()):
     return request, prompt
 
 
-def test_sampling_probs_equals_reference() -> None:
+def test_logits_to_probs_is_graph_safe_and_keeps_rank_zero() -> None:
+    """The one sampling-shaping rule (`models.sampling.logits_to_probs`) writes nothing in place
+    (a CUDA graph captures it) and keeps rank 0 even at top_p 0 or top_k 1."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 300, generator=g)
+    before = logits.clone()
     temperature = torch.tensor([0.7, 1.0, 0.3, 1.2, 0.9])
     top_p = torch.tensor([0.8, 1.0, 0.1, 0.5, 0.0])
     top_k = torch.tensor([30, 1000, 5, 1, 64])
-    ranks = torch.arange(300)
-    got = sampling_probs(logits, temperature, top_p, top_k, ranks)
-    assert torch.equal(got, logits_to_probs(logits, temperature, top_p, top_k))
+    probs = logits_to_probs(logits, temperature, top_p, top_k)
+    assert torch.equal(logits, before)
+    assert torch.equal(probs.argmax(dim=-1), logits.argmax(dim=-1))
+    assert torch.equal((probs[3:] > 0).sum(dim=-1), torch.tensor([1, 1]))
 
 
 def test_fast_step_engine_equals_reference(golden_dir) -> None:
@@ -120,13 +125,14 @@ def test_kernel_step_equals_torch_step(
 ) -> None:
     """`fused-fast`: the fast transformer through `kernels/fast_attention.py` (one launch per layer);
     `head-kernel`: every output head on `kernels/output_head.py` (batch 1 only by default)."""
-    monkeypatch.setenv("SHOAL_FUSED_FAST_ATTENTION", "1" if fused_fast else "0")
-    monkeypatch.setenv("SHOAL_HEAD_KERNEL", "1" if head_kernel else "0")
     core, requests = decoding_core(golden_dir, 3)
     runner = core.runner
-    kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
-    assert kernel_step.fuses_fast_attention(len(requests)) == fused_fast
-    assert (kernel_step.head_kernel_max_rows > 0) == head_kernel
+    fast_range = {"two_launch_fast_from": 1, "two_launch_fast_to": 0 if fused_fast else 1 << 30}
+    tuning = TUNING.with_fields(**fast_range, head_kernel_max_rows=64 if head_kernel else 0)
+    kernel_step = DecodeStep(
+        runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64, tuning=tuning
+    )
+    assert kernel_step.tuning.fuses_fast_attention(len(requests)) == fused_fast
     torch_step = runner.step
     fields = runner.host.fill(requests)
     n = len(requests)
@@ -207,7 +213,7 @@ def test_kernel_step_with_wide_rows_equals_torch_step(
         core.step()
     runner = core.runner
     kernel_step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
-    kernel_step.sample_chunks = chunks
+    kernel_step.tuning = kernel_step.tuning.with_fields(sample_chunks=chunks)
     assert kernel_step.column_ids.numel() == 257
     fields = runner.host.fill(requests)
     results = []
@@ -244,29 +250,21 @@ def test_fused_prefill_equals_model_forward(golden_dir) -> None:
     torch.testing.assert_close(outputs[1][2][:, :7], outputs[0][2][:, :7], rtol=1e-5, atol=1e-5)
 
 
-def test_norm_slice_groups_by_rows(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_norm_slice_groups_by_rows() -> None:
     """4 groups per norm program up to 8 rows, 8 from 9 to 16, none (one program per row) above;
     `SHOAL_NORM_SLICE_GROUPS` sets one size for every split norm."""
-    core, _ = decoding_core(golden_dir, 1)
-    runner = core.runner
-    monkeypatch.delenv("SHOAL_NORM_SLICE_GROUPS", raising=False)
-    step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True)
-    assert [step.norm_slice_groups_for(rows) for rows in (0, 1, 8, 9, 16, 17)] == [0, 4, 4, 8, 8, 0]
-    monkeypatch.setenv("SHOAL_NORM_SLICE_GROUPS", "2")
-    step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True)
-    assert [step.norm_slice_groups_for(rows) for rows in (1, 16, 17)] == [2, 2, 0]
+    tuning = Tuning.from_environment({})
+    assert [tuning.norm_slice_groups_for(rows) for rows in (0, 1, 8, 9, 16, 17)] == [0, 4, 4, 8, 8, 0]
+    tuning = Tuning.from_environment({"SHOAL_NORM_SLICE_GROUPS": "2"})
+    assert [tuning.norm_slice_groups_for(rows) for rows in (1, 16, 17)] == [2, 2, 0]
 
 
-def test_fused_fast_attention_switch(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    core, _ = decoding_core(golden_dir, 1)
-    runner = core.runner
-
-    def step() -> DecodeStep:
-        return DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True)
-
-    monkeypatch.delenv("SHOAL_FUSED_FAST_ATTENTION", raising=False)
-    fused = [step().fuses_fast_attention(batch) for batch in (1, 16, 17, 39, 40, 128)]
+def test_fused_fast_attention_range_and_refused_overrides() -> None:
+    fused = [Tuning().fuses_fast_attention(batch) for batch in (1, 16, 17, 39, 40, 128)]
     assert fused == [True, True, False, False, True, True]
-    monkeypatch.setenv("SHOAL_FUSED_FAST_ATTENTION", "sometimes")
-    with pytest.raises(ValueError, match="SHOAL_FUSED_FAST_ATTENTION"):
-        step()
+    with pytest.raises(ValueError, match="SHOAL_HEAD_KERNEL_MAX_ROWS"):
+        Tuning.from_environment({"SHOAL_HEAD_KERNEL_MAX_ROWS": "sometimes"})
+    with pytest.raises(ValueError, match="fp8_prefill"):
+        Tuning.from_environment({"SHOAL_FP8_PREFILL": "fast"})
+    with pytest.raises(ValueError, match="unknown tuning fields"):
+        Tuning().with_fields(no_such_switch=1)

@@ -47,6 +47,7 @@ from shoal.models.writer import random_state_dict, tiny_config, write_checkpoint
 from shoal.quant import fp8  # noqa: E402
 from shoal.quant.fp8_head import Fp8RoundedHead  # noqa: E402
 from shoal.quant.fp8_linear import Fp8Linear, LayoutError, fp8_layers, quantize_model_  # noqa: E402
+from shoal.tuning import TUNING
 
 
 def prompt_for(model, length: int, seed: int) -> torch.Tensor:
@@ -275,8 +276,7 @@ def test_scaled_mm_prefill_equals_reference_at_s2_shapes(rows: int, monkeypatch:
     from shoal.engine.fp8_weights import Fp8Weight
     from shoal.kernels import reference
 
-    monkeypatch.setenv("SHOAL_FP8_PREFILL", "scaled_mm")
-    assert variant_for(6144, 2560, rows) == "scaled_mm"
+    assert variant_for(6144, 2560, rows, forced_prefill="scaled_mm") == "scaled_mm"
     torch.manual_seed(rows)
     for n, k, swiglu in ((6144, 2560, False), (2560, 9728, True)):
         w_q, w_scale = reference.quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
@@ -516,11 +516,12 @@ def test_fused_input_quantization_equals_separate_launches(golden_dir, tmp_path,
     runner, requests = _two_running_requests(model, "bfloat16")
     fused = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
     fused.fp8.reserve(graph_row_counts([2]))
-    fused.fuse_attention_quant, fused.norm_split_max_rows = True, 1 << 20
-    if heads == "split-rows":
-        fused.norm_slice_groups = 1
+    slice_groups = 1 if heads == "split-rows" else None
+    fused.tuning = TUNING.with_fields(
+        fuse_attention_quant=True, norm_split_max_rows=1 << 20, norm_slice_groups=slice_groups
+    )
     separate = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)  # nothing reserved
-    separate.norm_split_max_rows = 0
+    separate.tuning = TUNING.with_fields(norm_split_max_rows=0)
     block = model.layers[0]
     assert fused.fp8.fp8_input(block, "qkv", 2) is not None
     assert fused.fp8.fp8_input(block, "gate_up", 4) is not None
@@ -565,13 +566,15 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
     model, runner, fields = _two_requests_on_tiny_s2(tmp_path)
     outputs = []
     for switch in ("1", "0"):
-        monkeypatch.setenv("SHOAL_SPLITK_CONSUMER", switch)
-        step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
+        consumers = switch == "1"
+        tuning = TUNING.with_fields(
+            norm_reduces_partials=consumers, rope_reduces_partials=consumers,
+            fast_attention_partials_max_batch=TUNING.fast_attention_partials_max_batch if consumers else 0,
+            norm_split_max_rows=1 << 20 if split_rows else 0, norm_slice_groups=1,
+            two_launch_fast_from=17 if fused_fast else 1, two_launch_fast_to=1 << 30,
+        )  # fmt: skip
+        step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True, tuning=tuning)
         step.fp8.reserve(graph_row_counts([2]))
-        step.norm_split_max_rows = 1 << 20 if split_rows else 0
-        step.norm_slice_groups = 1
-        step.two_launch_fast_from = 17 if fused_fast else 1
-        step.two_launch_fast_to = 1 << 30
         for calls in handed.values():
             calls.clear()
         outputs.append(_slow_and_first_fast_pass(step, model, runner, fields))
@@ -587,10 +590,10 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
 def test_fast_qkv_partials_go_to_the_fast_attention_only_where_measured(tmp_path, monkeypatch) -> None:
     """The fast qkv GEMM hands its partials over up to FAST_ATTENTION_PARTIALS_MAX_BATCH rows, for
     fast layers without QK-norm (the 8-warp launch measured in run 178), and never with
-    `SHOAL_SPLITK_CONSUMER=norm`."""
+    its tuning field at 0."""
     import dataclasses
 
-    from shoal.engine.decode_step import FAST_ATTENTION_PARTIALS_MAX_BATCH
+    FAST_ATTENTION_PARTIALS_MAX_BATCH = TUNING.fast_attention_partials_max_batch  # noqa: N806
 
     model, runner, _ = _two_requests_on_tiny_s2(tmp_path)
     step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
@@ -599,8 +602,10 @@ def test_fast_qkv_partials_go_to_the_fast_attention_only_where_measured(tmp_path
     assert not step.hands_fast_qkv_partials(FAST_ATTENTION_PARTIALS_MAX_BATCH + 1)
     step.config = dataclasses.replace(step.config, fast_attention_qk_norm=True)
     assert not step.hands_fast_qkv_partials(1)
-    monkeypatch.setenv("SHOAL_SPLITK_CONSUMER", "norm")
-    assert not DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True).hands_fast_qkv_partials(1)
+    tuning = TUNING.with_fields(fast_attention_partials_max_batch=0)
+    assert not DecodeStep(
+        model, runner.kv, runner.max_batch, use_kernels=True, tuning=tuning
+    ).hands_fast_qkv_partials(1)
 
 
 # ---- the correctness gate through the engine ----------------------------------------------------

@@ -32,11 +32,11 @@ def model(golden_dir):
     return tiny_s2(golden_dir, torch.float64, max_seq_len=384)
 
 
-def test_config_switch(monkeypatch):
-    monkeypatch.delenv("SHOAL_OVERLAP_STEPS", raising=False)
-    assert EngineConfig().overlap_steps is True  # on by default (docs/performance.md run 42)
-    monkeypatch.setenv("SHOAL_OVERLAP_STEPS", "0")
-    assert EngineConfig().overlap_steps is False
+def test_config_switch():
+    from shoal.tuning import Tuning
+
+    assert EngineConfig().overlap_steps is Tuning().overlap_steps is True  # on by default
+    assert Tuning.from_environment({"SHOAL_OVERLAP_STEPS": "0"}).overlap_steps is False
     assert EngineConfig(overlap_steps=True).overlap_steps is True
 
 

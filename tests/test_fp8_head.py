@@ -76,7 +76,7 @@ def test_the_kernel_step_reads_the_codes_at_batch_one(golden_dir, monkeypatch: p
     runner = _core(golden_dir, weight_format="fp8").runner
     model = runner.model
     step = DecodeStep(model, runner.kv, runner.max_batch, use_kernels=True)
-    assert step.head_kernel_max_rows >= 1 and step.fp8_fast_head
+    assert step.tuning.head_kernel_max_rows >= 1 and step.tuning.head_kernel_reads_fp8
     seen = []
     original = output_head_module.output_head
 
@@ -89,7 +89,7 @@ def test_the_kernel_step_reads_the_codes_at_batch_one(golden_dir, monkeypatch: p
     want = F.linear(normed.double(), model.fast_output.weight.double())
     with torch.no_grad():
         got = step._fast_head(normed[:1])
-        step.fp8_fast_head = False
+        step.tuning = step.tuning.with_fields(head_kernel_reads_fp8=False)
         plain = step._fast_head(normed[:1])
         both = step._fast_head(normed)
     assert seen == [torch.float8_e4m3fn, torch.float32]  # batch 2 does not reach the kernel

@@ -20,11 +20,11 @@ from shoal.engine.fp8_weights import Fp8Projections, prepare_model
 from shoal.models import load_model
 
 
-def test_config_switch(monkeypatch) -> None:
-    monkeypatch.delenv("SHOAL_OVERLAP_PREFILL", raising=False)
+def test_config_switch() -> None:
+    from shoal.tuning import Tuning
+
     assert EngineConfig().overlap_prefill is True
-    monkeypatch.setenv("SHOAL_OVERLAP_PREFILL", "0")
-    assert EngineConfig().overlap_prefill is False
+    assert Tuning.from_environment({"SHOAL_OVERLAP_PREFILL": "0"}).overlap_prefill is False
 
 
 def test_sibling_projections_share_weights_not_buffers(golden_dir) -> None:

@@ -470,24 +470,18 @@ def test_chunked_full_shapes() -> None:
         assert not chunk_counters(logits.device).any()
 
 
-def test_chunks_default_environment_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SHOAL_SAMPLE_CHUNKS", raising=False)
+def test_chunks_default_preference_and_fallbacks() -> None:
     assert _resolve_chunks(None, 1, 4096, 64, True) == DEFAULT_CHUNKS
     assert _resolve_chunks(None, DEFAULT_CHUNKS_MAX_ROWS, 4096, 64, True) == DEFAULT_CHUNKS
     assert _resolve_chunks(None, DEFAULT_CHUNKS_MAX_ROWS + 1, 4096, 64, True) == 1
     assert _resolve_chunks(None, 1, 4096, 64, False) == 1  # not the radix path on a GPU
     assert _resolve_chunks(None, 1, 256, 64, True) == (DEFAULT_CHUNKS if 256 // DEFAULT_CHUNKS >= 64 else 1)
-    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "4")
-    assert _resolve_chunks(None, 64, 4096, 64, False) == 4  # the override holds at any batch
-    assert _resolve_chunks(None, 1, 128, 64, True) == 1  # chunks narrower than k: one program
-    assert _resolve_chunks(None, CHUNKED_MAX_ROWS + 1, 4096, 64, True) == 1
-    assert _resolve_chunks(2, 1, 4096, 64, True) == 2  # an explicit value wins
-    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "1")
-    assert _resolve_chunks(None, 1, 4096, 64, True) == 1
-    for bad in ("3", "0", "eight"):
-        monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", bad)
-        with pytest.raises(ValueError, match="SHOAL_SAMPLE_CHUNKS"):
-            _resolve_chunks(None, 1, 4096, 64, True)
+    # `Tuning.sample_chunks` (validated there: a power of two) arrives as the preference
+    assert _resolve_chunks(None, 64, 4096, 64, False, 4) == 4  # the preference holds at any batch
+    assert _resolve_chunks(None, 1, 128, 64, True, 4) == 1  # chunks narrower than k: one program
+    assert _resolve_chunks(None, CHUNKED_MAX_ROWS + 1, 4096, 64, True, 4) == 1
+    assert _resolve_chunks(2, 1, 4096, 64, True, 4) == 2  # an explicit value wins
+    assert _resolve_chunks(None, 1, 4096, 64, True, 1) == 1
 
 
 class LaunchSpy:
@@ -501,20 +495,17 @@ class LaunchSpy:
         return self.kernel[grid]
 
 
-def test_chunks_from_the_environment_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`SHOAL_SAMPLE_CHUNKS` picks the chunked kernel (at the call); explicit values the shape
-    cannot take raise."""
+def test_preferred_chunks_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`preferred_chunks` (the step's `Tuning.sample_chunks`) picks the chunked kernel; explicit
+    values the shape cannot take raise."""
     gen = torch.Generator().manual_seed(11)
     logits, params, kwargs = chunk_case("main-257", 2, 16, "fp32", gen)
     spy = LaunchSpy(sample_module._sample_chunked_kernel)
     monkeypatch.setattr(sample_module, "_sample_chunked_kernel", spy)
-    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "4")
-    got = sample_tokens(logits, *params, **kwargs)
+    got = sample_tokens(logits, *params, **kwargs, preferred_chunks=4)
     assert spy.grids == [(2, 4)]
-    monkeypatch.setenv("SHOAL_SAMPLE_CHUNKS", "1")
-    assert torch.equal(got, sample_tokens(logits, *params, **kwargs))
+    assert torch.equal(got, sample_tokens(logits, *params, **kwargs, preferred_chunks=1))
     assert spy.grids == [(2, 4)]  # one program per row
-    monkeypatch.delenv("SHOAL_SAMPLE_CHUNKS")
     for bad in (3, 0, -2, True, 2.0, 32):  # 32: chunks of 8 columns, narrower than k = 16
         with pytest.raises(ValueError, match="chunks"):
             sample_tokens(logits, *params, **kwargs, chunks=bad)

@@ -4,8 +4,8 @@ Why: two processes of the same code timed the batch-16 and batch-64 FP8 steps 2%
 although each repeats its own step within 0.3% (docs/performance.md run 33), so one process per
 variant cannot decide a 1-3% tuning question there. Here one engine (one set of weights, one
 memory layout) times the step under every variant in turn, round after round: the step is
-re-captured as a CUDA graph for each timing (`engine.decode_step_ms`), and tunables are read at
-launch, so changing a tuned table in place is enough.
+re-captured as a CUDA graph for each timing (`engine.decode_step_ms`) under the variant's
+`shoal.tuning.Tuning`, built with `dataclasses.replace` and handed to the step; nothing is patched.
 
 A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,field=value]`:
 - `attention@16:block_n=128,num_stages=4`: the decode attention config of batch bucket 16
@@ -13,11 +13,8 @@ A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,fie
 - `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
   (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part, so
   `gemm@*x*x1:scales_ahead=true` changes every M = 1 entry and `gemm@*x*x*:...` every entry.
-- `kernel:packed_pairs=false`: a module constant a kernel's launcher reads at every launch
-  (`KERNEL_SWITCHES`: name -> (module, constant));
-- `step:head_kernel_max_rows=16`: a switch of the engine's `DecodeStep` (`STEP_SWITCHES`: the ones
-  its constructor reads from `SHOAL_*` variables, which would otherwise need a process per value,
-  and `max_top_k`, the sampling kernels' candidate count from `EngineConfig.sample_max_top_k`).
+- `step:head_kernel_max_rows=16` (or `kernel:packed_pairs=false`): any `Tuning` field, and
+  `max_top_k`, the sampling kernels' candidate count from `EngineConfig.sample_max_top_k`.
 `--kv-cache-dtype fp8` times the step with an e4m3 KV cache, whose attention configs are the
 `attention-fp8kv` table (`kernels.attention.TUNED_DECODE_CONFIGS_FP8_KV`).
 A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
@@ -28,36 +25,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# DecodeStep attributes a `step:` change may set (each read at every call of the step).
-STEP_SWITCHES = frozenset(
-    {
-        "head_kernel_max_rows",
-        "two_launch_fast_from",
-        "two_launch_fast_to",
-        "norm_split_max_rows",
-        "norm_slice_groups",
-        "norm_max_registers",
-        "sample_chunks",
-        "fast_attention_partials_max_batch",
-        "max_top_k",
-        "fp8_fast_head",
-    }
-)
+from shoal.tuning import Tuning
 
-# Kernel launchers' module constants a `kernel:` change may set: name -> (module, constant).
-KERNEL_SWITCHES = {
-    "packed_pairs": ("shoal.kernels.fast_attention", "PACKED_PAIRS"),
-    "words_min_rows": ("shoal.kernels.fast_attention", "WORDS_MIN_ROWS"),
-    "sample_warps": ("shoal.kernels.sample", "NUM_WARPS"),
-    "head_rows_per_program": ("shoal.kernels.output_head", "ROWS_PER_PROGRAM"),
-    "fp8_head_rows_per_program": ("shoal.kernels.output_head", "FP8_ROWS_PER_PROGRAM"),
-    "head_chunk": ("shoal.kernels.output_head", "CHUNK"),
-    "fp8_head_chunk": ("shoal.kernels.output_head", "FP8_CHUNK"),
+# `step:` / `kernel:` fields: every `shoal.tuning.Tuning` field but the config tables, and the
+# sampling kernels' candidate count (`DecodeStep.max_top_k`, from `EngineConfig.sample_max_top_k`).
+STEP_ATTRIBUTES = frozenset({"max_top_k"})
+STEP_SWITCHES = (
+    frozenset(
+        {item.name for item in dataclasses.fields(Tuning) if not item.name.endswith(("_configs", "_fp8_kv"))}
+    )
+    | STEP_ATTRIBUTES
+)
+KERNEL_SWITCHES = STEP_SWITCHES
+TABLE_FIELDS = {
+    "attention": "attention_configs",
+    "attention-fp8kv": "attention_configs_fp8_kv",
+    "gemm": "gemm_configs",
 }
 
 
@@ -115,7 +102,7 @@ def parse_variant(spec: str) -> list[Change]:
             fields = parse_fields(assignments)
             if table == "step" and not fields.keys() <= STEP_SWITCHES:
                 raise ValueError(f"step switches are {', '.join(sorted(STEP_SWITCHES))}")
-            if table == "kernel" and not fields.keys() <= KERNEL_SWITCHES.keys():
+            if table == "kernel" and not fields.keys() <= KERNEL_SWITCHES:
                 raise ValueError(f"kernel switches are {', '.join(sorted(KERNEL_SWITCHES))}")
         except ValueError as error:
             raise ValueError(f"bad variant part {part!r}: {error}") from None
@@ -141,42 +128,39 @@ def concrete(changes: list[Change]) -> list[Change]:
     return expanded
 
 
-@contextlib.contextmanager
-def applied(changes: list[Change], step=None) -> Iterator[None]:
-    """The tuned tables with `changes` applied (entries replaced by modified copies), and `step`'s
-    switches and kernel constants set, restored afterwards. A key must already be in its table, and a
-    field must be one of its config's; `step:` changes need the engine's `DecodeStep`."""
+def variant(base: Tuning, changes: list[Change]) -> Tuning:
+    """`base` with `changes`: fields set, table entries replaced by modified copies (a key must
+    already be in its table, a field must be one of its config's)."""
     tables = _tables()
-    saved = []
-    switched = []
+    fields: dict = {}
+    replaced = {name: dict(getattr(base, name)) for name in TABLE_FIELDS.values()}
+    for change in changes:
+        if change.table in ("step", "kernel"):
+            fields.update({k: v for k, v in change.fields.items() if k not in STEP_ATTRIBUTES})
+            continue
+        table = tables[change.table]
+        if change.key not in table:
+            raise KeyError(f"{change.table} table has no entry {change.key}")
+        entries = replaced[TABLE_FIELDS[change.table]]
+        entries[change.key] = dataclasses.replace(entries.get(change.key, table[change.key]), **change.fields)
+    return base.with_fields(**fields, **replaced)
+
+
+@contextlib.contextmanager
+def applied(changes: list[Change], step) -> Iterator[None]:
+    """`step` (the engine's `DecodeStep`) runs the variant's tuning inside, its own afterwards."""
+    saved_tuning, saved_top_k = step.tuning, getattr(step, "max_top_k", None)
+    tuning = variant(saved_tuning, changes)
     try:
         for change in changes:
-            if change.table == "step":
-                if step is None:
-                    raise ValueError("step: changes need the engine's DecodeStep")
-                for name, value in change.fields.items():
-                    switched.append((step, name, getattr(step, name)))
-                    setattr(step, name, value)
-                continue
-            if change.table == "kernel":
-                for name, value in change.fields.items():
-                    module = importlib.import_module(KERNEL_SWITCHES[name][0])
-                    constant = KERNEL_SWITCHES[name][1]
-                    switched.append((module, constant, getattr(module, constant)))
-                    setattr(module, constant, value)
-                continue
-            table = tables[change.table]
-            if change.key not in table:
-                raise KeyError(f"{change.table} table has no entry {change.key}")
-            current = table[change.key]
-            saved.append((table, change.key, current))
-            table[change.key] = dataclasses.replace(current, **change.fields)
+            if change.table in ("step", "kernel") and "max_top_k" in change.fields:
+                step.max_top_k = change.fields["max_top_k"]
+        step.tuning = tuning
         yield
     finally:
-        for table, key, value in reversed(saved):
-            table[key] = value
-        for owner, name, value in reversed(switched):
-            setattr(owner, name, value)
+        step.tuning = saved_tuning
+        if saved_top_k is not None:
+            step.max_top_k = saved_top_k
 
 
 def interleaved(names: list[str], rounds: int) -> list[str]:

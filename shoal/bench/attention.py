@@ -3,10 +3,10 @@
 Shapes are S2-Pro's slow layer (32 q heads, 8 kv heads, head_dim 128, bf16). For batch 1/16/64 x
 context 1k/4k/8k it times `paged_decode_attention` with the engine's tuned config (pages
 scattered at random, page size 16) against `F.scaled_dot_product_attention(enable_gqa=True)` on
-contiguous KV, and 64 requests sharing a 1k voice prefix (+ 64 own tokens each) with and
-without the shared-prefix kernel. Each decode case is also timed with an FP8 KV cache (the same
-pools quantized by `reference.quantize_kv`: e4m3 pages + one fp32 scale per token and kv head),
-reported beside the bf16 time as "FP8-KV µs" and its ratio to it ("x bf16", below 1 is faster).
+contiguous KV, then short rows (332 and 512 keys) in tables 32k keys wide. Each decode case is
+also timed with an FP8 KV cache (the same pools quantized by `reference.quantize_kv`: e4m3 pages
++ one fp32 scale per token and kv head), reported beside the bf16 time as "FP8-KV µs" and its
+ratio to it ("x bf16", below 1 is faster).
 Every time is the median of CUDA-graph replays over several input copies (so a small KV does
 not sit in L2); "GB/s" is the fewest bytes the step must read divided by the time, next to the
 copy (read + write) and read-only ceilings measured in the same run on 2 GiB buffers.
@@ -36,7 +36,6 @@ from shoal.kernels.attention import (
     choose_num_splits,
     decode_config,
     paged_decode_attention,
-    shared_prefix_decode_attention,
 )
 from shoal.kernels.reference import dequantize_kv, quantize_kv
 
@@ -62,29 +61,17 @@ SWEEP = [
     )
     for (t, m), n, w, st, f in itertools.product(SPLITS, (64, 128), (4, 8), (2, 3), (False, True))
 ]
-PREFIX_SWEEP = [
-    replace(DEFAULT_CONFIG, block_n=n, num_warps=w, num_stages=st, prefix_splits=p)
-    for n, w, st, p in itertools.product((64, 128), (4, 8), (2, 3), (4, 8))
-]
 
 
-def _compile_job(job: tuple[str, AttentionConfig]) -> str | None:
+def _compile_job(config: AttentionConfig) -> str | None:
     """In a worker process: small launches with this config at the benchmark's specializations
     (block-table widths), so Triton's on-disk cache holds every variant the timing pass needs
     (split counts are run-time arguments)."""
-    kind, config = job
     try:
-        if kind == "decode":
-            case = DecodeCase([1024], contiguous=False)
-            q, k, v, tables, _ = case.inputs[0]
-            for splits in (4, 1):
-                paged_decode_attention(q, k, v, tables, case.seq_lens, num_splits=splits, config=config)
-        else:
-            case = DecodeCase([1088] * 2, shared_prefix=1024, contiguous=False)
-            q, k, v, tables, _ = case.inputs[0]
-            shared_prefix_decode_attention(
-                q, k, v, tables, case.seq_lens, case.prefix, case.groups, 2, config=config
-            )
+        case = DecodeCase([1024], contiguous=False)
+        q, k, v, tables, _ = case.inputs[0]
+        for splits in (4, 1):
+            paged_decode_attention(q, k, v, tables, case.seq_lens, num_splits=splits, config=config)
         torch.cuda.synchronize()
         return None
     except Exception as error:  # noqa: BLE001 - reported; the timing pass skips it too
@@ -105,27 +92,22 @@ def fp8_kv(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
 class DecodeCase:
     """`copies` independent inputs for one (batch, lens) shape, paged and contiguous."""
 
-    def __init__(
-        self, seq_lens: list[int], shared_prefix: int = 0, contiguous: bool = True, capacity: int = 0
-    ) -> None:
+    def __init__(self, seq_lens: list[int], contiguous: bool = True, capacity: int = 0) -> None:
         """`capacity`: block tables this many keys wide (the engine sizes them for its longest
         sequence, and the split count follows the width), the columns past each row's pages
         unused."""
         batch, longest = len(seq_lens), max(seq_lens)
-        touched = kv_bytes(sum(seq_lens) - (batch - 1) * shared_prefix)
+        touched = kv_bytes(sum(seq_lens))
         self.copies = max(1, min(64, math.ceil(L2_FLUSH_BYTES / touched)))
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         pages_per_seq = -(-longest // PAGE_SIZE)
-        shared_pages = shared_prefix // PAGE_SIZE
-        own_pages = pages_per_seq - shared_pages
-        num_pages = shared_pages + batch * own_pages
+        num_pages = batch * pages_per_seq
         self.inputs = []
         for _ in range(self.copies):
             perm = torch.randperm(num_pages, device="cuda").to(torch.int32)
             width = max(pages_per_seq, -(-capacity // PAGE_SIZE))
             tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
-            tables[:, :shared_pages] = perm[:shared_pages]
-            tables[:, shared_pages:pages_per_seq] = perm[shared_pages:].view(batch, own_pages)
+            tables[:, :pages_per_seq] = perm.view(batch, pages_per_seq)
             shape = (num_pages, PAGE_SIZE, HKV, HEAD_DIM)
             k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
             v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
@@ -137,8 +119,6 @@ class DecodeCase:
                     torch.randn(batch, HKV, longest, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
                 )
             self.inputs.append((q, k, v, tables, dense))
-        self.prefix = torch.full((batch,), shared_prefix, dtype=torch.int32, device="cuda")
-        self.groups = torch.tensor([0, batch], dtype=torch.int32, device="cuda")
         self._fp8_inputs: list[tuple] | None = None
 
     def fp8_inputs(self) -> list[tuple]:
@@ -161,17 +141,6 @@ class DecodeCase:
         def step() -> None:
             for q, kv, tables in inputs:
                 paged_decode_attention(q, block_tables=tables, seq_lens=self.seq_lens, config=config, **kv)
-
-        return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
-
-    def shared(self, config: AttentionConfig) -> float:
-        batch = self.seq_lens.shape[0]
-
-        def step() -> None:
-            for q, k, v, tables, _ in self.inputs:
-                shared_prefix_decode_attention(
-                    q, k, v, tables, self.seq_lens, self.prefix, self.groups, batch, config=config
-                )
 
         return time_graph_ms(step, repeats=REPEATS, calls_per_replay=self.copies)
 
@@ -209,7 +178,7 @@ def _distinct(configs: list[AttentionConfig], batch: int, context: int) -> list[
     seen, keep = set(), []
     for c in configs:
         splits = choose_num_splits(batch, HKV, context, c)
-        key = (c.block_n, c.num_warps, c.num_stages, splits, c.fused_merge and splits > 1, c.prefix_splits)
+        key = (c.block_n, c.num_warps, c.num_stages, splits, c.fused_merge and splits > 1)
         if key not in seen:
             seen.add(key)
             keep.append(c)
@@ -243,7 +212,7 @@ def _per_batch_winners(sweeps: dict[int, list[dict]]) -> dict[int, AttentionConf
 def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> list[dict]:
     """Print the table; return its rows (times in µs) for callers such as the gate."""
     if sweep:
-        precompile([("decode", c) for c in SWEEP] + [("shared", c) for c in PREFIX_SWEEP], _compile_job)
+        precompile(SWEEP, _compile_job)
         if precompile_only:
             return []
     check_against_sdpa()
@@ -254,8 +223,7 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
     sweeps: dict[int, list[dict]] = {}
     for batch, context in itertools.product(BATCHES, CONTEXTS):
         case = DecodeCase([context] * batch)
-        # The config the engine launches at this batch (the tuned table), not DEFAULT_CONFIG: run 14
-        # timed the default by mistake and read its 4-5 µs more per call as a regression.
+        # The config the engine launches at this batch (the tuned table), not DEFAULT_CONFIG.
         ours, sdpa = case.paged(decode_config(batch)), case.sdpa()
         row = {"case": f"decode b={batch} ctx={context}", "bytes": kv_bytes(batch * context)}
         row.update(
@@ -295,15 +263,6 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         row["fp8_kv_us"] = case.paged_fp8(config) * 1e3
         rows.append(row)
         del case
-    prefix, own, batch = 1024, 64, 64
-    case = DecodeCase([prefix + own] * batch, shared_prefix=prefix)
-    row = {"case": f"shared {prefix}-token prefix b={batch} +{own}", "bytes": kv_bytes(prefix + batch * own)}
-    row.update(ours_us=case.shared(DEFAULT_CONFIG) * 1e3, sdpa_us=case.sdpa() * 1e3)
-    row["unshared_us"] = case.paged(decode_config(batch)) * 1e3
-    if sweep:
-        tuned, config = min(timed_configs(case.shared, PREFIX_SWEEP), key=lambda item: item[0])
-        row.update(tuned_us=tuned * 1e3, config=config)
-    rows.append(row)
     print(f"ceilings: copy {copy_gbs:.0f} GB/s (read+write), read {read_gbs:.0f} GB/s")
     print("\n".join(table_lines(rows, read_gbs)))
     if sweeps:
@@ -328,8 +287,6 @@ def table_lines(rows: list[dict], read_gbs: float) -> list[str]:
         if "fp8_kv_us" in row:
             line += f" {row['fp8_kv_us']:10.1f} {row['fp8_kv_us'] / row['ours_us']:6.2f}x"
         lines.append(line)
-        if "unshared_us" in row:
-            lines.append(f"{'  same, prefix read per request':34} {'':10} {row['unshared_us']:9.1f}")
         if "tuned_us" in row:
             c = row["config"]
             gbs = row["bytes"] / row["tuned_us"] / 1e3
@@ -337,7 +294,7 @@ def table_lines(rows: list[dict], read_gbs: float) -> list[str]:
                 f"{'  best swept':34} {'':10} {row['tuned_us']:9.1f} {'':9} "
                 f"{row['sdpa_us'] / row['tuned_us']:7.2f}x {gbs:7.0f} {gbs / read_gbs:7.0%}  "
                 f"n={c.block_n} w={c.num_warps} st={c.num_stages} tp={c.target_programs} "
-                f"min={c.min_split_tokens} fused={c.fused_merge} splits={row.get('splits', c.prefix_splits)}"
+                f"min={c.min_split_tokens} fused={c.fused_merge} splits={row['splits']}"
             )
     return lines
 

@@ -88,6 +88,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _wall_seconds(device: torch.device, work) -> float:
+    """Wall seconds of `work()`, the device drained before and after."""
+    _sync(device)
+    start = time.perf_counter()
+    work()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _random_codes(codec: Codec, batch: int, frames: int, gen: torch.Generator) -> torch.Tensor:
     if isinstance(codec, FireflyCodec):
         size = codec.config.codebook_size
@@ -115,24 +124,20 @@ def _time_streaming(
             audio[b].append(out)
 
     one_step(0)
-    _sync(codec.device)
-    start = time.perf_counter()
-    for i in range(1, steps + 1):
-        one_step(i)
-    _sync(codec.device)
-    return time.perf_counter() - start, audio
+    seconds = _wall_seconds(codec.device, lambda: [one_step(i) for i in range(1, steps + 1)])
+    return seconds, audio
 
 
 def _time_redecode(codec: Codec, codes: torch.Tensor, chunk: int, steps: int) -> float:
     """Naive baseline: every step decodes each stream's full history and keeps the new tail."""
     codec.decode(codes[:, :, :chunk])
-    _sync(codec.device)
-    start = time.perf_counter()
-    for i in range(1, steps + 1):
-        audio = codec.decode(codes[:, :, : (i + 1) * chunk])
-        audio[..., -chunk * codec.frame_length :].contiguous()
-    _sync(codec.device)
-    return time.perf_counter() - start
+
+    def work() -> None:
+        for i in range(1, steps + 1):
+            audio = codec.decode(codes[:, :, : (i + 1) * chunk])
+            audio[..., -chunk * codec.frame_length :].contiguous()
+
+    return _wall_seconds(codec.device, work)
 
 
 @torch.inference_mode()
@@ -296,14 +301,8 @@ def _encode_row(codec: Codec, seconds: float, gen) -> dict:
     for batch in (1, 16):
         audio = (0.1 * torch.randn(batch, samples, generator=gen)).to(codec.device)
         codec.encode(audio)
-        times = []
-        for _ in range(3):  # median of three
-            _sync(codec.device)
-            start = time.perf_counter()
-            codec.encode(audio)
-            _sync(codec.device)
-            times.append(time.perf_counter() - start)
-        elapsed = sorted(times)[1]
+        times = [_wall_seconds(codec.device, lambda audio=audio: codec.encode(audio)) for _ in range(3)]
+        elapsed = sorted(times)[1]  # median of three
         row[f"audio_s_per_s_b{batch}"] = batch * seconds / elapsed
         print(
             f"encode    {batch:>7} {seconds:>4.0f}s {1e3 * elapsed:>8.2f} {batch * seconds / elapsed:>10.0f}"

@@ -15,7 +15,7 @@ the rows, the sweep and the run's environment (GPU, torch/triton, date, commit, 
 
 `--weight-format bf16 fp8` runs both engines in one call, one after the other on the same random
 weights (FP8: quantized at engine start, `engine/fp8_weights.py`), prints fp8/bf16 ratios and checks
-the issue's targets (`bench/gate_performance.py: TARGETS`). `--fp8-sweep` times every FP8 projection variant
+the issue's targets (`bench/targets.py: TARGETS`). `--fp8-sweep` times every FP8 projection variant
 per S2-Pro GEMM shape and M as CUDA-graph replays and prints `VARIANT_TABLE` entries to paste.
 """
 
@@ -28,7 +28,6 @@ import functools
 import gc
 import itertools
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -37,11 +36,13 @@ from pathlib import Path
 
 import torch
 
+from shoal.bench.targets import check_targets, select_results
 from shoal.bench.timing import time_graph_ms
 from shoal.config import KV_CACHE_DTYPES, EngineConfig
 from shoal.engine.api import FinishReason
 from shoal.engine.engine import EngineCore
 from shoal.engine.request import SamplingParams
+from shoal.tuning import environment as environment_setting
 
 S2_PRO_CONFIG = {
     "model_type": "fish_qwen3_omni",
@@ -233,7 +234,7 @@ def decode_step_ms(
 ) -> dict[int, float]:
     """{batch: ms of one whole decode step} as CUDA-graph replays on synthetic rows of `context`
     keys. This is what the performance gate compares: unlike whole-request rates (prefill,
-    scheduling and host jitter: about 10% apart between runs 8 and 9) it repeats within 0.3%."""
+    scheduling and host jitter: about 10% apart between identical runs) it repeats within 0.3%."""
     runner = core.runner
     result = {}
     for batch in batches:
@@ -358,8 +359,7 @@ def run_engine_bench(
     results = []
     # More prompts at once than the static prefill packs warm the eager prefill of several chunks
     # (its Triton kernels compile on first use): with prefill graphs a single request never runs
-    # it, and the first level with concurrency > 1 would pay the compilation in its first frames
-    # (run 37: 931 ms at 16).
+    # it, and the first level with concurrency > 1 would pay the compilation in its first frames.
     burst = make_prompts(model, prefill_graph_segments + 1, prompt_tokens, shared_prefix, seed=999)
     run_level(core, burst, 4, shared_prefix)
     budgets = max_prefill_tokens or (config.max_prefill_tokens,)
@@ -609,8 +609,9 @@ def run(args: argparse.Namespace) -> int:
 
 def environment(argv: list[str] | None = None) -> dict:
     """What a measurement ran on, stored beside its numbers (`--json`, the gate's baseline): step
-    times only compare on the same GPU and software. `commit` comes from `SHOAL_COMMIT`, else from
-    the checkout's `.git` files (GPU machines get a copy without them: set `SHOAL_COMMIT` there)."""
+    times only compare on the same GPU and software. `commit` comes from the COMMIT
+    environment setting, else from the checkout's `.git` files (GPU machines get a copy without
+    them: set it there)."""
     try:
         import triton
 
@@ -619,7 +620,7 @@ def environment(argv: list[str] | None = None) -> dict:
         triton_version = None
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("SHOAL_COMMIT") or _git_head(),
+        "commit": environment_setting("COMMIT") or _git_head(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton_version,
@@ -665,8 +666,6 @@ def _git_head() -> str | None:
 
 
 def print_results(all_results: list[dict]) -> None:
-    from shoal.bench.gate_performance import check_targets, select_results
-
     header = (
         f"{'format':>6} {'kv':>4} {'conc':>5} {'prefix':>6} {'ovl':>3} {'chunk':>5} {'reqs':>5} "
         f"{'agg f/s':>9} {'req f/s':>8} {'ttff p50':>9} {'p95':>8} {'GiB':>6} {'step ms':>8} {'dec f/s':>8}"

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.bench.targets import TARGETS, check_targets, select_results
+
 BASELINE = Path(__file__).parent / "baselines" / "perf_h200.json"
 CONCURRENCIES = (1, 16, 64)
 EXIT_PASS = 0
@@ -169,38 +171,6 @@ class PerfRow:
         return self.ratio is not None and self.ratio > 1.0 + self.tolerance
 
 
-# The issue's absolute targets per weight format, on `shoal bench engine` rows without a shared voice
-# prefix: (what, concurrency, result key, "min" | "max", bound).
-TARGETS: dict[str, list[tuple[str, int, str, str, float]]] = {
-    "bf16": [
-        ("aggregate frames/s", 1, "aggregate_frames_per_s", "min", 120.0),
-        ("aggregate frames/s", 64, "aggregate_frames_per_s", "min", 4000.0),
-    ],
-    "fp8": [
-        ("aggregate frames/s", 1, "aggregate_frames_per_s", "min", 330.0),
-        ("aggregate frames/s", 64, "aggregate_frames_per_s", "min", 12000.0),
-        ("time to first frame p50 ms (300-token prompt)", 1, "ttff_p50_ms", "max", 30.0),
-    ],
-}
-
-
-def select_results(results: Sequence[dict], weight_format: str) -> list[dict]:
-    """The rows of one weight format (rows without the key are bf16), the KV cache in the model
-    dtype (the baselines' setting), no shared voice prefix, all of a level's requests at once
-    (not `--closed-loop`), and the engine's default prefill overlap where both settings ran."""
-    rows = [
-        r
-        for r in results
-        if r.get("weight_format", "bf16") == weight_format
-        and r.get("kv_cache_dtype", "auto") == "auto"
-        and int(r.get("shared_prefix", 0)) == 0
-        and not r.get("closed_loop", 0)
-    ]
-    if any(r.get("overlap_prefill", True) for r in rows):
-        rows = [r for r in rows if r.get("overlap_prefill", True)]
-    return rows
-
-
 def compare_to_baseline(
     results: Sequence[dict], baseline: FormatBaseline, tolerance: float = 0.05
 ) -> list[PerfRow]:
@@ -258,26 +228,6 @@ def format_frozen(entry: FormatBaseline) -> str:
         shown = "-" if request is None else f"{request:.1f}"
         lines.append(f"| {c} | {ms:.3f} | {decode_frames_per_s(ms):.1f} | {shown} |")
     return "\n".join(lines)
-
-
-def check_targets(results: Sequence[dict], weight_format: str) -> tuple[bool, list[str]]:
-    """The issue's absolute targets (`TARGETS`) on rows of `select_results`; a missing row fails."""
-    by_concurrency = {int(r["concurrency"]): r for r in results}
-    lines, passed = [], True
-    for what, concurrency, key, kind, bound in TARGETS[weight_format]:
-        row = by_concurrency.get(concurrency)
-        value = None if row is None or key not in row else float(row[key])
-        ok = value is not None and (value >= bound if kind == "min" else value <= bound)
-        if key == "ttff_p50_ms" and row is not None and row.get("prompt_tokens", 300) != 300:
-            ok = False  # the target is stated for a 300-token prompt
-        passed &= ok
-        shown = "-" if value is None else f"{value:.1f}"
-        sign = ">=" if kind == "min" else "<="
-        lines.append(
-            f"{weight_format} {what} at concurrency {concurrency}: {shown} "
-            f"(target {sign} {bound:g})  {'ok' if ok else 'FAIL'}"
-        )
-    return passed, lines
 
 
 def read_results_file(path: str | Path) -> tuple[list[dict], dict | None]:

@@ -61,8 +61,8 @@ def _time_events(fn: Callable[[], object], reps: int, trials: int = 5) -> float:
 def memory_ceilings(verbose: bool = True) -> dict[str, float]:
     """Bytes/s: 'copy' (device-to-device, read + write counted) and 'read' (read-only), each the
     best of two methods on 2 GiB buffers, 20 back-to-back calls of about 1 ms each (launch cost
-    under 1%). Run 2's probe copied inside a CUDA graph, where the copy became a memcpy node and
-    read 2.77 TB/s against about 4.0 from kernels; here the copies are eager launches."""
+    under 1%). Eager launches, not a graph: captured in a CUDA graph the copy becomes a memcpy
+    node, which reads about 30% slower than the kernels do."""
     n = PROBE_BYTES // 4
     src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_(-1, 1)
     dst = torch.empty_like(src)
@@ -90,11 +90,6 @@ def memory_ceilings(verbose: bool = True) -> dict[str, float]:
             f"read {result['read'] / 1e12:.2f} TB/s  [{detail}]"
         )
     return result
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write counted)."""
-    return memory_ceilings(verbose=False)["copy"]
 
 
 def _weight_sets(n: int, k: int, count: int) -> list[dict[str, torch.Tensor]]:
@@ -257,7 +252,7 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
     at decode sizes (M <= 16) ours W8A8 as the engine runs it (gate+up, `swiglu_quantize`, down
     leaving its split-K partials: three launches). FP8 rows also report bandwidth on the FP8
     weight bytes of both projections. (A one-launch persistent MLP, with grid barriers or with
-    per-group ready flags, lost to these three launches: docs/performance.md runs 54-55.)"""
+    per-group ready flags, lost to these three launches.)"""
     from shoal.kernels import fp8_gemm, quant
 
     (n_up, k_up), (n_down, k_down) = SHAPES["gate_up"], SHAPES["down"]

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from shoal.tuning import environment
+
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog. Shoal streams speech while it is generated."
 HEADER = (
     "mode  conc. requests errors  TTFA p50  TTFA p95  audio s/s  audio s/req   wall s\n"
@@ -269,13 +271,11 @@ def concurrency_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--url", default=os.environ.get("SHOAL_URL", "http://127.0.0.1:8080"), help="server base URL"
-    )
+    parser.add_argument("--url", default=environment("URL", "http://127.0.0.1:8080"), help="server base URL")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("SHOAL_API_KEY") or os.environ.get("FISH_API_KEY") or "local",
-        help="bearer key (env SHOAL_API_KEY or FISH_API_KEY)",
+        default=environment("API_KEY") or os.environ.get("FISH_API_KEY") or "local",
+        help="bearer key (environment API_KEY, or FISH_API_KEY)",
     )
     parser.add_argument("--mode", choices=("http", "ws", "both"), default="both")
     parser.add_argument(

@@ -20,7 +20,7 @@ kernel variant is chosen from the GEMM shape (N, K) and the row count M (`varian
 - `"scaled_mm"`: prefill-sized M: activations quantized by one `kernels/quant.py` launch, then
   `torch._scaled_mm` with block-wise scales (cuBLAS; rows padded to a multiple of 16), no bf16
   copy of the weight needed; `VARIANT_TABLE` runs S2-Pro's prefill from 257 rows on it (runs 24
-  and 157). `SHOAL_FP8_PREFILL=scaled_mm|bf16|w8a8` forces one variant for every prefill GEMM
+  and 157). `Tuning.fp8_prefill` forces one variant for every prefill GEMM
   (A/B between processes).
 
 `VARIANT_TABLE` holds measured winners (`shoal bench engine --fp8-sweep` prints it);
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +57,7 @@ from shoal.quant.fp8_linear import (
     quantize_model_,
     verify_model_layout,
 )
+from shoal.tuning import TUNING, Tuning
 
 if TYPE_CHECKING:  # the kernels import Triton (and read TRITON_INTERPRET) only when first called
     from shoal.kernels.fp8_gemm import SplitKPartials
@@ -129,13 +129,12 @@ def variant_for(
     m: int,
     quantize_activations: bool = DEFAULT_QUANTIZE_ACTIVATIONS,
     table: dict[tuple[int, int, int], str] | None = None,
+    forced_prefill: str | None = None,
 ) -> str:
+    """The GEMM variant at this shape; `forced_prefill` (`Tuning.fp8_prefill`) for prefill buckets."""
     bucket = m_bucket(m)
-    forced = os.environ.get("SHOAL_FP8_PREFILL") if bucket in PREFILL_BUCKETS else None
-    if forced is not None:
-        if forced not in ("bf16", "scaled_mm", "w8a8"):
-            raise ValueError(f"SHOAL_FP8_PREFILL must be bf16, scaled_mm or w8a8, got {forced!r}")
-        return forced
+    if forced_prefill is not None and bucket in PREFILL_BUCKETS:
+        return forced_prefill
     chosen = (VARIANT_TABLE if table is None else table).get((n, k, bucket))
     return chosen or default_variant(bucket, quantize_activations)
 
@@ -226,7 +225,9 @@ class Fp8Projections:
         backend: str = "triton",
         table: dict[tuple[int, int, int], str] | None = None,
         emulate_kernels: bool = True,
+        tuning: Tuning = TUNING,
     ) -> None:
+        self.tuning = tuning
         if backend not in ("triton", "reference"):
             raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
         self.backend = backend
@@ -262,8 +263,14 @@ class Fp8Projections:
         other.reserved, other._buffers, other.workspace = set(), {}, None
         return other
 
+    def _config(self, w: Fp8Weight, m: int):
+        """`Tuning.gemm_configs`' replacement of the tuned GEMM config at this shape, else None."""
+        from shoal.kernels.fp8_gemm import m_bucket as gemm_bucket
+
+        return self.tuning.gemm_configs.get((w.n, w.k, gemm_bucket(m)))
+
     def variant(self, n: int, k: int, m: int) -> str:
-        return variant_for(n, k, m, self.quantize_activations, self.table)
+        return variant_for(n, k, m, self.quantize_activations, self.table, self.tuning.fp8_prefill)
 
     def weights(self):
         for block in self.blocks.values():
@@ -465,7 +472,15 @@ class Fp8Projections:
         if quantized is not None and variant == "w8a8":
             from shoal.kernels.fp8_gemm import fp8_gemm
 
-            result = fp8_gemm(*quantized, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
+            result = fp8_gemm(
+                *quantized,
+                w.q,
+                w.scale,
+                out=out,
+                workspace=workspace,
+                config=self._config(w, m),
+                unreduced=unreduced,
+            )
         elif variant == "bf16":
             a = x.to(torch.bfloat16)
             if swiglu:  # as the bf16 model computes it: silu and product in bf16
@@ -480,7 +495,16 @@ class Fp8Projections:
             q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
             quantize = swiglu_quantize if swiglu else quantize_activations
             q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
-            result = fp8_gemm(q, s, w.q, w.scale, out=out, workspace=workspace, unreduced=unreduced)
+            result = fp8_gemm(
+                q,
+                s,
+                w.q,
+                w.scale,
+                out=out,
+                workspace=workspace,
+                config=self._config(w, m),
+                unreduced=unreduced,
+            )
         else:
             from shoal.kernels.fp8_gemm import fp8_linear
 

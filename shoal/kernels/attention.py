@@ -1,4 +1,4 @@
-"""Paged attention in Triton: decode (split-KV), chunked prefill, and shared-prefix decode.
+"""Paged attention in Triton: decode (split-KV) and chunked prefill.
 
 KV cache layout (the engine's `kv_cache.py` allocates it):
 - one page pool per layer, `k_pages` and `v_pages` each `[num_pages, page_size, n_kv_heads,
@@ -22,10 +22,6 @@ Decode splits the keys of a sequence across `num_splits` programs writing partia
 log-sum-exp) pairs that a second launch merges (or, with `fused_merge`, the last split program
 of each sequence and kv head); that fills the GPU at batch 1 and long context.
 
-Shared prefix ("cascade"): when consecutive batch rows share their first `prefix_len` tokens'
-pages (a cached voice prefix), one kernel attends all query heads of all those rows to the
-prefix at once (the prefix is read once per group, not once per row), the per-row kernel
-attends only each row's own suffix, and the merge launch combines them by log-sum-exp.
 All scores are kept in base 2 (`exp2`/`log2`), scale folded with log2(e).
 
 FP8 output (`out_fp8`, head_dim 128): in the FP8 decode step the attention output feeds the
@@ -42,6 +38,7 @@ Every kernel takes `USE_PDL` and waits for its inputs first (`kernels/pdl.py`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,8 +75,6 @@ class AttentionConfig:
     target_programs: int = 264  # split-KV aims for this many programs (2 per H200 SM)
     min_split_tokens: int = 256  # never split into pieces shorter than this
     max_splits: int = 32
-    prefix_block_rows: int = 64  # (row, head) pairs per shared-prefix program
-    prefix_splits: int = 4  # splits of the shared prefix
     # Decode: the last split program of each (sequence, kv head) to finish merges the partials
     # (per-(sequence, kv head) arrival counters), so split-KV costs one launch instead of two.
     fused_merge: bool = False
@@ -93,78 +88,64 @@ class AttentionConfig:
 
 DEFAULT_CONFIG = AttentionConfig()
 # Measured winners for `paged_decode_attention` per batch bucket (the smallest key >= batch),
-# filled from `shoal bench attention --sweep` on the H200; batches above every key use the largest.
-# H200 sweep 2026-11-30 (`shoal bench attention --sweep`), default -> tuned at 4k context:
-# b=1 14.7 -> 11.2 us, b=16 80.6 -> 74.9 us, b=64 253 -> 248.5 us.
+# filled from `shoal bench attention --sweep` and `shoal bench ab` on the H200; batches above every
+# key use the largest (the measurements: docs/performance.md).
 # Short rows stay split too: attending a row of <= 512 keys in one program per kv head (no
-# partials, no merge) was slower at batch 1 and 16 in the engine's 32k-key tables (run 22: 8.7
-# against 6.7 us at 332 keys) and in the step (run 21), and was removed.
+# partials, no merge) was slower at batch 1 and 16 in the engine's 32k-key tables and in the step.
 _FUSED_SMALL_BATCH = AttentionConfig(num_stages=3, target_programs=264, fused_merge=True)
 # 128-key blocks; rows split from 64 keys on, in 64-key blocks (batches 2-4 and 9-16, below).
 _SPLIT_SHORT_ROWS = replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64)
 TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
-    # min_split_tokens 64 (was 128): rows of 332 keys in tables sized for them (the engine bench,
-    # the gate) split in 3 pieces of 128 keys, as they do in 32k tables; attention 8.6 -> 6.7 µs,
-    # FP8 step at batch 1 3.95 -> 3.87 ms (docs/performance.md run 32). 32k tables: unchanged.
-    # block_n 64 (was 128): batch-1 step 0.987x (run 78). block_n 32 (was 64), double-buffered
-    # at 3 stages in about the old single buffer's shared memory (64-key blocks double-buffered,
-    # 72 KB, lost 1.5% in the step at 332 keys, run 143): alone 1.13x / 1.03x SDPA at 4k / 8k
-    # (1.02 / 0.96x), step 0.991x at 4k keys in 32k tables, 1.000x at 332 (runs 144, 146).
+    # min_split_tokens 64: rows of 332 keys in tables sized for them (the engine bench, the gate)
+    # split in 3 pieces, as they do in 32k tables. 32-key blocks double-buffered at 3 stages fit
+    # in about one 64-key buffer's shared memory (64-key blocks double-buffered lost in the step).
     1: replace(_FUSED_SMALL_BATCH, block_n=32, min_split_tokens=64),
-    # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config:
-    # 1.026x without the split at batch 4, run 138); batches 5-8 keep one split
-    # (`min_split_tokens` 256: batch 8 1.012-1.013x with the split, runs 138 and 140). Both at 3
-    # stages, double-buffered: batch 4 1.2% and batch 8 0.4% faster than the loop that loaded
-    # the page numbers in the iteration using them (one buffer, run 143).
+    # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config);
+    # batches 5-8 keep one split (`min_split_tokens` 256: the split was slower at batch 8). Both
+    # at 3 stages, double-buffered.
     4: _SPLIT_SHORT_ROWS,
     8: replace(_SPLIT_SHORT_ROWS, min_split_tokens=256),
-    # block_n 128 (was 64): FP8 step at batch 16 0.986x at 332 keys, 0.981x at 1,000, against a
-    # control within 0.3% (`shoal bench ab`, docs/performance.md run 38); those tables held 380
-    # keys, one split per row. Split rows (tables of 512 keys and more, `shoal serve`'s 32k) take
-    # 64-key blocks: 10-16% faster alone at 332 keys to 8k in 32k tables, while one split of 332
-    # keys is 23% slower with them (docs/performance.md runs 85 and 89). min_split_tokens 64 (was
-    # 256): 332-key rows in the engine bench's tables split in 3 as in `shoal serve`'s (64-key
-    # blocks), step 0.996x at batch 16 (run 137; Nsight Compute there: one 4-warp program per SM,
-    # latency-bound). split_block_n 32 (was 64), double-buffered at 3 stages in about the old
-    # single buffer's shared memory: 5-10% faster alone at 332 keys to 8k (0.79-0.93x SDPA ->
-    # 0.87-0.97x), step 0.993x at 332 keys, 0.995x at 2k in 32k tables (run 145; 64-key blocks
-    # double-buffered lost 0.6-0.8% there, run 143).
+    # 128-key blocks for unsplit rows (tables of a few hundred keys, one split per row); split
+    # rows (tables of 512 keys and more, `shoal serve`'s 32k) take 32-key blocks, double-buffered
+    # at 3 stages in about one 64-key buffer's shared memory: faster alone from 332 keys to 8k,
+    # while one split of 332 keys is slower with small blocks. min_split_tokens 64: 332-key rows
+    # in the engine bench's tables split in 3 as in `shoal serve`'s (latency-bound at one 4-warp
+    # program per SM).
     16: replace(_SPLIT_SHORT_ROWS, split_block_n=32),
-    # block_n 32 (was 64) at 3 stages: double-buffered in about the old single buffer's shared
-    # memory, step 0.991x at 332 keys, 0.999x at 2k in 32k tables, alone within 1% (run 146).
+    # 32-key blocks at 3 stages: double-buffered in about one 64-key buffer's shared memory.
     # 64-key blocks at 3 stages double-buffer in 72 KB: three programs per SM instead of four,
-    # 512 programs in two waves, the step 1.050x (run 142).
+    # 512 programs in two waves, and the step was 5% slower.
     64: AttentionConfig(block_n=32, num_stages=3, target_programs=264, min_split_tokens=256),
 }
 
 
 # An e4m3 KV cache (`KV_FP8`): half the bytes per key, more work per key, so other winners
-# (`scripts/probe_fp8_kv_attention.py`, run 77, µs at 332 / 4k keys against the bf16 cache's tuned
-# kernel): batch 1 with 128-key blocks at 2 stages 6.7 / 10.1 (bf16 5.6 / 10.6; bf16's batch-1
-# entry has 64-key blocks since run 78); batch 16 as bf16's, 11.6 / 61.2
-# (11.9 / 84.2); batch 64 with 128-key blocks at 2 stages 29.7 / 274 (28.1 / 251; its bf16 config
-# took 37.3 / 321).
+# (`scripts/probe_fp8_kv_attention.py` against the bf16 cache's tuned kernel): batch 1 and 64 with
+# 128-key blocks, batch 16 as bf16's but unsplit at short rows.
 TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
     1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
-    # 64-key blocks and the split of 332-key rows (the bf16 entry's since run 137) not measured on
-    # e4m3. 2 stages, one key/value buffer (3 stages, double-buffered in 76 KB, were no faster
-    # alone: 23.2 / 62.9 / 110.8 µs at 1k / 4k / 8k against 19.9 / 61.3 / 111.7, run 149). That
-    # build holds 181 registers where the old loop's held 168 (sm_90 builds on the CPU): two
-    # programs per SM instead of three, the kernel alone 1.2-1.5x slower at 1k-8k keys (run 148);
-    # capped at 168 without spilling (the step without the cap 1.073x at 2k keys, run 149).
+    # 64-key blocks and the split of 332-key rows (the bf16 entry's) not measured on e4m3. 2
+    # stages, one key/value buffer (3 stages, double-buffered in 76 KB, were no faster alone).
+    # That build holds 181 registers unbounded: two programs per SM instead of three, 1.2-1.5x
+    # slower at 1k-8k keys; capped at 168 it does not spill (`scripts/inspect_attention_sm90.py`).
     16: replace(
         TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256, num_stages=2, max_registers=168
     ),
-    # 3 stages (was 2): double-buffered 128-key blocks (76 KB, three programs per SM, two waves at
-    # batch 64) are 6-13% faster alone at 1k-8k keys and the step 0.939x at 2k keys in 32k
-    # tables, 1.021x at 332 (runs 150-151): an e4m3 cache is chosen for long contexts.
+    # 3 stages: double-buffered 128-key blocks (76 KB, three programs per SM, two waves at batch
+    # 64) are faster alone at 1k-8k keys and in the step at 2k keys in 32k tables, slightly slower
+    # at 332: an e4m3 cache is chosen for long contexts.
     64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=3),
 }
 
 
-def decode_config(batch: int, kv_fp8: bool = False) -> AttentionConfig:
-    """The tuned decode config for this batch size and cache dtype, else `DEFAULT_CONFIG`."""
+def decode_config(
+    batch: int, kv_fp8: bool = False, replaced: Mapping[int, AttentionConfig] | None = None
+) -> AttentionConfig:
+    """The tuned decode config for this batch size and cache dtype, else `DEFAULT_CONFIG`;
+    `replaced` (`Tuning.attention_configs`) replaces table entries by bucket."""
     table = TUNED_DECODE_CONFIGS_FP8_KV if kv_fp8 else TUNED_DECODE_CONFIGS
+    if replaced:
+        table = {**table, **replaced}
     for bucket in sorted(table):
         if batch <= bucket:
             return table[bucket]
@@ -192,8 +173,8 @@ def _attend_key_range(
     both MMAs take f16 operands, q and the probabilities rounded to f16 (q exactly, while above
     f16's subnormal range: bf16's 8 significant bits fit f16's 11; the probabilities to 11 bits
     instead of 8). Widening to bf16 instead (e4m3 -> fp32 -> bf16, exact, three conversions per
-    two values and an fp32 tile in registers) was 3-10% slower per kernel (docs/performance.md
-    run 77) and held 187 registers per thread (run 61). Each key's scale multiplies its score
+    two values and an fp32 tile in registers) was 3-10% slower per kernel and held 187 registers
+    per thread. Each key's scale multiplies its score
     column and each value's scale its probability column (l_i sums the unscaled probabilities).
 
     The page numbers of the next block are loaded while this one is computed and carried into the
@@ -201,7 +182,7 @@ def _attend_key_range(
     indirection level deeper, and Triton's pipeliner then gave those one buffer below 5 stages;
     now their addresses come from a loop-carried value and they are pipelined as direct loads:
     at 3 stages two buffers each (the next block is in flight while this one is computed), at 2
-    stages one, at 4 three (docs/performance.md runs 142-151: which pays depends on the batch)."""
+    stages one, at 4 three (which pays depends on the batch: `TUNED_DECODE_CONFIGS`)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FP8:
         q_op = q.to(tl.float16)
@@ -393,7 +374,9 @@ def _paged_attention_kernel(
 ):  # fmt: skip
     """Grid (bs, query blocks, Hkv * num_splits): a block of one sequence's queries x the g heads
     of one kv head, over one split of that sequence's (causally visible) keys. With FUSED_MERGE
-    (decode only), the last of a (sequence, kv head)'s split programs to finish merges them."""
+    (decode only), the last of a (sequence, kv head)'s split programs to finish merges them.
+    HAS_KV_START (keys from kv_start[b] on) has no caller; `scripts/inspect_attention_sm90.py`
+    names it when it compiles this kernel."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
@@ -438,49 +421,6 @@ def _paged_attention_kernel(
             stride_kh, stride_ot, stride_oh, stride_q8, stride_st, stride_sh,
             GROUP, BLOCK_G, BLOCK_R, BLOCK_N, PAGE, HEAD_DIM, CAUSAL, WRITE_PARTIAL, FUSED_MERGE,
             BLOCK_S, UPCAST, QUANT_OUT, KV_FP8,
-        )  # fmt: skip
-
-
-@triton.jit
-def _shared_prefix_kernel(
-    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr,
-    prefix_lens_ptr, group_starts_ptr, scale_log2e, num_q_heads, num_slots, first_slot,
-    stride_qt, stride_qh, stride_bt, stride_kp, stride_kt, stride_kh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Grid (groups, row blocks, Hkv * NUM_SPLITS): decode queries of BLOCK_R/BLOCK_G rows of one
-    group x the g heads of one kv head, over one split of the group's shared prefix pages."""
-    wait_for_inputs(USE_PDL)
-    group = tl.program_id(0)
-    row_block = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
-    first = tl.load(group_starts_ptr + group)
-    end = tl.load(group_starts_ptr + group + 1)
-    seqs_per_block: tl.constexpr = BLOCK_R // BLOCK_G
-    if first + row_block * seqs_per_block < end:
-        rows = tl.arange(0, BLOCK_R)
-        in_group = rows % BLOCK_G
-        seq = first + row_block * seqs_per_block + rows // BLOCK_G
-        row_ok = (in_group < GROUP) & (seq < end)
-        head = kv_head * GROUP + in_group
-        offs_d = tl.arange(0, HEAD_DIM)
-        q_ptrs = q_ptr + (seq.to(tl.int64) * stride_qt + head * stride_qh)[:, None] + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        prefix_len = tl.load(prefix_lens_ptr + first)
-        chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, prefix_len)
-        acc, m_i, l_i = _attend_fresh(
-            q, seq, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + first.to(tl.int64) * stride_bt,
-            kv_head, lo, hi, stride_kp, stride_kt, stride_kh, scale_log2e, False, BLOCK_R, BLOCK_N, PAGE,
-            HEAD_DIM, UPCAST, KV_FP8,
-        )  # fmt: skip
-        _store_rows(
-            acc, m_i, l_i, seq, head, row_ok, first_slot + split, q_ptr, part_out_ptr, part_lse_ptr,
-            0, 0, num_q_heads, num_slots, q_ptr, q_ptr, 0, 0, 0, HEAD_DIM, True, False,
         )  # fmt: skip
 
 
@@ -581,7 +521,7 @@ def _counters(device: torch.device, count: int) -> Tensor:
 
 def _launch_attention(
     q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    query_start_loc: Tensor | None, kv_start: Tensor | None, out: Tensor, part_out: Tensor | None,
+    query_start_loc: Tensor | None, out: Tensor, part_out: Tensor | None,
     part_lse: Tensor | None, num_slots: int, grid_q_blocks: int, block_m: int, num_splits: int,
     scale: float, config: AttentionConfig, fused_merge: bool = False,
     out_fp8: tuple[Tensor, Tensor] | None = None, k_scales: Tensor | None = None,
@@ -601,7 +541,7 @@ def _launch_attention(
         part_out if part_out is not None else out, part_lse if part_lse is not None else out, counters,
         block_tables, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
-        kv_start if kv_start is not None else dummy, q8, scales,
+        dummy, q8, scales,
         scale * _LOG2E, hq, num_slots, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -609,7 +549,7 @@ def _launch_attention(
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_R=max(16, block_m * block_g),
         BLOCK_N=config.block_n, PAGE=k_pages.shape[1], HEAD_DIM=d,
         IS_DECODE=query_start_loc is None, CAUSAL=query_start_loc is not None,
-        HAS_KV_START=kv_start is not None, WRITE_PARTIAL=part_out is not None,
+        HAS_KV_START=False, WRITE_PARTIAL=part_out is not None,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, UPCAST=interpreting(),
         QUANT_OUT=out_fp8 is not None, KV_FP8=k_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
@@ -673,14 +613,14 @@ def paged_decode_attention(
     config = split_launch_config(config, num_splits)
     if num_splits == 1:
         _launch_attention(
-            q, k_pages, v_pages, block_tables, seq_lens, None, None, out, None, None, 1, 1, 1, 1,
+            q, k_pages, v_pages, block_tables, seq_lens, None, out, None, None, 1, 1, 1, 1,
             scale, config, out_fp8=out_fp8, k_scales=k_scales, v_scales=v_scales,
         )  # fmt: skip
         return result
     part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
     _launch_attention(
-        q, k_pages, v_pages, block_tables, seq_lens, None, None, out, part_out, part_lse,
+        q, k_pages, v_pages, block_tables, seq_lens, None, out, part_out, part_lse,
         num_splits, 1, 1, num_splits, scale, config, fused_merge=config.fused_merge, out_fp8=out_fp8,
         k_scales=k_scales, v_scales=v_scales,
     )  # fmt: skip
@@ -717,65 +657,8 @@ def paged_prefill_attention(
     out = torch.empty_like(q) if out is None else out
     block_m = config.block_m
     _launch_attention(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, None, out, None, None, 1,
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out, None, None, 1,
         max(1, triton.cdiv(max_query_len, block_m)), block_m, 1, scale, config, out_fp8=out_fp8,
         k_scales=k_scales, v_scales=v_scales,
     )  # fmt: skip
     return out if out_fp8 is None else out_fp8
-
-
-def shared_prefix_decode_attention(
-    q: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    prefix_lens: Tensor,
-    group_starts: Tensor,
-    max_group_size: int,
-    scale: float | None = None,
-    num_splits: int | None = None,
-    config: AttentionConfig = DEFAULT_CONFIG,
-    out: Tensor | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-) -> Tensor:
-    """Decode where groups of consecutive rows share their leading pages.
-
-    group_starts int32 [groups+1] partitions rows 0..bs (every row in exactly one group; a row
-    sharing nothing is a group of one with prefix 0); prefix_lens int32 [bs] is the shared token
-    count of the row's group (equal within a group, less than each row's seq_len); the prefix
-    pages are read through the group's first row. max_group_size bounds the rows of any group.
-    `k_scales`/`v_scales`: as in `paged_decode_attention`, for an FP8 KV cache."""
-    bs, hq, d = q.shape
-    hq, hkv, d = _check_inputs(q, k_pages, v_pages, k_scales, v_scales)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.empty_like(q) if out is None else out
-    if num_splits is None:
-        capacity = block_tables.shape[1] * k_pages.shape[1]
-        num_splits = choose_num_splits(bs, hkv, capacity, config)
-    prefix_splits = config.prefix_splits
-    slots = num_splits + prefix_splits
-    part_out = torch.empty(bs, hq, slots, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(bs, hq, slots, dtype=torch.float32, device=q.device)
-    _launch_attention(
-        q, k_pages, v_pages, block_tables, seq_lens, None, prefix_lens, out, part_out, part_lse,
-        slots, 1, 1, num_splits, scale, config, k_scales=k_scales, v_scales=v_scales,
-    )  # fmt: skip
-    group = hq // hkv
-    block_g = triton.next_power_of_2(group)
-    block_r = max(config.prefix_block_rows, block_g, 16)
-    row_blocks = triton.cdiv(max_group_size * block_g, block_r)
-    _shared_prefix_kernel[(group_starts.shape[0] - 1, row_blocks, hkv * prefix_splits)](
-        q, k_pages, v_pages, k_pages if k_scales is None else k_scales,
-        k_pages if v_scales is None else v_scales, part_out, part_lse, block_tables, prefix_lens,
-        group_starts, scale * _LOG2E, hq, slots, num_splits,
-        q.stride(0), q.stride(1), block_tables.stride(0),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        GROUP=group, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=config.block_n, PAGE=k_pages.shape[1],
-        HEAD_DIM=d, NUM_SPLITS=prefix_splits, UPCAST=interpreting(), KV_FP8=k_scales is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch("attention"),
-        **_register_limit(config),
-    )  # fmt: skip
-    _merge(part_out, part_lse, out, config)
-    return out

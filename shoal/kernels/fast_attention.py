@@ -360,11 +360,11 @@ def _check_inputs(
     return head_dim
 
 
-def _reads_words(tensor: Tensor, *strides: int) -> bool:
+def _reads_words(tensor: Tensor, *strides: int, packed_pairs: bool = PACKED_PAIRS) -> bool:
     """Whether the kernel may read `tensor`'s bf16 (even, odd) pairs as 32-bit words (`_load_pairs`
     PACKED): every pair must start 4-byte aligned."""
     aligned = tensor.data_ptr() % 4 == 0 and all(stride % 2 == 0 for stride in strides)
-    return PACKED_PAIRS and tensor.dtype == torch.bfloat16 and aligned
+    return packed_pairs and tensor.dtype == torch.bfloat16 and aligned
 
 
 def fast_rope_attention(
@@ -381,6 +381,8 @@ def fast_rope_attention(
     eps: float = 1e-6,
     out: Tensor | None = None,
     out_fp8: tuple[Tensor, Tensor] | None = None,
+    packed_pairs: bool = PACKED_PAIRS,
+    words_min_rows: int = WORDS_MIN_ROWS,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One fast-transformer attention layer: `qk_norm_rope_kv_write` + paged attention, one launch.
 
@@ -441,7 +443,11 @@ def fast_rope_attention(
     # QK-norm at batch 64 wrote keys an ulp apart).
     with_norm = q_norm_weight is not None or k_norm_weight is not None
     rows = tokens // tokens_per_row
-    packed = not with_norm and rows >= WORDS_MIN_ROWS and _reads_words(qkv, qkv.stride(0), split_stride)
+    packed = (
+        not with_norm
+        and rows >= words_min_rows
+        and _reads_words(qkv, qkv.stride(0), split_stride, packed_pairs=packed_pairs)
+    )
     dummy = rope_table
     _fast_rope_attention_kernel[(rows, n_kv_heads)](
         qkv, positions, rope_table,
@@ -456,7 +462,8 @@ def fast_rope_attention(
         BLOCK_N=max(16, triton.next_power_of_2(page_size)),
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
         EMULATE=interpreting(), UPCAST=interpreting(), QUANT_OUT=out_fp8 is not None, PARTS=parts,
-        PACKED=packed, PACKED_TABLE=packed and _reads_words(rope_table, rope_table.stride(0)),
+        PACKED=packed,
+        PACKED_TABLE=packed and _reads_words(rope_table, rope_table.stride(0), packed_pairs=packed_pairs),
         num_warps=NORM_WARPS if with_norm else plain_warps,
         **pdl_launch("attention"),
     )  # fmt: skip

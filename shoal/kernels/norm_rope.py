@@ -25,8 +25,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from shoal.kernels import norm_rope_block
 from shoal.kernels.fp8_gemm import SplitKPartials
 from shoal.kernels.gather_rows import GatheredRows
+from shoal.kernels.norm_rope_block import cast_rne, norm_weight_halves
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 from shoal.kernels.quant import (
     FP8_MAX,
@@ -45,17 +47,6 @@ def interpreting() -> bool:
     """True under Triton's CPU interpreter (3.6), whose fp32 -> bf16 cast truncates and which
     multiplies bf16 tiles as raw integers: the kernels emulate the cast and upcast the tiles there."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """x.to(dtype) rounding to nearest even, as the GPU's cvt.rn does; EMULATE does the
-    rounding in integer arithmetic first, for the interpreter (NaN/overflow not handled)."""
-    if EMULATE and dtype == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -79,17 +70,6 @@ def load_summing_partials(ptr, offs, mask, split_stride, PARTS: tl.constexpr, EM
         return cast_rne(total, tl.bfloat16, EMULATE)
     else:
         return _load_masked(ptr + offs, mask)
-
-
-@triton.jit
-def norm_weight_halves(w_ptr, offs, HAS_WEIGHT: tl.constexpr):
-    """The even/odd halves of a per-head norm weight, in fp32 (zeros without a weight). A
-    constant of the step: kernels load it before the PDL wait, so its round trip to memory is
-    not on the path after the reduction that needs it."""
-    if HAS_WEIGHT:
-        return tl.load(w_ptr + 2 * offs).to(tl.float32), tl.load(w_ptr + 2 * offs + 1).to(tl.float32)
-    else:
-        return tl.zeros(offs.shape, tl.float32), tl.zeros(offs.shape, tl.float32)
 
 
 @triton.jit
@@ -258,13 +238,11 @@ def qk_norm_rope_kv_write(
     )  # fmt: skip
     page_strides = (k_pages.stride(0), k_pages.stride(1), k_pages.stride(2))
     if tokens >= BLOCK_KERNEL_FROM_TOKENS and count == 0 and not kv_fp8:
-        from shoal.kernels import norm_rope_block as block
-
-        grid = (triton.cdiv(tokens, block.BLOCK_T), n_q_heads + n_kv_heads)
-        block.qk_norm_rope_kv_block_kernel[grid](
+        grid = (triton.cdiv(tokens, norm_rope_block.BLOCK_T), n_q_heads + n_kv_heads)
+        norm_rope_block.qk_norm_rope_kv_block_kernel[grid](
             qkv, positions, rope_table, q_weight, k_weight, slot_mapping, q_out, k_pages, v_pages, eps,
             tokens, qkv.stride(0), rope_table.stride(0), q_out.stride(0), q_out.stride(1), *page_strides,
-            BLOCK=block.BLOCK_T, num_warps=block.NUM_WARPS, **flags,
+            BLOCK=norm_rope_block.BLOCK_T, num_warps=norm_rope_block.NUM_WARPS, **flags,
         )  # fmt: skip
         return q_out
     _qk_norm_rope_kv_kernel[(tokens, n_q_heads + n_kv_heads)](
@@ -418,7 +396,7 @@ def _rms_norm_kernel(
 def row_tiles(dim: int) -> tuple[int, int]:
     """(main, tail) groups of a `dim`-wide row: the largest power of two of its 128-column groups,
     then the rest rounded up to a power of two (0 when none): no masked lanes at S2-Pro's width
-    (one masked tile of 32 groups was 1.5x slower in the prefill, docs/performance.md run 213)."""
+    (one masked tile of 32 groups was 1.5x slower in the prefill)."""
     groups = triton.cdiv(dim, GROUP)
     main = 1 << (groups.bit_length() - 1)
     return main, (triton.next_power_of_2(groups - main) if groups > main else 0)
@@ -430,7 +408,7 @@ def row_tiles(dim: int) -> tuple[int, int]:
 # (7 fp32 partials) went to memory in 3 dependent rounds, with bf16 partials in 7, the batch-16
 # one (5 bf16 partials) in 7. With the limit stated (255: at most one program per SM at 8 warps,
 # and these launches have 5 to 128 programs) every load is issued before the first use: one round
-# (`scripts/inspect_norm_sm90.py`, docs/performance.md run 133).
+# (`scripts/inspect_norm_sm90.py` reads the rounds off the sm_90 build).
 NORM_MAX_REGISTERS = 255
 
 

@@ -4,7 +4,7 @@
 sizes (a few hundred programs) latency is the cost, and that build is tuned for it. A prefill
 chunk of thousands of tokens makes it hundreds of thousands of tiny programs whose scheduling, not
 their bytes, sets the time: a concurrency-64 wave's 3,840-token chunks took 188 µs each against
-about 24 µs of traffic (docs/performance.md runs 198-199, 14% of the wave; this build: 30 µs).
+about 24 µs of traffic (14% of the wave; this build: 30 µs).
 Here a program takes `BLOCK_T` tokens of one head as [BLOCK_T, D] tiles read and written in whole
 contiguous rows (the even/odd halves split and joined in registers).
 
@@ -16,6 +16,9 @@ cache would sum in yet another order and break the bit-for-bit equalities those 
 the plain bf16 one: `norm_rope.qk_norm_rope_kv_write` sends only bf16/fp32 qkv into bf16/fp32
 pools here (prefill's case; partials come from decode-sized GEMMs), by token count, so a given
 batch always takes the same build.
+
+The two jit helpers both builds (and other kernels, through `norm_rope`'s re-export) use live here,
+`cast_rne` and `norm_weight_halves`, so `norm_rope.py` imports this module and not the reverse.
 """
 
 from __future__ import annotations
@@ -23,11 +26,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from shoal.kernels.norm_rope import cast_rne, norm_weight_halves
 from shoal.kernels.pdl import wait_for_inputs
 
-BLOCK_T = 16  # tokens per program: [16, 128] tiles on 4 warps (run 199: 8-64 tokens within 10%)
+BLOCK_T = 16  # tokens per program: [16, 128] tiles on 4 warps (8-64 tokens measured within 10%)
 NUM_WARPS = 4
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """x.to(dtype) rounding to nearest even, as the GPU's cvt.rn does; EMULATE does the
+    rounding in integer arithmetic first, for the interpreter (NaN/overflow not handled)."""
+    if EMULATE and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def norm_weight_halves(w_ptr, offs, HAS_WEIGHT: tl.constexpr):
+    """The even/odd halves of a per-head norm weight, in fp32 (zeros without a weight). A
+    constant of the step: kernels load it before the PDL wait, so its round trip to memory is
+    not on the path after the reduction that needs it."""
+    if HAS_WEIGHT:
+        return tl.load(w_ptr + 2 * offs).to(tl.float32), tl.load(w_ptr + 2 * offs + 1).to(tl.float32)
+    else:
+        return tl.zeros(offs.shape, tl.float32), tl.zeros(offs.shape, tl.float32)
 
 
 @triton.jit

@@ -120,6 +120,7 @@ def output_head(
     num_warps: int = NUM_WARPS,
     ahead: int = AHEAD,
     scales: Tensor | None = None,
+    chunk: int | None = None,
 ) -> Tensor:
     """`F.linear(x, weight[:rows])` for x [M, K] and weight [N, K] (both with contiguous rows,
     the same dtype): logits [M, rows] in that dtype (`out`, if given, with contiguous rows). No
@@ -158,7 +159,8 @@ def output_head(
         return out
     if k == 0:
         return out.zero_()
-    chunk = min(CHUNK if scales is None else FP8_CHUNK, triton.next_power_of_2(k))
+    chunk = chunk or (CHUNK if scales is None else FP8_CHUNK)
+    chunk = min(chunk, triton.next_power_of_2(k))
     _head_kernel[(triton.cdiv(rows, rows_per_program), m)](
         x, weight, scales if scales is not None else x, out, rows, k, x.stride(0), weight.stride(0),
         scales.stride(0) if scales is not None else 0, out.stride(0),

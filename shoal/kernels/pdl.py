@@ -15,7 +15,7 @@ programmatic edge) may be scheduled while its predecessor is still running. The 
 - `wait_for_inputs` then lets the kernel after it launch (griddepcontrol.launch_dependents).
   Triggering after the wait, never before, keeps at most one kernel waiting behind a running one.
 
-Kernels compiled with `USE_PDL=False` (CPU interpreter, pre-Hopper GPUs, `SHOAL_PDL=0`) are the
+Kernels compiled with `USE_PDL=False` (CPU interpreter, pre-Hopper GPUs, `Tuning.pdl` off) are the
 plain kernels. A kernel compiled with `USE_PDL=True` but launched without the attribute waits on
 nothing: the instructions are no-ops then, so correctness never depends on how it was launched.
 """
@@ -28,10 +28,12 @@ import os
 import triton
 import triton.language as tl
 
+from shoal.tuning import TUNING
+
 
 @functools.cache
 def _enabled() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SHOAL_PDL", "1") == "0":
+    if os.environ.get("TRITON_INTERPRET") == "1" or not TUNING.pdl:
         return False
     import torch
 
@@ -40,20 +42,15 @@ def _enabled() -> bool:
 
 def pdl_enabled() -> bool:
     """Whether kernels are compiled with the PDL instructions and launched with the attribute
-    (Hopper or newer, not interpreted, `SHOAL_PDL` not "0"; read once per process)."""
+    (Hopper or newer, not interpreted, `Tuning.pdl`; read once per process)."""
     return _enabled()
-
-
-@functools.cache
-def _skipped() -> frozenset[str]:
-    return frozenset(name.strip() for name in os.environ.get("SHOAL_PDL_SKIP", "").split(",") if name.strip())
 
 
 def pdl_launch(family: str | None = None) -> dict:
     """Launch keywords for a kernel that takes `USE_PDL`: `kernel[grid](..., **pdl_launch())`.
-    `family` (e.g. "attention") lets `SHOAL_PDL_SKIP=attention,...` launch those kernels plainly,
+    `family` (e.g. "attention") in `Tuning.pdl_skip` launches those kernels plainly,
     for same-run A/B measurements of where PDL pays."""
-    if not _enabled() or (family is not None and family in _skipped()):
+    if not _enabled() or (family is not None and family in TUNING.pdl_skip):
         return {"USE_PDL": False}
     return {"USE_PDL": True, "launch_pdl": True}
 

@@ -37,7 +37,7 @@ codebook row 10.6 -> 5.8 µs with 8 chunks (4 chunks 7.2, 16 chunks 6.9), S2's m
 8.1; the same at batch 16 (10.7 -> 5.9, 13.3 -> 8.5); at batch 64 (512 programs) 10.8 -> 9.8.
 With the radix select in the chunks it was 8.0 / 10.6, and merging with `tl.topk` over the P * k
 candidates (sorting runs that arrive sorted) 8.5 / 11.4. `DEFAULT_CHUNKS` at batch <= 64 on a GPU
-for rows wider than k (the one-program kernel otherwise); `SHOAL_SAMPLE_CHUNKS` overrides. In the FP8
+for rows wider than k (the one-program kernel otherwise); `Tuning.sample_chunks` overrides. In the FP8
 decode step (10 sampling calls) 8 chunks made the step 0.993x / 0.988x / 0.996x at batch 1 / 16 /
 64, 4 chunks 0.997x / 0.991x / 0.997x (docs/performance.md run 137). The candidate count is
 most of the chunked kernel's cost: with `max_top_k` 32 instead of 64 (the engine's default since
@@ -49,8 +49,6 @@ the high-temperature draw (slot `RAS_SLOT`) is taken.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -449,6 +447,7 @@ def sample_tokens(
     num_warps: int | None = None,
     split_last_column: bool = True,
     chunks: int | None = None,
+    preferred_chunks: int | None = None,
 ) -> Tensor:
     """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
     and stride, e.g. `frames[:, 0]`), default int64. `token_ids` int32 [V] maps columns to ids.
@@ -463,7 +462,7 @@ def sample_tokens(
     replay, and no cached workspace can be freed or regrown under a graph that still uses it.
     `chunks`: programs per row (a power of two; chunks of at least k columns, so with `max_top_k`;
     at most `CHUNKED_MAX_ROWS` rows), the same draws as 1 (the one-program kernel, `_sample_kernel`)
-    at the same `num_warps`. None reads `SHOAL_SAMPLE_CHUNKS` at each call (1: one program), else
+    at the same `num_warps`. None takes `preferred_chunks` (where the shape allows; 1: one program), else
     `DEFAULT_CHUNKS` for at most `DEFAULT_CHUNKS_MAX_ROWS` rows on a GPU when the radix select
     runs, else 1;
     those fall back to 1 where the shape cannot take them, an explicit value raises a ValueError.
@@ -495,7 +494,7 @@ def sample_tokens(
     if extra_last:
         block_v = columns - 1
     radix = k < block_v  # k == block_v sorts the whole tile
-    chunks = _resolve_chunks(chunks, rows, block_v, k, radix and logits.is_cuda)
+    chunks = _resolve_chunks(chunks, rows, block_v, k, radix and logits.is_cuda, preferred_chunks)
     begin, end = semantic_range if semantic_range is not None else (0, -1)
     args = (
         logits, token_ids if token_ids is not None else seed, temperature, top_p, top_k, seed, frame,
@@ -542,9 +541,11 @@ def chunk_counters(device: torch.device) -> Tensor:
     return counters
 
 
-def _resolve_chunks(chunks: int | None, rows: int, block_v: int, k: int, default: bool) -> int:
+def _resolve_chunks(
+    chunks: int | None, rows: int, block_v: int, k: int, default: bool, preferred: int | None = None
+) -> int:
     """How many programs share a row: `chunks` as given (a ValueError if the shape cannot take
-    it), else `SHOAL_SAMPLE_CHUNKS`, else `DEFAULT_CHUNKS` where `default` (the radix path on a GPU)
+    it), else `preferred_chunks`, else `DEFAULT_CHUNKS` where `default` (the radix path on a GPU)
     and rows <= `DEFAULT_CHUNKS_MAX_ROWS`; the last two fall back to 1 where the shape cannot."""
     fits = rows <= CHUNKED_MAX_ROWS
     if chunks is not None:
@@ -556,16 +557,10 @@ def _resolve_chunks(chunks: int | None, rows: int, block_v: int, k: int, default
                 f" max_top_k) and at most {CHUNKED_MAX_ROWS} rows (got {rows})"
             )
         return chunks
-    setting = os.environ.get("SHOAL_SAMPLE_CHUNKS")
-    if setting is None:
+    if preferred is None:
         chunks = DEFAULT_CHUNKS if default and rows <= DEFAULT_CHUNKS_MAX_ROWS else 1
     else:
-        try:
-            chunks = int(setting)
-        except ValueError:
-            chunks = 0
-        if chunks < 1 or chunks & (chunks - 1):
-            raise ValueError(f"SHOAL_SAMPLE_CHUNKS must be a power of two >= 1, got {setting!r}")
+        chunks = preferred
     return chunks if fits and block_v // chunks >= k else 1
 
 

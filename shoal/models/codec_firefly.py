@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shoal.models.codec import AudioTooShortError, fold_state_dict, random_weights, read_codec_state_dict
+from shoal.models.codec_base import AudioTooShortError, fold_state_dict, random_weights, read_codec_state_dict
 from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, StepContext
+from shoal.models.codec_stream import CodecStreamPool
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
 
@@ -400,8 +401,6 @@ class FireflyCodec(nn.Module):
     def stream_pool(self, max_streams: int):
         """A pool of streaming-decode states (`codec_stream.CodecStreamPool`, CUDA graphs
         included), over `stream_state_shapes` and `decode_step` below."""
-        from shoal.models.codec_stream import CodecStreamPool
-
         return CodecStreamPool(self, max_streams)
 
     def stream_state_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -21,19 +21,16 @@ codec (`codec_firefly.FireflyCodec`, convolutions only) brings its own.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from shoal.models.codec_modules import CausalConv1d, CausalConvTranspose1d, StepContext, snake_then_conv
 
-if TYPE_CHECKING:
-    from shoal.models.codec import Codec
 
-
-def stream_state_shapes(codec: Codec) -> dict[str, tuple[int, ...]]:
-    """Per-stream carried state (no batch dim), keyed by the module that owns it."""
+def stream_state_shapes(codec: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Per-stream carried state (no batch dim) of a modded DAC `codec.Codec`, keyed by the module
+    that owns it."""
     shapes = codec.quantizer.post_module.state_shapes("quantizer.post_module")
     for name, module in codec.named_modules():
         on_decode_path = name.startswith(("quantizer.upsample", "decoder."))
@@ -43,7 +40,7 @@ def stream_state_shapes(codec: Codec) -> dict[str, tuple[int, ...]]:
 
 
 def decode_step(
-    codec: Codec, codes: Tensor, valid: Tensor, positions: Tensor, states: dict[str, Tensor]
+    codec: nn.Module, codes: Tensor, valid: Tensor, positions: Tensor, states: dict[str, Tensor]
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decode new frames codes [B, N, t] (row b real for its first valid[b] frames; the stream's
     first new frame has absolute index positions[b]) -> (audio [B, t * frame_length], new states).
@@ -98,7 +95,7 @@ class CodecStream:
 class CodecStreamPool:
     """Carried decode state for up to `max_streams` concurrent streams of one codec."""
 
-    def __init__(self, codec: Codec, max_streams: int):
+    def __init__(self, codec: nn.Module, max_streams: int):
         self.codec, self.max_streams = codec, max_streams
         slots = max_streams + 1  # the last slot absorbs the padding rows of a batch bucket
         self.scratch = max_streams

@@ -18,7 +18,15 @@ from torch import Tensor, nn
 
 from shoal.models.config import ModelConfig
 from shoal.models.kv import ContiguousKVCache, FastKVCache
-from shoal.models.layers import AttentionBackend, RMSNorm, TransformerBlock, rope_table
+from shoal.models.layers import (
+    AttentionBackend,
+    BlockOps,
+    ReferenceOps,
+    RMSNorm,
+    TransformerBlock,
+    rope_table,
+    run_blocks,
+)
 
 
 class DualARTransformer(nn.Module):
@@ -110,11 +118,15 @@ class DualARTransformer(nn.Module):
     def forward_slow(self, tokens: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """tokens Long[T, N+1] of several sequences flattened, positions Long[T] -> the last
         layer's output [T, dim] (before the final norm). `attn` knows the sequence boundaries."""
-        x = self.embed(tokens)
-        rope = self.rope[positions]
-        for layer in self.layers:
-            x = layer(x, rope, attn)
-        return x
+        hidden, _ = self.run_slow(
+            self.embed(tokens), ReferenceOps(self.rope[positions], attn), final_norm=False
+        )
+        return hidden
+
+    def run_slow(self, x: Tensor, ops: BlockOps, final_norm: bool = True) -> tuple[Tensor, Tensor | None]:
+        """The slow blocks over embedded rows x [T, dim] -> (last layer's output, its final norm),
+        computed by `ops` (the torch reference or the engine's fused kernels)."""
+        return run_blocks(self.layers, x, self.norm if final_norm else None, ops)
 
     def slow_head(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """hidden [B, dim] -> (logits [B, vocab], fast_input [B, dim]). fast_input is the
@@ -159,10 +171,12 @@ class DualARTransformer(nn.Module):
         batch, steps, _ = x.shape
         cache.set_window(start_pos, steps)
         rope = self.fast_rope[start_pos : start_pos + steps].repeat(batch, 1, 1)
-        h = x.reshape(batch * steps, -1)
-        for layer in self.fast_layers:
-            h = layer(h, rope, cache)
-        return self.fast_output(self.fast_norm(h)).view(batch, steps, -1)
+        _, normed = self.run_fast(x.reshape(batch * steps, -1), ReferenceOps(rope, cache))
+        return self.fast_output(normed).view(batch, steps, -1)
+
+    def run_fast(self, x: Tensor, ops: BlockOps) -> tuple[Tensor, Tensor]:
+        """The fast blocks over rows x [T, fast_dim] -> (last layer's output, its final norm)."""
+        return run_blocks(self.fast_layers, x, self.fast_norm, ops)
 
     def new_fast_cache(self, batch: int) -> FastKVCache:
         c = self.config

@@ -4,6 +4,10 @@ Every layer works on flattened tokens `[T, dim]`: which sequence a token belongs
 keys live is the business of the `AttentionBackend`, so the same modules serve a single prompt,
 a varlen batch over paged memory, and the fast transformer's dense per-frame cache.
 
+`run_blocks` is the one forward of a stack of blocks. How each of its steps computes is a
+`BlockOps` choice: `ReferenceOps` runs the modules below in plain torch (the definition), the
+engine's `FusedBlockOps` (`engine/fused_blocks.py`) runs the same steps on the fused kernels.
+
 The arithmetic follows the reference exactly (model.md sections 2 and 12): RMSNorm normalizes in
 fp32, casts back, then multiplies by the weight; QK-norm is torch's built-in RMSNorm applied per
 head before RoPE; RoPE rotates interleaved pairs in fp32 against bf16-rounded cos/sin tables.
@@ -11,6 +15,7 @@ head before RoPE; RoPE rotates interleaved pairs in fp32 against bf16-rounded co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -127,7 +132,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h)), run by `run_blocks`."""
 
     def __init__(
         self,
@@ -150,9 +155,67 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim, norm_eps)
         self.attention_norm = RMSNorm(dim, norm_eps)
 
-    def forward(self, x: Tensor, rope: Tensor, backend: AttentionBackend) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, backend)
-        return h + self.feed_forward(self.ffn_norm(h))
+
+# The projection a norm's output feeds: (block, "qkv" or "gate_up"); None for the final norm.
+Feeds = tuple[TransformerBlock, str] | None
+
+
+class BlockOps(Protocol):
+    """The steps of `run_blocks`; an implementation keeps the residual stream in `residual`."""
+
+    residual: Tensor
+
+    def begin(self, x: Tensor, norm: RMSNorm, feeds: Feeds) -> Tensor:
+        """The residual stream starts as `x`; returns norm(x)."""
+        ...
+
+    def attention(self, index: int, block: TransformerBlock, normed: Tensor) -> Tensor:
+        """Block `index`'s attention output (after wo) for its normed input."""
+        ...
+
+    def mlp(self, block: TransformerBlock, normed: Tensor) -> Tensor:
+        """The block's SwiGLU output for its normed input."""
+        ...
+
+    def add_norm(self, out: Tensor, norm: RMSNorm | None, feeds: Feeds) -> Tensor | None:
+        """residual += out; returns norm(residual), None when `norm` is None."""
+        ...
+
+
+def run_blocks(
+    blocks: Sequence[TransformerBlock], x: Tensor, final_norm: RMSNorm | None, ops: BlockOps
+) -> tuple[Tensor, Tensor | None]:
+    """Pre-norm blocks over x [T, dim] -> (last layer's output, final-normed output or None)."""
+    normed = ops.begin(x, blocks[0].attention_norm, (blocks[0], "qkv"))
+    for i, block in enumerate(blocks):
+        normed = ops.add_norm(ops.attention(i, block, normed), block.ffn_norm, (block, "gate_up"))
+        if i + 1 < len(blocks):
+            following = blocks[i + 1]
+            normed = ops.add_norm(ops.mlp(block, normed), following.attention_norm, (following, "qkv"))
+        else:
+            normed = ops.add_norm(ops.mlp(block, normed), final_norm, None)
+    return ops.residual, normed
+
+
+class ReferenceOps:
+    """`BlockOps` in plain torch through the modules, with keys/values in an `AttentionBackend`."""
+
+    def __init__(self, rope: Tensor, backend: AttentionBackend) -> None:
+        self.rope, self.backend = rope, backend
+
+    def begin(self, x: Tensor, norm: RMSNorm, feeds: Feeds) -> Tensor:
+        self.residual = x
+        return norm(x)
+
+    def attention(self, index: int, block: TransformerBlock, normed: Tensor) -> Tensor:
+        return block.attention(normed, self.rope, self.backend)
+
+    def mlp(self, block: TransformerBlock, normed: Tensor) -> Tensor:
+        return block.feed_forward(normed)
+
+    def add_norm(self, out: Tensor, norm: RMSNorm | None, feeds: Feeds) -> Tensor | None:
+        self.residual = self.residual + out
+        return None if norm is None else norm(self.residual)
 
 
 def repeat_kv_heads(x: Tensor, groups: int, head_dim_axis: int) -> Tensor:

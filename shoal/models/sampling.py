@@ -129,17 +129,43 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
     """Reference `logits_to_probs`, batched: float32 [B, V] -> probabilities [B, V].
 
     Sort descending; drop ranks whose cumulative (untempered) probability exceeds top_p or whose
-    rank is >= top_k, always keeping rank 0; then divide by max(temperature, 1e-5); softmax."""
+    rank is >= top_k, always keeping rank 0; then divide by max(temperature, 1e-5); softmax.
+    No in-place write and no host value, so a CUDA graph can capture it."""
     logits = logits.float()
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     remove_sorted = (cumulative > top_p[:, None]) | (ranks[None, :] >= top_k[:, None])
-    remove_sorted[:, 0] = False
+    remove_sorted = remove_sorted & (ranks[None, :] > 0)
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     logits = logits.masked_fill(remove, float("-inf"))
     logits = logits / torch.clamp(temperature, min=TEMPERATURE_FLOOR)[:, None]
     return torch.softmax(logits, dim=-1)
+
+
+def draw(
+    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor, frame: Tensor,
+    slot: int, columns: Tensor,
+) -> Tensor:  # fmt: skip
+    """The id `columns[j]` of the column drawn from each row of `logits` [B, V]; the random
+    stream is keyed by the ids, so a restricted row draws what the full row would there."""
+    probs = logits_to_probs(logits, temperature, top_p, top_k)
+    return columns[exponential_race(probs, counter_uniform_columns(seed, frame, slot, columns))]
+
+
+def repetition_aware(
+    token: Tensor, high: Tensor, window: Tensor, frame: Tensor, semantic_range: tuple[int, int]
+) -> Tensor:
+    """RAS: a semantic normal draw already among the window's main tokens, at frame >= 1, is
+    replaced by the draw `high` of the second distribution."""
+    repeated = (window[:, :, 0].long() == token[:, None]).any(dim=1)
+    semantic = (token >= semantic_range[0]) & (token <= semantic_range[1])
+    return torch.where(repeated & semantic & (frame >= 1), high, token)
+
+
+def active_penalty(penalty: Tensor, frame: Tensor) -> Tensor:
+    """Frame 0 (the prefill frame) is never penalised."""
+    return torch.where(frame >= 1, penalty, torch.ones_like(penalty))
 
 
 def apply_repetition_penalty(logits: Tensor, previous: Tensor, penalty: Tensor) -> Tensor:
@@ -173,6 +199,12 @@ class FamilyRules:
     bf16_parameters: bool
     ras_temperature: float = 1.0
     ras_top_p: float = 0.9
+
+    def ras_parameters(self, rows: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+        """(temperature, top_p) [rows] of RAS's second distribution, rounded as the family's."""
+        high_t = torch.full((rows,), self.ras_temperature, device=device)
+        high_p = torch.full((rows,), self.ras_top_p, device=device)
+        return (round_to_bf16(high_t), round_to_bf16(high_p)) if self.bf16_parameters else (high_t, high_p)
 
 
 RULES: dict[str, FamilyRules] = {
@@ -264,6 +296,53 @@ def oldest_window_frame(window: Tensor, frame_index: Tensor) -> Tensor:
     return window[rows, column]
 
 
+def sample_main_tokens(
+    rules: FamilyRules, logits: Tensor, columns: Tensor, params: SamplingBatch, window: Tensor,
+    frame: Tensor, semantic_range: tuple[int, int], ras: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
+    """The family's main-token rule: main token ids int64 [B] from logits [B, V] whose column j
+    is vocabulary id `columns[j]` (the whole vocabulary, or S2's restricted row). Penalty (S1:
+    the oldest frame's values, 1.5: the window's main tokens), the normal draw, then RAS. `ras`:
+    its (temperature, top_p) rows, when already built (`FamilyRules.ras_parameters`)."""
+    logits = logits.float()
+    if rules.main_penalty != "none":
+        oldest = rules.main_penalty == "oldest_frame"
+        previous = oldest_window_frame(window, frame) if oldest else window[:, :, 0]
+        logits = apply_repetition_penalty(logits, previous, active_penalty(params.repetition_penalty, frame))
+    token = draw(
+        logits, params.temperature, params.top_p, params.top_k, params.seed, frame, MAIN_SLOT, columns
+    )
+    if not rules.use_ras:
+        return token
+    high_t, high_p = rules.ras_parameters(logits.shape[0], logits.device) if ras is None else ras
+    high = draw(logits, high_t, high_p, params.top_k, params.seed, frame, RAS_SLOT, columns)
+    return repetition_aware(token, high, window, frame, semantic_range)
+
+
+def sample_codebook_values(
+    rules: FamilyRules, logits: Tensor, codebook: int, params: SamplingBatch, window: Tensor, frame: Tensor
+) -> Tensor:
+    """The family's codebook rule: values of codebook k >= 1, int64 [B], from the fast model's
+    logits [B, codebook_size] (S1: the first 1,024 only; S1 and 1.5: penalised by the window)."""
+    logits = logits.float()
+    if rules.codebook_logit_limit is not None:
+        logits = logits[:, : rules.codebook_logit_limit]
+    if rules.penalize_codebooks:
+        previous = window[:, :, codebook + 1]
+        logits = apply_repetition_penalty(logits, previous, active_penalty(params.repetition_penalty, frame))
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    return draw(
+        logits,
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.seed,
+        frame,
+        codebook_slot(codebook),
+        columns,
+    )
+
+
 class Sampler:
     """Draws main tokens and codebook values for a batch, following one family's rules."""
 
@@ -287,39 +366,16 @@ class Sampler:
         allowed[self.im_end_id] = True
         return logits.masked_fill(~allowed, float("-inf"))
 
-    def _active_penalty(self, params: SamplingBatch, frame_index: Tensor) -> Tensor:
-        return torch.where(
-            frame_index >= 1, params.repetition_penalty, torch.ones_like(params.repetition_penalty)
-        )
-
     def main_token(
         self, logits: Tensor, params: SamplingBatch, window: Tensor, frame_index: Tensor
     ) -> Tensor:
         """Main token ids, int64 [B], from the slow head's logits [B, vocab]."""
-        rules = self.rules
         logits = logits.float()
-        if rules.constrain_to_semantic:
+        if self.rules.constrain_to_semantic:
             logits = self.constrain(logits)
-        if rules.main_penalty != "none":
-            if rules.main_penalty == "oldest_frame":
-                previous = oldest_window_frame(window, frame_index)
-            else:
-                previous = window[:, :, 0]
-            logits = apply_repetition_penalty(logits, previous, self._active_penalty(params, frame_index))
-        probs = logits_to_probs(logits, params.temperature, params.top_p, params.top_k)
-        seed, vocab = params.seed, logits.shape[-1]
-        token = exponential_race(probs, counter_uniform(seed, frame_index, MAIN_SLOT, vocab))
-        if rules.use_ras:
-            high_t = torch.full_like(params.temperature, rules.ras_temperature)
-            high_p = torch.full_like(params.top_p, rules.ras_top_p)
-            if rules.bf16_parameters:
-                high_t, high_p = round_to_bf16(high_t), round_to_bf16(high_p)
-            high_probs = logits_to_probs(logits, high_t, high_p, params.top_k)
-            high = exponential_race(high_probs, counter_uniform(seed, frame_index, RAS_SLOT, vocab))
-            repeated = (window[:, :, 0].long() == token[:, None]).any(dim=1)
-            use_high = repeated & self.is_semantic(token) & (frame_index >= 1)
-            token = torch.where(use_high, high, token)
-        return token
+        columns = torch.arange(logits.shape[-1], device=logits.device)
+        semantic = (self.semantic_begin_id, self.semantic_end_id)
+        return sample_main_tokens(self.rules, logits, columns, params, window, frame_index, semantic)
 
     def first_code(self, main_token: Tensor, codebook_size: int) -> Tensor:
         """Codebook 0 is the main token's semantic index (clamped, as the reference clamps)."""
@@ -329,16 +385,7 @@ class Sampler:
         self, logits: Tensor, codebook: int, params: SamplingBatch, window: Tensor, frame_index: Tensor
     ) -> Tensor:
         """Values of codebook k >= 1, int64 [B], from the fast model's logits [B, codebook_size]."""
-        rules = self.rules
-        logits = logits.float()
-        if rules.codebook_logit_limit is not None:
-            logits = logits[:, : rules.codebook_logit_limit]
-        if rules.penalize_codebooks:
-            previous = window[:, :, codebook + 1]
-            logits = apply_repetition_penalty(logits, previous, self._active_penalty(params, frame_index))
-        probs = logits_to_probs(logits, params.temperature, params.top_p, params.top_k)
-        uniforms = counter_uniform(params.seed, frame_index, codebook_slot(codebook), logits.shape[-1])
-        return exponential_race(probs, uniforms)
+        return sample_codebook_values(self.rules, logits, codebook, params, window, frame_index)
 
 
 def sample_reference(
@@ -365,15 +412,11 @@ def sample_reference(
     the draw at (ras_temperature, ras_top_p) from slot RAS_SLOT; RAS needs slot == MAIN_SLOT."""
     columns = torch.arange(logits.shape[-1], device=logits.device) if token_ids is None else token_ids
     columns = columns.long()
-    probs = logits_to_probs(logits, temperature, top_p, top_k)
-    token = columns[exponential_race(probs, counter_uniform_columns(seed, frame, slot, columns))]
+    token = draw(logits, temperature, top_p, top_k, seed, frame, slot, columns)
     if window is None:
         return token
     assert semantic_range is not None and slot == MAIN_SLOT
     high_t = round_to_bf16(torch.full_like(temperature, ras_temperature))
     high_p = round_to_bf16(torch.full_like(top_p, ras_top_p))
-    high_probs = logits_to_probs(logits, high_t, high_p, top_k)
-    high = columns[exponential_race(high_probs, counter_uniform_columns(seed, frame, RAS_SLOT, columns))]
-    repeated = (window[:, :, 0].long() == token[:, None]).any(dim=1)
-    semantic = (token >= semantic_range[0]) & (token <= semantic_range[1])
-    return torch.where(repeated & semantic & (frame >= 1), high, token)
+    high = draw(logits, high_t, high_p, top_k, seed, frame, RAS_SLOT, columns)
+    return repetition_aware(token, high, window, frame, semantic_range)

@@ -1,15 +1,15 @@
 """`shoal serve`: load a checkpoint, start the engine and serve the Fish Audio API on one port
-(REST and WebSocket). Every option can also be set by an environment variable SHOAL_<OPTION>."""
+(REST and WebSocket). Every option can also be set by an environment variable (the epilog)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from shoal.config import KV_CACHE_DTYPES, EngineConfig, default_overlap_steps
 from shoal.server.keys_cli import add_storage_arguments
 from shoal.server.settings import ServerSettings
+from shoal.tuning import ENV_PREFIX, environment
 
 DEFAULTS = ServerSettings()  # the options default to the server's own defaults (server/settings.py)
 MIB = 1024 * 1024
@@ -18,7 +18,7 @@ log = logging.getLogger("shoal.server")
 
 
 def env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"SHOAL_{name}", default)
+    return environment(name, default)
 
 
 def env_flag(name: str) -> bool:
@@ -26,19 +26,19 @@ def env_flag(name: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        f"Every option can also be set by the environment variable {ENV_PREFIX}<OPTION>: its name in upper"
+        f" case with '-' as '_' (e.g. {ENV_PREFIX}PORT, {ENV_PREFIX}MAX_RUNNING_REQUESTS)."
+    )
     parser.add_argument(
         "--checkpoint",
         default=env("CHECKPOINT"),
         required=env("CHECKPOINT") is None,
-        help="checkpoint directory or Hugging Face repo id (env SHOAL_CHECKPOINT)",
+        help="checkpoint directory or Hugging Face repo id",
     )
-    parser.add_argument(
-        "--codec", default=env("CODEC"), help="codec weights, if not in the checkpoint (SHOAL_CODEC)"
-    )
-    parser.add_argument("--host", default=env("HOST", "127.0.0.1"), help="bind address (SHOAL_HOST)")
-    parser.add_argument(
-        "--port", type=int, default=int(env("PORT", "8080") or 8080), help="port (SHOAL_PORT)"
-    )
+    parser.add_argument("--codec", default=env("CODEC"), help="codec weights, if not in the checkpoint")
+    parser.add_argument("--host", default=env("HOST", "127.0.0.1"), help="bind address")
+    parser.add_argument("--port", type=int, default=int(env("PORT", "8080") or 8080), help="port")
     add_storage_arguments(parser)
     parser.add_argument(
         "--no-auth", action="store_true", default=env_flag("NO_AUTH"), help="accept requests without a key"
@@ -51,50 +51,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-frames",
         type=int,
         default=int(env("MAX_NEW_FRAMES") or DEFAULTS.max_new_frames),
-        help="cap on frames generated per text chunk (SHOAL_MAX_NEW_FRAMES)",
+        help="cap on frames generated per text chunk",
     )
     parser.add_argument(
         "--max-streams-per-key",
         type=int,
         default=int(env("MAX_STREAMS_PER_KEY") or DEFAULTS.max_streams_per_key),
-        help="concurrent streams per API key before 429 (SHOAL_MAX_STREAMS_PER_KEY)",
+        help="concurrent streams per API key before 429",
     )
     parser.add_argument(
         "--max-text-length",
         type=int,
         default=int(env("MAX_TEXT_LENGTH") or DEFAULTS.max_text_length),
-        help="characters per request (SHOAL_MAX_TEXT_LENGTH)",
+        help="characters per request",
     )
     parser.add_argument(
         "--max-body-mb",
         type=float,
         default=float(env("MAX_BODY_MB") or DEFAULTS.max_body_bytes / MIB),
-        help="largest request body or WebSocket message, MiB (SHOAL_MAX_BODY_MB)",
+        help="largest request body or WebSocket message, MiB",
     )
     parser.add_argument(
         "--max-upload-mb",
         type=float,
         default=float(env("MAX_UPLOAD_MB") or DEFAULTS.max_upload_bytes / MIB),
-        help="largest audio upload (voice sample or inline reference), MiB (SHOAL_MAX_UPLOAD_MB)",
+        help="largest audio upload (voice sample or inline reference), MiB",
     )
     parser.add_argument(
         "--max-upload-seconds",
         type=float,
         default=float(env("MAX_UPLOAD_SECONDS") or DEFAULTS.max_upload_seconds),
-        help="longest audio upload, seconds (SHOAL_MAX_UPLOAD_SECONDS)",
+        help="longest audio upload, seconds",
     )
     parser.add_argument(
         "--live-start-timeout",
         type=float,
         default=float(env("LIVE_START_TIMEOUT") or DEFAULTS.live_start_timeout),
-        help="seconds a /v1/tts/live connection may wait before its 'start' event (SHOAL_LIVE_START_TIMEOUT)",
+        help="seconds a /v1/tts/live connection may wait before its 'start' event",
     )
     parser.add_argument(
         "--live-idle-timeout",
         type=float,
         default=float(env("LIVE_IDLE_TIMEOUT") or DEFAULTS.live_idle_timeout),
-        help="seconds of client silence, with nothing left to synthesize, before a live session "
-        "ends (SHOAL_LIVE_IDLE_TIMEOUT)",
+        help="seconds of client silence, with nothing left to synthesize, before a live session ends",
     )
     parser.add_argument(
         "--queue-limit",
@@ -103,42 +102,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[queue_limit(item) for item in (env("QUEUE_LIMITS") or "").split(",") if item.strip()],
         metavar="PRIORITY=N",
         help="most requests waiting per priority (realtime, standard, batch) before 503; repeatable "
-        "(SHOAL_QUEUE_LIMITS=standard=256,batch=0); defaults in shoal.config.EngineConfig",
+        "; defaults in shoal.config.EngineConfig",
     )
     parser.add_argument(
         "--weight-format",
         choices=("bf16", "fp8"),
         default=env("WEIGHT_FORMAT"),
         help="transformer weights: bf16, or fp8 (block-scaled; a bf16 checkpoint is quantized at load). "
-        "Default: fp8 for a `shoal quantize` checkpoint, else bf16 (SHOAL_WEIGHT_FORMAT)",
+        "Default: fp8 for a `shoal quantize` checkpoint, else bf16",
     )
     parser.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=env("KV_CACHE_DTYPE") or "auto",
         help="KV cache storage: auto (the model dtype) or fp8 (e4m3, one scale per token and kv head: "
-        "about twice the tokens per GiB, lossy; docs/quantization.md) (SHOAL_KV_CACHE_DTYPE)",
+        "about twice the tokens per GiB, lossy; docs/quantization.md)",
     )
     parser.add_argument(
         "--max-running-requests",
         type=int,
         default=int(env("MAX_RUNNING_REQUESTS", "256") or 256),
-        help="requests decoded together at most; CUDA graphs are captured up to min(this, 256) "
-        "(SHOAL_MAX_RUNNING_REQUESTS)",
+        help="requests decoded together at most; CUDA graphs are captured up to min(this, 256) ",
     )
     parser.add_argument(
         "--overlap-steps",
         action=argparse.BooleanOptionalAction,
-        default=default_overlap_steps(),  # SHOAL_OVERLAP_STEPS, read as EngineConfig reads it
+        default=default_overlap_steps(),  # read as EngineConfig reads it
         help="launch decode step n+1 before reading step n (5-11%% more frames/s; a request arriving "
-        "meanwhile joins one step later; on by default) (SHOAL_OVERLAP_STEPS)",
+        "meanwhile joins one step later; on by default)",
     )
     parser.add_argument(
         "--prefill-graph-segments",
         type=int,
         default=int(env("PREFILL_GRAPH_SEGMENTS") or EngineConfig.prefill_graph_segments),
         help="prompts admitted in one step whose prefill replays as one CUDA graph (default 8: "
-        "bursts of arrivals replay too; 1: a single prompt) (SHOAL_PREFILL_GRAPH_SEGMENTS)",
+        "bursts of arrivals replay too; 1: a single prompt)",
     )
     parser.add_argument(
         "--vocoder-max-chunk-frames",
@@ -147,11 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let each stream's codec chunks grow 4, 8, 16, .. up to this many frames (default: "
         "no growth, 8). 32: 7%% more frames/s at concurrency 64 and half the codec's GPU time, "
         "same first audio, but the extra codec graphs make startup minutes longer (see "
-        "docs/deployment.md) (SHOAL_VOCODER_MAX_CHUNK_FRAMES)",
+        "docs/deployment.md)",
     )
-    parser.add_argument(
-        "--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning (SHOAL_LOG_LEVEL)"
-    )
+    parser.add_argument("--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning")
 
 
 PRIORITY_NAMES = ("realtime", "standard", "batch")

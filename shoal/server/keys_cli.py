@@ -11,12 +11,14 @@ from pathlib import Path
 
 from shoal.server.auth import hash_api_key, new_api_key
 from shoal.server.store import Store
+from shoal.tuning import environment
 
 
 def default_data_dir() -> Path:
-    """Per-user data directory: $SHOAL_DATA_DIR, else $XDG_DATA_HOME/shoal, else ~/.local/share/shoal."""
-    if os.environ.get("SHOAL_DATA_DIR"):
-        return Path(os.environ["SHOAL_DATA_DIR"]).expanduser()
+    """Per-user data directory: the DATA_DIR environment setting, else $XDG_DATA_HOME/shoal, else
+    ~/.local/share/shoal."""
+    if environment("DATA_DIR"):
+        return Path(environment("DATA_DIR")).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(base).expanduser() / "shoal"
 
@@ -27,12 +29,12 @@ def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-dir",
         type=Path,
         default=default_data_dir(),
-        help="directory of the SQLite database and voice blobs (env SHOAL_DATA_DIR; default %(default)s)",
+        help="directory of the SQLite database and voice blobs (default %(default)s)",
     )
     parser.add_argument(
         "--database-url",
-        default=os.environ.get("SHOAL_DATABASE_URL"),
-        help="SQLAlchemy URL instead of the SQLite file, e.g. postgresql://... (env SHOAL_DATABASE_URL)",
+        default=environment("DATABASE_URL"),
+        help="SQLAlchemy URL instead of the SQLite file, e.g. postgresql://...",
     )
 
 
