@@ -469,18 +469,18 @@ class Fp8Projections:
         workspace = self.workspace if static else None
         unreduced = unreduced and w.bias is None and (keep_bf16 or out_dtype == torch.bfloat16)
         result = out  # or our kernel's SplitKPartials, when unreduced
-        if quantized is not None and variant == "w8a8":
+        if variant == "w8a8":
             from shoal.kernels.fp8_gemm import fp8_gemm
+            from shoal.kernels.quant import quantize_activations, swiglu_quantize
 
+            if quantized is None:  # else (e4m3, scales) written by the producer (`fp8_input`)
+                q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
+                quantize = swiglu_quantize if swiglu else quantize_activations
+                quantized = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
             result = fp8_gemm(
-                *quantized,
-                w.q,
-                w.scale,
-                out=out,
-                workspace=workspace,
-                config=self._config(w, m),
+                *quantized, w.q, w.scale, out=out, workspace=workspace, config=self._config(w, m),
                 unreduced=unreduced,
-            )
+            )  # fmt: skip
         elif variant == "bf16":
             a = x.to(torch.bfloat16)
             if swiglu:  # as the bf16 model computes it: silu and product in bf16
@@ -488,31 +488,16 @@ class Fp8Projections:
             torch.mm(a, w.dense.t(), out=out)
         elif variant == "scaled_mm":
             out = result = self._scaled_mm(w, x, swiglu, out)  # x may be the quantized pair
-        elif variant == "w8a8":
-            from shoal.kernels.fp8_gemm import fp8_gemm
-            from shoal.kernels.quant import quantize_activations, swiglu_quantize
-
-            q_out, scales = self._act_buffers(m, w.k, x.device) if static else (None, None)
-            quantize = swiglu_quantize if swiglu else quantize_activations
-            q, s = quantize(x.to(torch.bfloat16), out=q_out, scales=scales)
-            result = fp8_gemm(
-                q,
-                s,
-                w.q,
-                w.scale,
-                out=out,
-                workspace=workspace,
-                config=self._config(w, m),
-                unreduced=unreduced,
-            )
         else:
             from shoal.kernels.fp8_gemm import fp8_linear
 
             a = x.to(torch.bfloat16)
             quantize_inline = variant == "w8a8_inline"
+            config = self._config(w, m) if quantize_inline else None  # the FP8-activation table's
             result = fp8_linear(
-                a, w.q, w.scale, quantize_inline, swiglu, out=out, workspace=workspace, unreduced=unreduced
-            )
+                a, w.q, w.scale, quantize_inline, swiglu, out=out, workspace=workspace, config=config,
+                unreduced=unreduced,
+            )  # fmt: skip
         if result is not out:  # partials: no bias and a bf16 result, so nothing is left to apply
             return result
         if w.bias is not None:
