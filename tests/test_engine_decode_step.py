@@ -268,3 +268,33 @@ def test_fused_fast_attention_range_and_refused_overrides() -> None:
         Tuning.from_environment({"SHOAL_FP8_PREFILL": "fast"})
     with pytest.raises(ValueError, match="unknown tuning fields"):
         Tuning().with_fields(no_such_switch=1)
+
+
+@pytest.mark.interpreter
+def test_slow_attention_takes_the_cache_dtypes_tuned_config(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 cache's decode attention runs the bf16 table's entry for the batch, never the e4m3
+    cache's (whose configs are slower on bf16 keys: a 1.6x slower attention at batch 64)."""
+    from shoal.kernels import attention
+    from shoal.kernels.attention import decode_config
+
+    core, requests = decoding_core(golden_dir, 3)
+    runner = core.runner
+    assert not runner.kv.layer(0).fp8
+    step = DecodeStep(runner.model, runner.kv, runner.max_batch, use_kernels=True, max_top_k=64)
+    fields = runner.host.fill(requests)
+    n = len(requests)
+    buffers = DecodeBuffers.allocate(n, runner.max_pages, runner.window_size, runner.num_rows, "cpu")
+    for name in fields:
+        getattr(buffers, name).copy_(getattr(runner.host.host, name)[:n])
+    configs = []
+    launch = attention.paged_decode_attention
+
+    def recording(*args, config=None, **kwargs):
+        configs.append(config)
+        return launch(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_decode_attention", recording)
+    with torch.no_grad():
+        step.slow(buffers)
+    assert configs and all(config == decode_config(n) for config in configs)
+    assert decode_config(n) != decode_config(n, kv_fp8=True)

@@ -260,7 +260,7 @@ class DecodeStep:
 
         def attend(q, pools, out_fp8):
             tables, lens = buffers.block_tables, buffers.kv_lens
-            config = self.attention_config(q.shape[0], kv_fp8=bool(pools.scales))
+            config = self.attention_config(q.shape[0], kv_fp8=pools.fp8)
             return paged_decode_attention(
                 q, pools.k, pools.v, tables, lens, out_fp8=out_fp8, config=config, **pools.scales
             )

@@ -218,6 +218,11 @@ class LayerKV:
     v_scales: torch.Tensor | None = None
 
     @property
+    def fp8(self) -> bool:
+        """Whether this is an e4m3 cache (its attention takes other tuned configs)."""
+        return self.k_scales is not None
+
+    @property
     def scales(self) -> dict[str, torch.Tensor | None]:
         """The keyword arguments the attention and KV-write kernels take the scales as."""
         return {"k_scales": self.k_scales, "v_scales": self.v_scales}
