@@ -271,7 +271,9 @@ def test_fused_fast_attention_range_and_refused_overrides() -> None:
 
 
 @pytest.mark.interpreter
-def test_slow_attention_takes_the_cache_dtypes_tuned_config(golden_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slow_attention_takes_the_cache_dtypes_tuned_config(
+    golden_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bf16 cache's decode attention runs the bf16 table's entry for the batch, never the e4m3
     cache's (whose configs are slower on bf16 keys: a 1.6x slower attention at batch 64)."""
     from shoal.kernels import attention
