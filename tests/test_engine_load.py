@@ -49,6 +49,7 @@ def test_serve_engine_options_reach_the_engine(demo_dir, monkeypatch):
     config = engine.config
     assert (config.max_running_requests, config.overlap_steps, config.weight_format) == (5, True, "bf16")
     assert config.queue_limits["batch"] == 0 and config.device == "cpu"
+    assert parser.parse_args(["--checkpoint", "x"]).weight_format == "auto"
     monkeypatch.setenv("SHOAL_WEIGHT_FORMAT", "fp8")
     fresh = argparse.ArgumentParser()
     cli.add_arguments(fresh)
@@ -74,3 +75,51 @@ def test_serve_kv_cache_dtype_reaches_the_cache(demo_dir, monkeypatch):
     fresh = argparse.ArgumentParser()
     cli.add_arguments(fresh)
     assert fresh.parse_args(["--checkpoint", "x"]).kv_cache_dtype == "fp8"
+
+
+@pytest.fixture(scope="module")
+def planted_dir(tmp_path_factory):
+    """A bf16 S2 checkpoint whose greedy decoding has margins of several nats (the gate's model)."""
+    from shoal.bench.gate_correctness import planted_margin_model
+    from shoal.models.writer import write_checkpoint
+
+    model = planted_margin_model()
+    directory = tmp_path_factory.mktemp("planted") / "s2"
+    write_checkpoint(directory, model.config, {k: v for k, v in model.state_dict().items()})
+    return directory
+
+
+def test_auto_serves_fp8_where_it_decodes_what_bf16_decodes(planted_dir):
+    """"auto" on a bf16 checkpoint checks FP8 on the loaded weights and keeps it when it passes."""
+    from shoal.quant.fp8_linear import fp8_layers
+    from shoal.engine.load import load_engine_model
+
+    model, weight_format = load_engine_model(planted_dir, "cpu", "float32", "auto", validate_fp8=True)
+    assert weight_format == "fp8" and fp8_layers(model)
+
+
+def test_auto_falls_back_to_bf16_with_the_reason_logged(planted_dir, monkeypatch, caplog):
+    """A check that fails (here: no logit error tolerated) serves the bf16 weights, reloaded."""
+    import logging
+
+    from shoal.engine import fp8_validation
+    from shoal.quant.fp8_linear import fp8_layers
+    from shoal.engine.load import load_engine_model
+
+    monkeypatch.setattr(fp8_validation, "MAX_LOGIT_ERROR", 0.0)
+    with caplog.at_level(logging.WARNING, logger="shoal.engine.load"):
+        model, weight_format = load_engine_model(planted_dir, "cpu", "float32", None, validate_fp8=True)
+    assert weight_format == "bf16" and not fp8_layers(model)
+    assert "FP8 did not validate" in caplog.text and "logit relative error" in caplog.text
+
+
+def test_auto_keeps_bf16_off_hopper_and_explicit_formats_win(planted_dir):
+    """Without a Hopper GPU nothing is checked: bf16. An explicit format is never second-guessed."""
+    from shoal.quant.fp8_linear import fp8_layers
+    from shoal.engine.load import fp8_validates_here, load_engine_model
+
+    assert not fp8_validates_here("cpu", "float32")
+    model, weight_format = load_engine_model(planted_dir, "cpu", "float32", "auto")
+    assert weight_format == "bf16" and not fp8_layers(model)
+    model, weight_format = load_engine_model(planted_dir, "cpu", "float32", "fp8")
+    assert weight_format == "fp8" and fp8_layers(model)

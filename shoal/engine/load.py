@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 from shoal.config import WEIGHT_FORMATS, EngineConfig
+
+log = logging.getLogger("shoal.engine.load")
 
 
 def is_fp8_checkpoint(checkpoint: str | Path) -> bool:
@@ -21,27 +24,62 @@ def is_fp8_checkpoint(checkpoint: str | Path) -> bool:
         return False
 
 
-def load_engine_model(checkpoint: str | Path, device: str, dtype: str, weight_format: str | None = None):
+def fp8_validates_here(device: str, dtype: str) -> bool:
+    """Whether "auto" checks FP8 at load: a Hopper (or newer) GPU running bf16, where the FP8
+    kernels are built and tuned; elsewhere "auto" keeps bf16."""
+    import torch
+
+    if not device.startswith("cuda") or dtype != "bfloat16" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(torch.device(device)) >= (9, 0)
+
+
+def load_engine_model(
+    checkpoint: str | Path,
+    device: str,
+    dtype: str,
+    weight_format: str | None = None,
+    validate_fp8: bool | None = None,
+):
     """(model, weight format) for the engine. An FP8 checkpoint (`shoal quantize`) loads through
     `quant.fp8_linear.load_quantized`, which verifies every layer's scale layout; with
     `weight_format="fp8"` a bf16 checkpoint is quantized in place (`engine.fp8_weights.prepare_model`,
-    same checks). None: "fp8" for an FP8 checkpoint, else "bf16"."""
+    same checks). "auto" (or None): "fp8" for an FP8 checkpoint; for a bf16 one, FP8 where its greedy
+    frames equal bf16's on these weights (`engine.fp8_validation`; checked when `validate_fp8`, by
+    default on a Hopper GPU in bf16), else "bf16", with the reason logged."""
     import torch
 
     fp8_checkpoint = is_fp8_checkpoint(checkpoint)
-    weight_format = weight_format or ("fp8" if fp8_checkpoint else "bf16")
-    if weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if weight_format not in (None, "auto", *WEIGHT_FORMATS):
+        raise ValueError(f"weight_format must be auto or one of {WEIGHT_FORMATS}, got {weight_format!r}")
     torch_dtype = getattr(torch, dtype)
     if fp8_checkpoint:
-        if weight_format != "fp8":
+        if weight_format == "bf16":
             raise ValueError(f"{checkpoint} is an FP8 checkpoint: weight_format must be 'fp8'")
         from shoal.quant.fp8_linear import load_quantized
 
-        return load_quantized(checkpoint, device=device, dtype=torch_dtype, verify=True), weight_format
+        return load_quantized(checkpoint, device=device, dtype=torch_dtype, verify=True), "fp8"
     from shoal.models import load_model
 
     model = load_model(str(checkpoint), device=device, dtype=torch_dtype)
+    if weight_format in (None, "auto"):
+        if validate_fp8 is None:
+            validate_fp8 = fp8_validates_here(device, dtype)
+        if not validate_fp8:
+            return model, "bf16"
+        from shoal.engine.fp8_validation import quantize_if_validated
+
+        result = quantize_if_validated(model)
+        if result.passed:
+            log.info("serving FP8 weights: they decode what bf16 decodes (%s)", result.report())
+            return model, "fp8"
+        log.warning(
+            "serving bf16 weights: FP8 did not validate on this checkpoint (%s); "
+            "--weight-format fp8 serves FP8 anyway",
+            result.report(),
+        )
+        del model
+        return load_model(str(checkpoint), device=device, dtype=torch_dtype), "bf16"
     if weight_format == "fp8":
         from shoal.engine.fp8_weights import prepare_model
 
@@ -58,13 +96,14 @@ def load_engine(
     config: EngineConfig | None = None,
     weight_format: str | None = None,
     warmup: bool = True,
+    validate_fp8: bool | None = None,
 ):
     """Load the model (`shoal.models.load_model`) and the codec (`codec.pth`, or 1.5's Firefly
     generator, inside the checkpoint directory unless `codec` names another file or directory:
     `models.codec.codec_file`) and return a
     `LocalEngine` ready for `start()`. Defaults: CUDA with bfloat16 when a GPU is present,
-    else the CPU with float32. `weight_format` ("bf16" | "fp8"; default: the config's when a
-    config is given, else "fp8" for a `shoal quantize` checkpoint and "bf16" otherwise) sets
+    else the CPU with float32. `weight_format` ("auto" | "bf16" | "fp8"; default: the config's when
+    a config is given and not bf16, else "auto": `load_engine_model`, FP8 where it validates) sets
     `EngineConfig.weight_format`; "fp8" on a bf16 checkpoint quantizes it at load. With
     `warmup` (the default) synthetic requests run through prefill, decode and the vocoder
     before it returns (`LocalEngine.warmup`: first-use compilation and searches happen here,
@@ -84,7 +123,7 @@ def load_engine(
     if weight_format is None and config is not None and config.weight_format != "bf16":
         weight_format = config.weight_format
     checkpoint_dir = resolve_checkpoint_dir(checkpoint)
-    model, weight_format = load_engine_model(checkpoint_dir, device, dtype, weight_format)
+    model, weight_format = load_engine_model(checkpoint_dir, device, dtype, weight_format, validate_fp8)
     codec_path = Path(codec) if codec is not None else codec_file(checkpoint_dir)
     if not codec_path.exists():
         raise FileNotFoundError(f"no codec at {codec_path} (pass codec=...)")

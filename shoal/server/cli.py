@@ -106,10 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weight-format",
-        choices=("bf16", "fp8"),
-        default=env("WEIGHT_FORMAT"),
+        choices=("auto", "bf16", "fp8"),
+        default=env("WEIGHT_FORMAT", "auto"),
         help="transformer weights: bf16, or fp8 (block-scaled; a bf16 checkpoint is quantized at load). "
-        "Default: fp8 for a `shoal quantize` checkpoint, else bf16",
+        "auto (default): fp8 for a `shoal quantize` checkpoint; on a Hopper GPU a bf16 checkpoint is "
+        "quantized at load and served FP8 if its greedy frames equal bf16's on a fixed input, else bf16 "
+        "(the reason is logged); bf16 elsewhere",
     )
     parser.add_argument(
         "--kv-cache-dtype",
