@@ -90,9 +90,9 @@ def planted_dir(tmp_path_factory):
 
 
 def test_auto_serves_fp8_where_it_decodes_what_bf16_decodes(planted_dir):
-    """"auto" on a bf16 checkpoint checks FP8 on the loaded weights and keeps it when it passes."""
-    from shoal.quant.fp8_linear import fp8_layers
+    """ "auto" on a bf16 checkpoint checks FP8 on the loaded weights and keeps it when it passes."""
     from shoal.engine.load import load_engine_model
+    from shoal.quant.fp8_linear import fp8_layers
 
     model, weight_format = load_engine_model(planted_dir, "cpu", "float32", "auto", validate_fp8=True)
     assert weight_format == "fp8" and fp8_layers(model)
@@ -103,8 +103,8 @@ def test_auto_falls_back_to_bf16_with_the_reason_logged(planted_dir, monkeypatch
     import logging
 
     from shoal.engine import fp8_validation
-    from shoal.quant.fp8_linear import fp8_layers
     from shoal.engine.load import load_engine_model
+    from shoal.quant.fp8_linear import fp8_layers
 
     monkeypatch.setattr(fp8_validation, "MAX_LOGIT_ERROR", 0.0)
     with caplog.at_level(logging.WARNING, logger="shoal.engine.load"):
@@ -115,8 +115,8 @@ def test_auto_falls_back_to_bf16_with_the_reason_logged(planted_dir, monkeypatch
 
 def test_auto_keeps_bf16_off_hopper_and_explicit_formats_win(planted_dir):
     """Without a Hopper GPU nothing is checked: bf16. An explicit format is never second-guessed."""
-    from shoal.quant.fp8_linear import fp8_layers
     from shoal.engine.load import fp8_validates_here, load_engine_model
+    from shoal.quant.fp8_linear import fp8_layers
 
     assert not fp8_validates_here("cpu", "float32")
     model, weight_format = load_engine_model(planted_dir, "cpu", "float32", "auto")

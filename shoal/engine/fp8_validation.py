@@ -110,7 +110,12 @@ def greedy_reference(model: nn.Module, prompt: Tensor, frames: int) -> Tensor:
 
 
 def compare(
-    expected: Tensor, actual: Tensor, exact_logits: Tensor, approx_logits: Tensor, config, max_logit_error: float
+    expected: Tensor,
+    actual: Tensor,
+    exact_logits: Tensor,
+    approx_logits: Tensor,
+    config,
+    max_logit_error: float,
 ) -> CorrectnessResult:
     """Frames [N+1, F] and prompt logits of the FP8 side against bf16's."""
     first_mismatch = None
@@ -138,7 +143,9 @@ def check_correctness(
     expected = greedy_reference(reference_model, prompt, frames)
     actual = greedy_reference(fp8_model, prompt, frames) if fp8_frames is None else fp8_frames(prompt, frames)
     exact = reference_model.prefill_logits(prompt)
-    return compare(expected, actual, exact, fp8_model.prefill_logits(prompt), reference_model.config, max_logit_error)
+    return compare(
+        expected, actual, exact, fp8_model.prefill_logits(prompt), reference_model.config, max_logit_error
+    )
 
 
 @torch.no_grad()
