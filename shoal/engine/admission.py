@@ -1,0 +1,91 @@
+"""Realtime-aware admission: take a new stream only while every admitted one stays ahead of playback.
+
+Continuous batching admits whatever fits in memory, and past the GPU's capacity each new stream
+slows every running one: all of them fall behind their listeners together. The gate closes
+instead, and new requests wait (a bounded time, then 503), as soon as either measured signal says
+the admitted streams would not keep up:
+
+- speed: every decoding stream gains one frame per engine step, so its generation runs at
+  (steps per second) / (model frame rate) times real time. Below `min_speed` the batch as a whole
+  is too slow, whatever the codec does. Chunked delivery needs a margin above 1: a chunk must be
+  generated while the one before it plays.
+- headroom: what the listener of each playing stream has buffered (`playback.PlaybackClock`). It
+  also sees what the step time does not (the codec, the host falling behind): a stream older than
+  `grace_seconds` with less than `min_headroom_seconds` buffered is about to underrun.
+
+While the gate is closed, batch-priority streams pause their decoding (they keep their pages) so
+that the steps are spent on the streams someone is listening to; they resume when it reopens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shoal.engine.playback import PlaybackClock
+
+
+@dataclass(frozen=True)
+class RealtimePolicy:
+    """When the gate closes. `enabled=False` admits by memory alone (as a pure batch server)."""
+
+    enabled: bool = True
+    min_speed: float = 1.5
+    min_headroom_seconds: float = 0.1
+    grace_seconds: float = 0.5
+    max_queue_wait_seconds: float = 10.0
+    step_time_smoothing: float = 0.2  # weight of the newest step in the moving average
+
+
+@dataclass(frozen=True)
+class GateState:
+    open: bool
+    speed: float  # measured generation speed per stream, times real time (inf before any step)
+    min_headroom: float | None  # smallest headroom of the streams past their grace period
+    reason: str = ""
+
+
+class RealtimeGate:
+    """The admission decision, from the measured step time and the playing streams' clocks."""
+
+    def __init__(self, policy: RealtimePolicy, frame_rate: float) -> None:
+        self.policy = policy
+        self.frame_rate = frame_rate
+        self.step_seconds: float | None = None  # moving average over decoding steps
+
+    def observe_step(self, seconds: float) -> None:
+        """Book one decoding step's wall time (from its start to the next step's start)."""
+        if self.step_seconds is None:
+            self.step_seconds = seconds
+        else:
+            weight = self.policy.step_time_smoothing
+            self.step_seconds += weight * (seconds - self.step_seconds)
+
+    @property
+    def speed(self) -> float:
+        if not self.step_seconds:
+            return math.inf
+        return 1.0 / (self.step_seconds * self.frame_rate)
+
+    def idle(self) -> None:
+        """Nothing is decoding: the next batch starts afresh (an old slow average must not keep
+        the gate closed over an empty engine)."""
+        self.step_seconds = None
+
+    def state(self, now: float, playing: Iterable[PlaybackClock]) -> GateState:
+        """Open or closed for the next admission; `playing`: the running streams' clocks."""
+        speed = self.speed
+        lowest = None
+        for clock in playing:
+            headroom = clock.headroom(now)
+            if headroom is None or clock.playing_for(now) < self.policy.grace_seconds:
+                continue
+            lowest = headroom if lowest is None else min(lowest, headroom)
+        if not self.policy.enabled:
+            return GateState(True, speed, lowest)
+        if speed < self.policy.min_speed:
+            return GateState(False, speed, lowest, f"generation at {speed:.2f}x real time")
+        if lowest is not None and lowest < self.policy.min_headroom_seconds:
+            return GateState(False, speed, lowest, f"a stream has {lowest * 1000:.0f} ms of audio buffered")
+        return GateState(True, speed, lowest)
