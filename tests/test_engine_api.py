@@ -14,12 +14,18 @@ from model_testing import tiny_s2
 from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason, InvalidRequest, SamplingOptions, SynthesisRequest, VoiceReference
 from shoal.engine.engine import LocalEngine
-from shoal.engine.handles import V15_MAX_LENGTH
 from shoal.engine.request import SamplingParams
 from shoal.engine.vocoder import ChunkPolicy, Vocoder, graph_batch_sizes
 from shoal.models import load_model
 from shoal.models.codec import load_codec
-from shoal.models.prompt import Reference, Turn, build_prompt, voice_prefix_length
+from shoal.models.prompt import (
+    V15_MAX_LENGTH,
+    Reference,
+    Turn,
+    VoicePrompt,
+    build_prompt,
+    voice_prefix_length,
+)
 from shoal.models.reference import generate, generate_long
 from shoal.models.writer import tiny_config, write_checkpoint
 
@@ -107,6 +113,54 @@ def test_consumer_going_away_aborts(model):
     first, handle = asyncio.run(scenario())
     assert first.frames.shape == (1, 5)
     assert not engine.core.requests and engine.core.kv.pool.num_used == engine.core.kv.prefix_cache_pages
+
+
+@pytest.mark.parametrize("prefilled", [False, True])
+def test_requests_in_one_voice_share_its_prefix_pages(model, prefilled):
+    """The engine keys a voice by its prefix's columns, once per request: two requests whose
+    references are equal (not the same objects) borrow the same cached prefix pages, and the
+    pages `prefill_voice` pins are the ones the following requests reuse."""
+    config = EngineConfig(device="cpu", dtype="float64", num_pages=256, page_size=4, ignore_eos=True)
+    engine = LocalEngine(model, config)
+    codes = torch.randint(0, 32, (4, 10), generator=torch.Generator().manual_seed(4))
+    voice = VoicePrompt(model.config, model.tokenizer, [Reference("a voice", codes)])
+    whole = voice.prefix.shape[1] // config.page_size
+
+    def pages_in_use() -> set[int]:
+        return {page for page in range(config.num_pages) if engine.core.kv.pool.ref_count(page)}
+
+    async def running(text: str):
+        references = (VoiceReference("a voice", codes.numpy().copy()),)
+        handle = engine.submit(SynthesisRequest(text, references, max_new_frames=200))
+        iterator = handle.__aiter__()
+        await asyncio.wait_for(iterator.__anext__(), 60)  # admitted and prefilled
+        return handle, iterator
+
+    async def scenario():
+        engine.start_thread()
+        try:
+            pinned = set()
+            if prefilled:
+                await engine.prefill_voice((VoiceReference("a voice", codes.numpy()),))
+                pinned = pages_in_use()
+            (first, first_frames), (second, second_frames) = [await running(t) for t in ("one", "two")]
+            requests = first.current, second.current
+            shared = [request.block_table[:whole] for request in requests]
+            keys = [request.prefix_key for request in requests]
+            counts = [request.num_shared_pages for request in requests]
+            await first_frames.aclose()
+            await second_frames.aclose()
+            return pinned, shared, keys, counts
+        finally:
+            engine.stop_thread()
+
+    pinned, shared, keys, counts = asyncio.run(scenario())
+    assert whole >= 2 and counts == [whole, whole]
+    assert shared[0] == shared[1] and keys == [voice.key, voice.key]
+    assert len(pinned) == (whole if prefilled else 0)
+    if prefilled:
+        assert set(shared[0]) == pinned
+    assert engine.core.kv.prefix_cache_pages == whole == engine.core.kv.pool.num_used
 
 
 @pytest.fixture(scope="module")
@@ -223,10 +277,11 @@ def test_chunk_policy_feeds_captured_chunks():
     assert [graphs.take(n, True, False) for n in (7, 8, 15, 20)] == [0, 8, 8, 8]  # steady: full chunks
     assert [graphs.take(n, True, True) for n in (1, 5, 8, 13)] == [1, 5, 8, 8]  # tail: pads to a graph
     # At most max_batch streams per call, first audio before steady chunks, then in order.
-    assert graphs.plan([(8, True, False), (9, True, False), (4, False, False), (2, True, False)]) == {
-        2: 4,
-        0: 8,
-    }
+    assert graphs.plan(
+        [(8, True, False, None), (9, True, False, None), (4, False, False, None), (2, True, False, None)]
+    ) == {2: 4, 0: 8}
+    # Then the listener with the least audio buffered: stream 1 (0.1 s) before stream 0 (2 s).
+    assert graphs.plan([(8, True, False, 2.0), (9, True, False, 0.1), (8, True, False, None)]) == {1: 8, 0: 8}
 
 
 def record_codec_chunks(vocoder: Vocoder) -> list[list[int]]:

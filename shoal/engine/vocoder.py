@@ -28,12 +28,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from shoal.engine.playback import PlaybackClock
 
 log = logging.getLogger("shoal.engine.vocoder")
 
@@ -132,11 +136,18 @@ class ChunkPolicy:
         others = [frames for frames, done in takes if done > 0]
         return bool(firsts and others) and max(others) > 2 * max(firsts)
 
-    def plan(self, streams: Sequence[tuple[int, int, bool]]) -> dict[int, int]:
-        """`streams`: (pending, chunks done, ending) per stream -> {index: frames to take now}."""
-        due = [(i, n) for i, (p, c, end) in enumerate(streams) if (n := self.take(p, c, end)) > 0]
+    def plan(self, streams: Sequence[tuple[int, int, bool, float | None]]) -> dict[int, int]:
+        """`streams`: (pending, chunks done, ending, headroom seconds or None) per stream ->
+        {index: frames to take now}. When more are due than one call takes: first audio waiting
+        first, then the streams whose listeners have the least audio buffered, then in order."""
+        due = [(i, n) for i, (p, c, end, _) in enumerate(streams) if (n := self.take(p, c, end)) > 0]
         if self.max_batch is not None and len(due) > self.max_batch:
-            due.sort(key=lambda item: streams[item[0]][1] > 0)  # stable: first audio waiting first
+
+            def urgency(item: tuple[int, int]) -> tuple[bool, float]:
+                _, chunks_done, _, headroom = streams[item[0]]
+                return chunks_done > 0, math.inf if headroom is None else headroom
+
+            due.sort(key=urgency)  # stable
             due = due[: self.max_batch]
         return dict(due)
 
@@ -144,9 +155,15 @@ class ChunkPolicy:
 class VocoderStream:
     """One text batch of one request: frames in, audio out."""
 
-    def __init__(self, on_audio: AudioCallback, on_error: ErrorCallback | None = None) -> None:
+    def __init__(
+        self,
+        on_audio: AudioCallback,
+        on_error: ErrorCallback | None = None,
+        clock: PlaybackClock | None = None,
+    ) -> None:
         self.on_audio = on_audio
         self.on_error = on_error  # the decode of this stream's frames failed: it gets no more audio
+        self.clock = clock  # the listener's playback: booked at each delivery, orders the calls
         self.pending: list[np.ndarray] = []  # frames released for decoding, int32 [N+1] each
         self.ending: DoneCallback | None = None  # set by end(): flush, then call it
         self.closed = False
@@ -211,8 +228,14 @@ class Vocoder:
 
     # Engine thread -------------------------------------------------------------------------
 
-    def open(self, on_audio: AudioCallback, on_error: ErrorCallback | None = None) -> VocoderStream:
-        stream = VocoderStream(on_audio, on_error)
+    def open(
+        self,
+        on_audio: AudioCallback,
+        on_error: ErrorCallback | None = None,
+        clock: PlaybackClock | None = None,
+    ) -> VocoderStream:
+        """A new stream; `clock` (shared by a request's text batches) books its audio as delivered."""
+        stream = VocoderStream(on_audio, on_error, clock)
         with self._wake:
             self._streams.append(stream)
         return stream
@@ -280,7 +303,13 @@ class Vocoder:
         """Take the frames due now (`policy.plan`) and the streams that are done, as
         (stream, frames, done callback or None); finished streams leave the list. Caller holds
         `_wake` (or owns the vocoder, as tests do)."""
-        plan = self.policy.plan([(len(s.pending), s.chunks, s.ending is not None) for s in self._streams])
+        now = time.monotonic()
+        plan = self.policy.plan(
+            [
+                (len(s.pending), s.chunks, s.ending is not None, s.clock.headroom(now) if s.clock else None)
+                for s in self._streams
+            ]
+        )
         work: Work = []
         for index, stream in enumerate(self._streams):
             count = plan.get(index, 0)
@@ -350,8 +379,11 @@ class Vocoder:
             # One read-back for the whole call (on CUDA one copy and one sync, not one per stream).
             host = self.read_back(torch.cat([samples.float() for samples in audio]))
             pieces = np.split(host, np.cumsum([samples.shape[0] for samples in audio])[:-1])
+            delivered = time.monotonic()
             for (stream, _), samples, frames in zip(with_frames, pieces, stacked, strict=True):
                 stream.chunks += 1
+                if stream.clock is not None:
+                    stream.clock.deliver(len(samples) / self.sample_rate, delivered)
                 stream.on_audio(samples, frames)
         for stream, _, done in work:
             if done is not None:
