@@ -78,7 +78,7 @@ class ToneEngine(Engine):
         self.pages_used = 0
         self.running: set[str] = set()
         self.submitted: list[SynthesisRequest] = []
-        self.prefilled: list[str] = []
+        self.prefilled: list[tuple[VoiceReference, ...]] = []
         self.encoded = 0
         self._ids = itertools.count()
         self.started = False
@@ -102,8 +102,8 @@ class ToneEngine(Engine):
     def abort(self, request_id: str) -> None:
         self.running.discard(request_id)
 
-    async def prefill_voice(self, references: tuple[VoiceReference, ...], voice_key: str) -> None:
-        self.prefilled.append(voice_key)
+    async def prefill_voice(self, references: tuple[VoiceReference, ...]) -> None:
+        self.prefilled.append(references)
 
     def check_voice(self, references: tuple[VoiceReference, ...]) -> None:
         frames = sum(reference.codes.shape[1] for reference in references)

@@ -10,6 +10,7 @@ from shoal.engine.api import EngineOverloaded, FinishReason, Priority
 from shoal.engine.kv_cache import KVCacheManager, OutOfPages, PagedKV, PagePool
 from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.scheduler import Scheduler
+from shoal.models.prompt import voice_prefix_key
 
 
 def make_request(name: str, length: int, priority=Priority.STANDARD, prefix_len=0, voice=0) -> Request:
@@ -66,6 +67,42 @@ def test_prefix_shared_by_whole_pages_and_evicted_lru():
     other = make_request("c", 64)
     kv.grow(other, 64)  # needs all 16 pages: the idle prefix is evicted
     assert kv.prefix_cache_pages == 0 and kv.pool.num_free == 0
+
+
+def test_prefix_cache_shares_pages_by_the_key_each_request_carries():
+    """A request's voice key is taken once, when it is built (the prefix columns' content key
+    unless the caller gives the one it computed): admissions look pages up by that key and
+    never hash prompt columns again."""
+    kv = KVCacheManager(num_pages=16, page_size=4)
+    same, other_text, other_voice = (
+        make_request("a", 14, prefix_len=10),
+        make_request("b", 12, prefix_len=10),
+        make_request("c", 14, prefix_len=10, voice=1),
+    )
+    assert same.prefix_key == other_text.prefix_key == voice_prefix_key(same.prompt[:, :10])
+    assert other_voice.prefix_key != same.prefix_key and make_request("plain", 14).prefix_key is None
+
+    def keyed(name: str, fill: int, prefix_len: int = 10) -> Request:
+        prompt = torch.full((3, 14), fill, dtype=torch.long)
+        return Request(
+            name, prompt, SamplingParams(), max_new_frames=5, prefix_len=prefix_len, prefix_key="v"
+        )
+
+    first, second = keyed("first", 1), keyed("second", 2)  # other columns, the same key: shared
+    kv.attach_prefix(first)
+    kv.grow(first, 14)
+    first.num_computed = 14
+    assert kv.register_prefix(first)
+    kv.attach_prefix(second)
+    assert second.block_table == first.block_table[:2] and second.num_computed == 8
+    kv.free(first)
+    kv.free(second)
+    kv.evict_prefixes(16)
+    short = keyed("short", 3, prefix_len=3)  # under one page: nothing to share
+    kv.attach_prefix(short)
+    kv.grow(short, 14)
+    short.num_computed = 14
+    assert not kv.register_prefix(short) and kv.prefix_cache_pages == 0
 
 
 def test_decodes_first_then_chunked_prefill_within_budget():

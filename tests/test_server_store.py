@@ -116,7 +116,7 @@ def test_a_job_and_its_items_checkpoint_and_survive_reopen(open_store):
     store = open_store()
     reference = np.arange(6, dtype=np.int64).reshape(2, 3)
     job = store.create_job(
-        "acme", {"format": "wav"}, None, [("ref", reference)], [("a", "x"), ("b", "y"), ("c", "z")]
+        "acme", {"format": "wav"}, [("ref", reference)], [("a", "x"), ("b", "y"), ("c", "z")]
     )
     assert store.active_job_ids() == [job.id] and store.count_active_jobs("acme") == 1
     assert store.set_job_status(job.id, "running")
@@ -224,7 +224,7 @@ def test_blobs_a_crash_leaves_are_swept_at_start_up(open_store, tmp_path):
     store = open_store()
     codes = np.ones((2, 3), np.int64)
     kept_voice = store.create_voice("acme", "kept", [NewSample(text="t", audio=b"kept", codes=codes)])
-    job = store.create_job("acme", {"format": "wav"}, None, [("ref", codes)], [("a", "x"), ("b", "y")])
+    job = store.create_job("acme", {"format": "wav"}, [("ref", codes)], [("a", "x"), ("b", "y")])
     store.finish_job_item(job.id, 0, b"kept audio", "wav", 1.0)
     url = store.engine.url.render_as_string(hide_password=False)  # the same database, either backend
     for stage in ("item", "voice", "put"):

@@ -62,10 +62,9 @@ class SamplingOptions:
 @dataclass(frozen=True)
 class SynthesisRequest:
     text: str
+    # Requests whose references are equal share the voice prefix's KV pages (the engine keys
+    # them by the prefix it builds from these).
     references: tuple[VoiceReference, ...] = ()
-    # A stable key for the voice (stored voice id, or a hash of inline references): requests
-    # with the same key share the voice prefix's KV pages.
-    voice_key: str | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     priority: Priority = Priority.STANDARD
     max_new_frames: int = 1024  # per text chunk, as the reference's max_new_tokens
@@ -133,7 +132,7 @@ class Engine(abc.ABC):
     def abort(self, request_id: str) -> None: ...
 
     @abc.abstractmethod
-    async def prefill_voice(self, references: tuple[VoiceReference, ...], voice_key: str) -> None:
+    async def prefill_voice(self, references: tuple[VoiceReference, ...]) -> None:
         """Compute and pin the voice prefix's KV pages ahead of the first request (realtime)."""
 
     @abc.abstractmethod

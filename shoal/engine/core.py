@@ -33,6 +33,7 @@ from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page, kv_storage_
 from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.runner import ModelRunner, PendingDecode
 from shoal.engine.scheduler import Scheduler, StepPlan
+from shoal.models.prompt import voice_prefix_key
 
 _ids = itertools.count()
 
@@ -115,6 +116,7 @@ class EngineCore:
         max_new_frames: int,
         priority: Priority = Priority.STANDARD,
         prefix_len: int = 0,
+        prefix_key: str | None = None,
         request_id: str | None = None,
         sink=None,
     ) -> Request:
@@ -124,7 +126,7 @@ class EngineCore:
         room = self.max_seq_len - prompt.shape[1]
         if room <= 0:
             raise InvalidRequest(f"prompt of {prompt.shape[1]} tokens exceeds max_seq_len {self.max_seq_len}")
-        self._check_values(prompt)
+        self.check_values(prompt)
         pages_needed = self.kv.pages_for(prompt.shape[1] + min(max_new_frames, room))
         if pages_needed > self.kv.pool.num_pages:
             raise InvalidRequest(
@@ -137,10 +139,11 @@ class EngineCore:
             max_new_frames=min(max_new_frames, room),
             priority=priority,
             prefix_len=prefix_len,
+            prefix_key=prefix_key,
             sink=sink,
         )
 
-    def _check_values(self, prompt: torch.Tensor) -> None:
+    def check_values(self, prompt: torch.Tensor) -> None:
         """Token ids within the vocabulary and codes within the codebook, so that a bad value
         fails its own request here rather than the whole batch's step (an index error)."""
         c = self.model.config
@@ -330,15 +333,18 @@ class EngineCore:
             prefix_cache_pages=self.kv.prefix_cache_pages,
         )
 
-    def prefill_voice(self, prefix: torch.Tensor) -> bool:
-        """Compute a voice prefix's whole pages now and keep them in the prefix cache. False
-        when it is cached already, under one page, or the pool cannot spare the pages now
-        (nothing is evicted for it then; the voice's first request caches it instead)."""
-        key = self.kv.prefix_key(prefix, prefix.shape[1])
-        if key is None or self.kv.has_prefix(key):
-            return False
+    def prefill_voice(self, prefix: torch.Tensor, key: str | None = None) -> bool:
+        """Compute a voice prefix's whole pages now and keep them in the prefix cache under `key`
+        (`voice_prefix_key(prefix)` when not given), where requests starting with this prefix
+        find them. False when it is cached already, under one page, or the pool cannot spare the
+        pages now (nothing is evicted for it then; the voice's first request caches it instead)."""
         shared = (prefix.shape[1] // self.config.page_size) * self.config.page_size
-        self._check_values(prefix)
+        if shared == 0:
+            return False
+        key = key if key is not None else voice_prefix_key(prefix)
+        if self.kv.has_prefix(key):
+            return False
+        self.check_values(prefix)
         warm = Request("voice-prefill", prefix[:, :shared], SamplingParams(), max_new_frames=1)
         if not self.kv.can_allocate(self.kv.pages_for(shared)):
             return False  # pool busy: the voice's first request computes and caches it instead

@@ -39,11 +39,11 @@ from shoal.engine.api import (
     VoiceReference,
 )
 from shoal.engine.core import EngineCore, new_request_id
-from shoal.engine.handles import V15_MAX_LENGTH, FrameStream, SynthesisHandle
+from shoal.engine.handles import EngineLink, FrameStream, SynthesisHandle
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder
 from shoal.models.codec import AudioTooShortError
-from shoal.models.prompt import Reference, build_prompt, voice_prefix_length
+from shoal.models.prompt import V15_MAX_LENGTH, LongTextHistory, Reference, VoicePrompt, build_prompt
 
 _STOP = object()
 
@@ -149,6 +149,14 @@ class LocalEngine(Engine):
         self.model_name = model_name
         self.v15_max_length = V15_MAX_LENGTH  # 1.5 long text: `reference.generate_long`'s max_length
         self._handles: dict[str, SynthesisHandle] = {}
+        self._link = EngineLink(
+            self.sample_rate,
+            self.vocoder,
+            new_request=self.core.new_request,
+            add_next_batch=lambda request: self.core.add(request, bypass_limit=True),
+            abort=self.abort,
+            handle_ended=lambda request_id: self._handles.pop(request_id, None),
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._admission = Admission(lambda: self.config.queue_limits)
         self._drained = {p: 0 for p in Priority}
@@ -310,7 +318,7 @@ class LocalEngine(Engine):
             self.vocoder.stop()
         # Handles whose end the stopped vocoder never got to (their streams were dropped).
         for handle in list(self._handles.values()):
-            handle._finished(FinishReason.ABORTED)
+            handle.finished(FinishReason.ABORTED)
 
     def _loop(self) -> None:
         while True:
@@ -413,7 +421,8 @@ class LocalEngine(Engine):
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         self._admission.reserve(request.priority)
         try:
-            handle = SynthesisHandle(self, request, request_id, seed)
+            history = LongTextHistory(self._voice_prompt(request.references), self.v15_max_length)
+            handle = SynthesisHandle(self._link, request, request_id, seed, history)
             first = handle.next_request()
         except ValueError as error:  # bad reference codes and the like
             self._admission.release(request.priority)
@@ -433,21 +442,23 @@ class LocalEngine(Engine):
             handle.aborted = True  # no further text batch starts
         self._post(self._abort, request_id, handle)
 
-    async def prefill_voice(self, references: tuple[VoiceReference, ...], voice_key: str) -> None:
+    def _voice_prompt(self, references: tuple[VoiceReference, ...]) -> VoicePrompt:
+        """The voice's prompts: its prefix tokenized once, here (ValueError for bad codes)."""
         model = self.core.model
         refs = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in references)
-        prefix = build_prompt(model.config, model.tokenizer, "", refs)
-        prefix = prefix[:, : voice_prefix_length(model.config, model.tokenizer, refs)]
-        await asyncio.wrap_future(self.call(self.core.prefill_voice, prefix))
+        return VoicePrompt(model.config, model.tokenizer, refs)
+
+    async def prefill_voice(self, references: tuple[VoiceReference, ...]) -> None:
+        voice = self._voice_prompt(references)
+        await asyncio.wrap_future(self.call(self.core.prefill_voice, voice.prefix, voice.key))
 
     def check_voice(self, references: tuple[VoiceReference, ...]) -> None:
-        model = self.core.model
-        refs = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in references)
         try:
-            self.core._check_values(build_prompt(model.config, model.tokenizer, "", refs))
-            prefix = voice_prefix_length(model.config, model.tokenizer, refs)
+            voice = self._voice_prompt(references)
+            self.core.check_values(voice.prefix)
         except ValueError as error:  # codes of the wrong shape for this model
             raise InvalidRequest(f"reference audio: {error}") from error
+        prefix = voice.prefix.shape[1]
         room = self.core.max_seq_len - prefix
         if room < VOICE_MIN_SPEECH_FRAMES:
             raise InvalidRequest(
@@ -490,7 +501,7 @@ class LocalEngine(Engine):
         request_id: str | None = None,
     ) -> FrameStream:
         """Queue one prompt; iterate the returned stream for its frames (raises EngineOverloaded)."""
-        stream = FrameStream(self, request_id or new_request_id(), asyncio.get_running_loop())
+        stream = FrameStream(self._link, request_id or new_request_id(), asyncio.get_running_loop())
         request = self.core.new_request(
             prompt,
             params,

@@ -2,47 +2,50 @@
 `SynthesisHandle` (a whole SynthesisRequest: text batches in turn, audio through the vocoder).
 
 Sinks run on the engine thread and hand results to the event loop with
-`loop.call_soon_threadsafe`; audio callbacks run on the vocoder thread.
+`loop.call_soon_threadsafe`; audio callbacks run on the vocoder thread. A handle reaches the
+engine only through the `EngineLink` the engine passes in.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from shoal.engine.api import AudioChunk, FinishReason, InvalidRequest, RequestHandle, SynthesisRequest
 from shoal.engine.request import Request, SamplingParams
-from shoal.engine.vocoder import VocoderStream
-from shoal.models.prompt import (
-    Reference,
-    Turn,
-    build_prompt,
-    split_text,
-    v15_history_window,
-    v15_user_turn_length,
-    voice_prefix_length,
-)
+from shoal.engine.vocoder import Vocoder, VocoderStream
+from shoal.models.prompt import LongTextHistory, Turn, split_text
 from shoal.models.reference import batch_seed
 
-if TYPE_CHECKING:
-    from shoal.engine.engine import LocalEngine
 
-# Fish Speech 1.5's `max_length` for long text (`reference.generate_long`'s default): the
-# sliding history keeps what fits in max_length - 1024 - voice prefix columns.
-V15_MAX_LENGTH = 2048
+@dataclass(frozen=True)
+class EngineLink:
+    """What a handle may do with the engine that runs it (`LocalEngine` builds one): handles
+    see neither the engine nor its internals, and this module never imports engine.py."""
+
+    sample_rate: int
+    vocoder: Vocoder | None
+    # Validate and build an engine Request (`EngineCore.new_request`'s arguments).
+    new_request: Callable[..., Request]
+    # Engine thread: queue the next text batch of a request already admitted.
+    add_next_batch: Callable[[Request], None]
+    # Any thread: abort a request by its id.
+    abort: Callable[[str], None]
+    # A SynthesisHandle has ended: the engine forgets its id.
+    handle_ended: Callable[[str], None]
 
 
 class FrameStream:
     """Frames of one request as an async iterator (the internal, codec-free API)."""
 
-    def __init__(self, engine: LocalEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, link: EngineLink, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.finish_reason: FinishReason | None = None
-        self._engine = engine
+        self._link = link
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -62,7 +65,7 @@ class FrameStream:
                     self.finish_reason = reason
         finally:
             if self.finish_reason is None:
-                self._engine.abort(self.request_id)
+                self._link.abort(self.request_id)
 
     async def collect(self) -> torch.Tensor:
         """All frames as int32 [N+1, F], the layout `reference.generate` returns."""
@@ -73,22 +76,24 @@ class FrameStream:
 class SynthesisHandle(RequestHandle):
     """One SynthesisRequest: its text batches run one after another (long text), each as an
     engine Request whose prompt carries earlier batches' text and frames as
-    `reference.generate_long` does (S2: all of them; 1.5: the sliding window of
-    `prompt.v15_history_window`); audio comes out through the vocoder (or frames only, with an
-    empty waveform, when the engine has no codec)."""
+    `reference.generate_long` does (`prompt.LongTextHistory`: S2 all of them, 1.5 a sliding
+    window); audio comes out through the vocoder (or frames only, with an empty waveform, when
+    the engine has no codec). Every batch starts with the same voice prefix, tokenized and keyed
+    once (`history.voice`), so the batches and other requests in this voice share its pages."""
 
-    def __init__(self, engine: LocalEngine, spec: SynthesisRequest, request_id: str, seed: int) -> None:
+    def __init__(
+        self, link: EngineLink, spec: SynthesisRequest, request_id: str, seed: int, history: LongTextHistory
+    ) -> None:
         self.request_id = request_id
         self.spec = spec
         self.seed = seed
-        self.references = tuple(Reference(r.text, torch.as_tensor(r.codes).long()) for r in spec.references)
-        self.texts = split_text(spec.text, spec.chunk_length, engine.core.model.config.family) or [spec.text]
+        self.history = history
+        family = history.voice.config.family
+        self.texts = split_text(spec.text, spec.chunk_length, family) or [spec.text]
         self.batch = 0
-        self.history: list[Turn] = []
         self.current: Request | None = None
         self.aborted = False  # set by LocalEngine.abort (any thread): start no further batch
-        self._segments: list[int] = []  # 1.5: columns of each history turn's user turn and frames
-        self._engine = engine
+        self._link = link
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._finish: FinishReason | None = None
@@ -100,45 +105,29 @@ class SynthesisHandle(RequestHandle):
 
     def next_request(self) -> Request:
         """The engine Request of the current text batch."""
-        engine = self._engine
-        config, tokenizer = engine.core.model.config, engine.core.model.tokenizer
-        text = self.texts[self.batch]
-        prompt = build_prompt(config, tokenizer, text, self.references, self.context(text))
+        voice = self.history.voice
         sampling = self.spec.sampling
         params = SamplingParams(
             sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty,
             batch_seed(self.seed, self.batch),
         )  # fmt: skip
-        self.current = engine.core.new_request(
-            prompt,
+        self.current = self._link.new_request(
+            self.history.prompt(self.texts[self.batch]),
             params,
             max_new_frames=self.spec.max_new_frames,
             priority=self.spec.priority,
-            prefix_len=voice_prefix_length(config, tokenizer, self.references),
+            prefix_len=voice.prefix.shape[1],
+            prefix_key=voice.key,
             request_id=f"{self.request_id}/{self.batch}",
             sink=self._on_frames,
         )
-        if engine.vocoder is not None:
-            self._stream = engine.vocoder.open(self._on_audio, self._on_vocoder_error)
+        if self._link.vocoder is not None:
+            self._stream = self._link.vocoder.open(self._on_audio, self._on_vocoder_error)
         return self.current
-
-    def context(self, text: str) -> list[Turn]:
-        """The earlier batches that go into the prompt of the batch saying `text` (the rule of
-        `reference.generate_long`: 1.5 slides, the other families keep all)."""
-        config, tokenizer = self._engine.core.model.config, self._engine.core.model.tokenizer
-        if config.family != "1.5" or not self.history:
-            return list(self.history)
-        n = config.num_codebooks
-        for turn in self.history[len(self._segments) // 2 :]:
-            self._segments += [v15_user_turn_length(tokenizer, turn.text, n), turn.frames.shape[1]]
-        budget = self._engine.v15_max_length - 1024 - voice_prefix_length(config, tokenizer, self.references)
-        kept = v15_history_window([*self._segments, v15_user_turn_length(tokenizer, text, n)], budget)
-        # Kept segments come in (user turn, its frames) pairs plus the current turn last.
-        return [self.history[k // 2] for k in kept[:-1:2]]
 
     # Engine thread
     def _on_frames(self, request: Request, frames: torch.Tensor | None, reason: FinishReason | None) -> None:
-        vocoder = self._engine.vocoder
+        vocoder = self._link.vocoder
         if frames is not None:
             if vocoder is not None:
                 # A frame delivered with STOP or LENGTH is the batch's last: not decoded.
@@ -161,28 +150,29 @@ class SynthesisHandle(RequestHandle):
                 following = self.next_request()
             except (InvalidRequest, ValueError):  # the history outgrew the context: end as an error
                 more, reason = False, FinishReason.ERROR
-        done = (lambda: None) if more else (lambda: self._finished(reason))
+        done = (lambda: None) if more else (lambda: self.finished(reason))
         if vocoder is not None:
             vocoder.end(previous_stream, done, drop=reason in (FinishReason.ABORTED, FinishReason.ERROR))
         else:
             done()
         if following is not None and more:
-            self._engine.core.add(following, bypass_limit=True)
+            self._link.add_next_batch(following)
 
     # Vocoder thread (or engine thread without a codec)
     def _on_audio(self, samples: np.ndarray, frames: np.ndarray) -> None:
-        chunk = AudioChunk(samples, self._engine.sample_rate, frames)
+        chunk = AudioChunk(samples, self._link.sample_rate, frames)
         if not self._to_loop(chunk):
-            self._engine.abort(self.request_id)  # nobody can read it any more
+            self._link.abort(self.request_id)  # nobody can read it any more
 
     def _on_vocoder_error(self, error: BaseException) -> None:
         """The codec failed on this request's audio: stop generating it and end it as an error
         (the vocoder has dropped the stream, so its own end callback will never run)."""
-        self._engine.abort(self.request_id)
-        self._finished(FinishReason.ERROR)
+        self._link.abort(self.request_id)
+        self.finished(FinishReason.ERROR)
 
-    def _finished(self, reason: FinishReason) -> None:
-        self._engine._handles.pop(self.request_id, None)
+    def finished(self, reason: FinishReason) -> None:
+        """End the handle with `reason` (the last item its consumer reads)."""
+        self._link.handle_ended(self.request_id)
         self._to_loop(reason)
 
     def _to_loop(self, item) -> bool:
@@ -208,7 +198,7 @@ class SynthesisHandle(RequestHandle):
 
     async def aclose(self) -> None:
         if self._finish is None:
-            self._engine.abort(self.request_id)
+            self._link.abort(self.request_id)
 
 
-__all__ = ["FrameStream", "SynthesisHandle"]
+__all__ = ["EngineLink", "FrameStream", "SynthesisHandle"]

@@ -9,7 +9,6 @@ An entry is evictable (least recently used first) once no running request borrow
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -89,14 +88,6 @@ class KVCacheManager:
 
     # Prefix cache ------------------------------------------------------------------------
 
-    def prefix_key(self, prompt: torch.Tensor, prefix_len: int) -> str | None:
-        """Content hash of the whole pages of a voice prefix (None when under one page)."""
-        shared = (prefix_len // self.page_size) * self.page_size
-        if shared == 0:
-            return None
-        cols = prompt[:, :shared].to(torch.int64).contiguous()
-        return hashlib.sha1(cols.numpy().tobytes() + str(tuple(cols.shape)).encode()).hexdigest()
-
     @property
     def prefix_cache_pages(self) -> int:
         return sum(len(e.pages) for e in self._prefixes.values())
@@ -105,11 +96,11 @@ class KVCacheManager:
         return key in self._prefixes
 
     def attach_prefix(self, request: Request) -> None:
-        """Start a fresh request's block table with its voice's cached pages, if any."""
+        """Start a fresh request's block table with its voice's cached pages (found by the
+        request's `prefix_key`), if any."""
         if request.block_table or request.num_computed:
             raise RuntimeError("attach_prefix on a request that already has pages")
-        request.prefix_hash = self.prefix_key(request.prompt, request.prefix_len)
-        entry = self._prefixes.get(request.prefix_hash) if request.prefix_hash else None
+        entry = self._prefixes.get(request.prefix_key) if request.prefix_key else None
         if entry is None or entry.num_tokens >= request.seq_len:
             return  # the last column must be computed to have logits to sample from
         self.pool.retain(entry.pages)
@@ -121,11 +112,11 @@ class KVCacheManager:
 
     def register_prefix(self, request: Request) -> bool:
         """Once a request has computed its voice prefix's whole pages, cache them (if new)."""
-        key = request.prefix_hash
+        key = request.prefix_key
         if key is None or request.num_shared_pages or key in self._prefixes:
             return False
         n_pages = request.prefix_len // self.page_size
-        if request.num_computed < n_pages * self.page_size:
+        if n_pages == 0 or request.num_computed < n_pages * self.page_size:
             return False
         pages = request.block_table[:n_pages]
         self.pool.retain(pages)
@@ -172,8 +163,8 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return all of a request's pages (finish, abort or preemption)."""
-        if request.num_shared_pages and request.prefix_hash in self._prefixes:
-            entry = self._prefixes[request.prefix_hash]
+        if request.num_shared_pages and request.prefix_key in self._prefixes:
+            entry = self._prefixes[request.prefix_key]
             entry.users -= 1
             entry.last_used = next(self._clock)
         self.pool.release(request.block_table)

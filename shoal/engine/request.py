@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shoal.engine.api import FinishReason, Priority
+from shoal.models.prompt import voice_prefix_key
 
 
 class RequestStatus(enum.Enum):
@@ -56,8 +57,12 @@ class Request:
         max_new_frames: int,
         priority: Priority = Priority.STANDARD,
         prefix_len: int = 0,
+        prefix_key: str | None = None,
         sink: FrameSink | None = None,
     ) -> None:
+        """`prefix_len` leading prompt columns are the voice prefix, shared with other requests
+        in the prefix cache under `prefix_key` (taken from those columns when not given, once
+        here, never again at each admission)."""
         if prompt.dim() != 2 or prompt.shape[1] < 1:
             raise ValueError(f"prompt must be [N+1, T] with T >= 1, got {tuple(prompt.shape)}")
         if max_new_frames < 1:
@@ -68,6 +73,9 @@ class Request:
         self.max_new_frames = max_new_frames
         self.priority = priority
         self.prefix_len = min(prefix_len, self.prompt.shape[1])
+        if prefix_key is None and self.prefix_len:
+            prefix_key = voice_prefix_key(self.prompt[:, : self.prefix_len])
+        self.prefix_key = prefix_key
         self.sink = sink
         self.arrival = next(_arrival_counter)  # FIFO order within a class
         self.arrival_time = time.monotonic()  # for aging
@@ -82,7 +90,6 @@ class Request:
         self.num_computed = 0  # leading columns whose KV is in the cache
         self.block_table: list[int] = []  # page ids, in position order
         self.num_shared_pages = 0  # leading pages borrowed from the prefix cache
-        self.prefix_hash: str | None = None  # set by the prefix cache when the voice is known
         self.num_preemptions = 0
         self.first_frame_time: float | None = None
 

@@ -20,12 +20,15 @@ Templates (`|` separates parts, CODES a code block):
   `<|im_end|>`)* | (earlier turns) | `<|im_start|>user\\n` | text | `<|im_end|>` |
   `<|im_start|>assistant\\n` | `<|voice|>`; texts pass through 1.5's `clean_text`.
 
-The leading parts that depend only on the voice (system turn and references) form the prefix
-the engine's prefix cache shares; `voice_prefix_length` counts its columns.
+The leading parts that depend only on the voice (system turn and references) form the voice
+prefix: `VoicePrompt` tokenizes it once, and the engine's prefix cache shares its KV pages under
+its content key (`voice_prefix_key`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 import string
 from collections.abc import Sequence
@@ -57,6 +60,9 @@ class PromptConfig(Protocol):
 
 SPEAKER_TAG = re.compile(r"<\|speaker:\d+\|>")
 S2_MAX_TURNS_PER_BATCH = 5
+# Fish Speech 1.5's `max_length` for long text (its `generate_long` default): the sliding history
+# keeps what fits in max_length - 1024 - voice prefix columns.
+V15_MAX_LENGTH = 2048
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,39 @@ def encode_parts(tokenizer: Tokenizer, parts: Sequence[Part], num_codebooks: int
     return torch.cat(columns, dim=1)
 
 
+def voice_prefix_key(prefix: Tensor) -> str:
+    """Content key of a voice prefix's columns [N+1, P]: prompts that start with the same voice
+    prefix share its KV pages under this key in the engine's prefix cache."""
+    columns = prefix.to(torch.int64).cpu().contiguous()
+    return hashlib.sha256(columns.numpy().tobytes() + str(tuple(columns.shape)).encode()).hexdigest()
+
+
+class VoicePrompt:
+    """Prompts in one voice: the voice prefix (system turn and references, the same whatever the
+    text) is tokenized once here, and every prompt built here starts with those columns."""
+
+    def __init__(
+        self, config: PromptConfig, tokenizer: Tokenizer, references: Sequence[Reference] = ()
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.references = tuple(references)
+        layout = prompt_parts(config.family, "", self.references)
+        self.prefix = encode_parts(tokenizer, layout.parts[: layout.voice_parts], config.num_codebooks)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """The voice's identity in the engine's prefix cache (`voice_prefix_key` of the prefix)."""
+        return voice_prefix_key(self.prefix)
+
+    def build(self, text: str, history: Sequence[Turn] = ()) -> Tensor:
+        """The prompt Long [N+1, T] saying `text` after `history` (earlier batches of a long
+        text, oldest first): the voice prefix, then the rest tokenized part by part."""
+        layout = prompt_parts(self.config.family, text, self.references, history)
+        rest = encode_parts(self.tokenizer, layout.parts[layout.voice_parts :], self.config.num_codebooks)
+        return torch.cat([self.prefix, rest], dim=1)
+
+
 def build_prompt(
     config: PromptConfig,
     tokenizer: Tokenizer,
@@ -198,8 +237,7 @@ def build_prompt(
 ) -> Tensor:
     """The prompt Long [N+1, T] for `config.family`. `history`: earlier batches of a long text
     (S2, 1.5), oldest first."""
-    layout = prompt_parts(config.family, text, references, history)
-    return encode_parts(tokenizer, layout.parts, config.num_codebooks)
+    return VoicePrompt(config, tokenizer, references).build(text, history)
 
 
 def voice_prefix_length(
@@ -207,8 +245,7 @@ def voice_prefix_length(
 ) -> int:
     """Leading prompt columns that depend only on the voice (system turn + references): every
     prompt built with these references starts with the same ids there, whatever the text."""
-    layout = prompt_parts(config.family, "", references)
-    return encode_parts(tokenizer, layout.parts[: layout.voice_parts], config.num_codebooks).shape[1]
+    return VoicePrompt(config, tokenizer, references).prefix.shape[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +335,40 @@ def v15_history_window(lengths: Sequence[int], budget: int) -> list[int]:
         tail = max(i, 1)
         return [0, 1, *range(n - tail, n)]
     return list(range(n))
+
+
+class LongTextHistory:
+    """The batches of one long text generated so far, and which of them the next batch's prompt
+    carries, as the family's `generate_long` does: every one (S2), or for 1.5 the sliding window
+    of `v15_history_window` over `max_length - 1024 - voice prefix` columns. Each turn's column
+    counts are taken once, when it is appended."""
+
+    def __init__(self, voice: VoicePrompt, max_length: int = V15_MAX_LENGTH) -> None:
+        self.voice = voice
+        self.turns: list[Turn] = []
+        self._sliding = voice.config.family == "1.5"
+        self._budget = max_length - 1024 - voice.prefix.shape[1]
+        self._segments: list[int] = []  # 1.5: columns of each turn's user turn, then of its frames
+
+    def append(self, turn: Turn) -> None:
+        self.turns.append(turn)
+        if self._sliding:
+            self._segments += [self._user_turn_length(turn.text), turn.frames.shape[1]]
+
+    def context(self, text: str) -> list[Turn]:
+        """The earlier turns the prompt of the batch saying `text` carries, oldest first."""
+        if not self._sliding or not self.turns:
+            return list(self.turns)
+        kept = v15_history_window([*self._segments, self._user_turn_length(text)], self._budget)
+        # Kept segments come in (user turn, its frames) pairs, plus the current turn last.
+        return [self.turns[k // 2] for k in kept[:-1:2]]
+
+    def prompt(self, text: str) -> Tensor:
+        """The prompt of the next batch, saying `text`."""
+        return self.voice.build(text, self.context(text))
+
+    def _user_turn_length(self, text: str) -> int:
+        return v15_user_turn_length(self.voice.tokenizer, text, self.voice.config.num_codebooks)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,14 +26,13 @@ import torch
 from torch import Tensor
 
 from shoal.models.prompt import (
+    V15_MAX_LENGTH,
+    LongTextHistory,
     Reference,
     Turn,
-    build_prompt,
+    VoicePrompt,
     codes_for_codec,
     split_text,
-    v15_history_window,
-    v15_user_turn_length,
-    voice_prefix_length,
 )
 from shoal.models.sampling import Sampler, SamplingBatch, new_window, push_frames
 
@@ -176,7 +175,7 @@ def iter_generate_long(
     seed: int = 0,
     repetition_penalty: float = 1.1,
     tokenizer=None,
-    max_length: int = 2048,
+    max_length: int = V15_MAX_LENGTH,
 ) -> Iterator[LongTextBatch]:
     """The family's reference `generate_long`, one batch at a time as each is generated (so a
     caller can decode and stream a batch while the next one runs): split the text into batches
@@ -187,27 +186,14 @@ def iter_generate_long(
       the prompt as a user turn + an assistant turn with its codes (no truncation).
     - S1: the whole text is one batch.
     - 1.5: batches are sentences/clauses merged up to `chunk_length` bytes (the reference's
-      default is 150); the history slides (`prompt.v15_history_window`): batch 0 and its audio
+      default is 150); the history slides (`prompt.LongTextHistory`): batch 0 and its audio
       are always kept, then the newest segments that fit in `max_length - 1024 - voice prefix`
       columns (`max_length` is the reference's own argument, default 2048)."""
     config = model.config
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-    n = config.num_codebooks
-    history: list[Turn] = []
-    budget = max_length - 1024
-    if config.family == "1.5":
-        budget -= voice_prefix_length(config, tokenizer, references)
+    history = LongTextHistory(VoicePrompt(config, tokenizer, references), max_length)
     for index, batch_text in enumerate(split_text(text, chunk_length, config.family)):
-        context = history
-        if config.family == "1.5":
-            lengths: list[int] = []
-            for turn in history:
-                lengths += [v15_user_turn_length(tokenizer, turn.text, n), turn.frames.shape[1]]
-            lengths.append(v15_user_turn_length(tokenizer, batch_text, n))
-            kept = v15_history_window(lengths, budget)
-            # Kept segments come in (user turn, its frames) pairs plus the current turn last.
-            context = [history[k // 2] for k in kept[:-1:2]]
-        prompt = build_prompt(config, tokenizer, batch_text, references, context)
+        prompt = history.prompt(batch_text)
         frames = generate(
             model,
             prompt,

@@ -38,7 +38,7 @@ from shoal.server.openapi import audio_response, body, errors
 from shoal.server.schemas import MAX_PAGE_NUMBER, JobCreateBody, JobEntity, JobItemEntity, JobPage
 from shoal.server.settings import ServerSettings
 from shoal.server.store import JOB_ACTIVE, JobItemRow, JobRow, Store, codes_from_bytes
-from shoal.server.tts import build_synthesis_request, encode_chunk, make_encoder, parse_model
+from shoal.server.synthesis import build_synthesis_request, encode_chunk, make_encoder, parse_model
 
 log = logging.getLogger("shoal.server.jobs")
 
@@ -171,7 +171,7 @@ class JobRunner:
         """One item's whole audio file, and its duration in seconds."""
         try:  # both checked at creation; settings may have changed across a restart
             synthesis = build_synthesis_request(
-                body, references, job.voice_key, Priority.BATCH, self.settings, text=item.text
+                body, references, Priority.BATCH, self.settings, text=item.text
             )
             encoder = make_encoder(body, self.engine.sample_rate, streaming=False)
         except ApiError as error:
@@ -311,11 +311,11 @@ async def create_job(request: Request, principal: Principal_, runner: Runner_) -
             f"too many unfinished jobs for this account (limit {settings.max_jobs_per_tenant})",
             retry_after=JOB_LIMIT_RETRY_AFTER_SECONDS,
         )
-    references, voice_key = await request.app.state.voices.resolve(principal, body)
+    references = await request.app.state.voices.resolve(principal, body)
     options = body.model_dump(mode="json", exclude=NOT_OPTIONS)
     pairs = [(reference.text, reference.codes) for reference in references]
     row = await anyio.to_thread.run_sync(
-        lambda: runner.store.create_job(principal.tenant, options, voice_key, pairs, items)
+        lambda: runner.store.create_job(principal.tenant, options, pairs, items)
     )
     runner.launch(row.id)
     return JSONResponse(job_entity(row).model_dump(mode="json"), status_code=202)

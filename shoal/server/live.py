@@ -34,7 +34,7 @@ from shoal.server.errors import ApiError, error_response, exception_to_error
 from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.settings import ServerSettings
-from shoal.server.tts import EncodedAudio, build_synthesis_request, make_encoder
+from shoal.server.synthesis import EncodedAudio, build_synthesis_request, make_encoder
 
 log = logging.getLogger("shoal.server.live")
 # Latin punctuation ends a sentence only before whitespace (never inside "3.14" or "e.g.x"); CJK
@@ -130,7 +130,7 @@ class LiveSession:
         self.audio_sent = True
         await self.websocket.send_bytes(pack({"event": "audio", "audio": data}))
 
-    async def start(self) -> tuple[TTSRequestBody, tuple[VoiceReference, ...], str | None]:
+    async def start(self) -> tuple[TTSRequestBody, tuple[VoiceReference, ...]]:
         event = await self.receive_event(self.settings.live_start_timeout, "'start' event")
         if event["event"] != "start":
             raise ProtocolError(f"the first event must be 'start', got {event['event']!r}")
@@ -138,10 +138,10 @@ class LiveSession:
             body = TTSRequestBody.model_validate(event.get("request") or {})
         except ValidationError as error:
             raise exception_to_error(error) from error
-        references, voice_key = await self.voices.resolve(self.principal, body)
-        if references and voice_key is not None:
-            await self.engine.prefill_voice(references, voice_key)
-        return body, references, voice_key
+        references = await self.voices.resolve(self.principal, body)
+        if references:
+            await self.engine.prefill_voice(references)
+        return body, references
 
     async def read_text(self, body: TTSRequestBody, segments: MemoryObjectSendStream[str]) -> None:
         """Buffer `text` events into segments until `stop` (which flushes the rest)."""
@@ -184,7 +184,6 @@ class LiveSession:
         self,
         body: TTSRequestBody,
         references: tuple[VoiceReference, ...],
-        voice_key: str | None,
         segments: MemoryObjectReceiveStream[str],
     ) -> None:
         """Synthesize segments in order into the one session encoder."""
@@ -192,7 +191,7 @@ class LiveSession:
         async with segments:
             async for text in segments:
                 request: SynthesisRequest = build_synthesis_request(
-                    body, references, voice_key, Priority.REALTIME, self.settings, text=text
+                    body, references, Priority.REALTIME, self.settings, text=text
                 )
                 stream = EncodedAudio(self.engine.submit(request), encoder, finish_encoder=False)
                 try:
@@ -212,10 +211,10 @@ class LiveSession:
         """Serve the session until its `finish` event; returns the status /metrics counts it
         under (101 for a session that ended with `stop`)."""
         try:
-            body, references, voice_key = await self.start()
+            body, references = await self.start()
             send_segments, receive_segments = anyio.create_memory_object_stream[str](math.inf)
             async with anyio.create_task_group() as group:
-                group.start_soon(self.synthesize, body, references, voice_key, receive_segments)
+                group.start_soon(self.synthesize, body, references, receive_segments)
                 await self.read_text(body, send_segments)
             await self.websocket.send_bytes(pack({"event": "finish", "reason": "stop"}))
             return 101

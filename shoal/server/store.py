@@ -118,7 +118,6 @@ class JobRow(Base):
     tenant: Mapped[str] = mapped_column(String(100), index=True)
     status: Mapped[str] = mapped_column(String(20), index=True)  # queued|running|done|failed|cancelled
     options: Mapped[dict] = mapped_column(JSON, default=dict)
-    voice_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     references: Mapped[list] = mapped_column(JSON, default=list)  # [{"text", "codes_blob"}]
     items_total: Mapped[int] = mapped_column(Integer, default=0)
     items_done: Mapped[int] = mapped_column(Integer, default=0)
@@ -484,7 +483,6 @@ class Store:
         self,
         tenant: str,
         options: dict,
-        voice_key: str | None,
         references: list[tuple[str, np.ndarray]],
         items: list[tuple[str, str]],
     ) -> JobRow:
@@ -500,7 +498,6 @@ class Store:
             tenant=tenant,
             status="queued",
             options=options,
-            voice_key=voice_key,
             references=stored_references,
             items_total=len(items),
         )

@@ -108,15 +108,11 @@ class VoiceResolver:
             raise ApiError(error.status, error.message) from error
         return await self.engine.encode_reference(samples, audio.SAMPLE_RATE)
 
-    async def inline_references(
-        self, references: list[ReferenceAudio]
-    ) -> tuple[tuple[VoiceReference, ...], str]:
-        """Encode inline samples (cached by content hash); the voice key hashes all of them."""
+    async def inline_references(self, references: list[ReferenceAudio]) -> tuple[VoiceReference, ...]:
+        """Encode inline samples (cached by content hash)."""
         encoded = []
-        voice_hash = hashlib.sha256()
         for reference in references:
             digest = await anyio.to_thread.run_sync(sha256_hex, reference.audio)  # up to the upload cap
-            voice_hash.update(digest.encode() + reference.text.encode("utf-8") + b"\0")
             codes = self._inline.get(digest)
             if codes is None:
                 codes = await self.encode_upload(reference.audio)
@@ -126,7 +122,7 @@ class VoiceResolver:
             else:
                 self._inline.move_to_end(digest)
             encoded.append(VoiceReference(text=reference.text, codes=codes))
-        return tuple(encoded), "inline:" + voice_hash.hexdigest()
+        return tuple(encoded)
 
     async def visible_voice(self, principal: Principal, voice_id: str) -> VoiceRow:
         row = await anyio.to_thread.run_sync(self.store.get_voice, voice_id)
@@ -161,21 +157,20 @@ class VoiceResolver:
         await anyio.to_thread.run_sync(self.store.count_use, row.id)
         return cached
 
-    async def resolve(
-        self, principal: Principal, body: TTSRequestBody
-    ) -> tuple[tuple[VoiceReference, ...], str | None]:
-        """The request's references and voice key: stored ids win over inline samples."""
+    async def resolve(self, principal: Principal, body: TTSRequestBody) -> tuple[VoiceReference, ...]:
+        """The request's references: stored ids win over inline samples. Requests with equal
+        references share the voice prefix's pages in the engine (it keys them by content)."""
         voice_ids = body.reference_ids()
         if voice_ids:
             references: list[VoiceReference] = []
             rows = [await self.voice_for(principal, voice_id) for voice_id in voice_ids]
             for row in rows:
                 references.extend(await self.stored_references(row))
-            return tuple(references), "voice:" + ",".join(row.id for row in rows)
+            return tuple(references)
         inline = body.flat_references()
         if inline:
             return await self.inline_references(inline)
-        return (), None
+        return ()
 
     def forget(self, voice_id: str) -> None:
         self._stored.pop(voice_id, None)
