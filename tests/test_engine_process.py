@@ -30,6 +30,7 @@ from shoal.engine.api import (
     EngineError,
     EngineOverloaded,
     EngineStats,
+    EngineUnavailable,
     FinishReason,
     InvalidRequest,
     Priority,
@@ -39,7 +40,7 @@ from shoal.engine.api import (
 )
 from shoal.engine.process import EngineSpec, EngineSupervisor
 from shoal.engine.remote import ERROR_KINDS as REMOTE_ERROR_KINDS
-from shoal.engine.remote import EngineUnavailable, RemoteEngine
+from shoal.engine.remote import RemoteEngine
 
 MAX_NEW_FRAMES = 24
 LONG_FRAMES = 4000  # a request that runs until it is aborted

@@ -38,6 +38,11 @@ class EngineOverloaded(EngineError):
     """The waiting queue is full; the server answers 503."""
 
 
+class EngineUnavailable(EngineError):
+    """The engine process does not answer (dead, restarting, or stalled), or restarted and lost
+    the request: the server answers 503, the client may retry."""
+
+
 class InvalidRequest(EngineError):
     """The request cannot be served as asked (prompt too long, bad reference codes): 400."""
 
@@ -90,6 +95,26 @@ class EngineStats:
     steps_per_second: float
     frames_per_second: float
     prefix_cache_pages: int = 0
+    # Realtime admission (`engine/admission.py`): whether new streams are taken now, the decoding
+    # streams' generation speed (times real time; 0 before any step), the least audio buffered
+    # by a playing stream's listener, and batch decodes paused for them.
+    admitting: bool = True
+    generation_speed: float = 0.0
+    min_headroom_seconds: float | None = None
+    paused_batch: int = 0
+    # Since start: streams whose listener heard a gap (and the gaps' total length), requests
+    # ended with a 503 after waiting `RealtimePolicy.max_queue_wait_seconds`, and the time
+    # admitted requests waited (sum, count, and cumulative counts per `QUEUE_WAIT_BUCKETS`).
+    streams_underrun: int = 0
+    underrun_seconds: float = 0.0
+    queue_timeouts: int = 0
+    queue_wait_sum: float = 0.0
+    queue_wait_count: int = 0
+    queue_wait_buckets: tuple[int, ...] = ()
+
+
+# Upper bounds (seconds) of the queue-wait histogram in `EngineStats.queue_wait_buckets`.
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class RequestHandle(abc.ABC):

@@ -59,7 +59,7 @@ log = logging.getLogger("shoal.engine.process")
 DEFAULT_CLIENT_TIMEOUT = 5.0
 REAP_INTERVAL = 0.25  # how often the engine looks for gone clients (and a gone parent)
 SHUTDOWN_LINGER_MS = 1000  # time the last messages get to leave when the engine stops
-# The kind of error that the client raises as `remote.EngineUnavailable` (defined there).
+# The kind of error that the client raises as `api.EngineUnavailable`.
 UNAVAILABLE = "EngineUnavailable"
 
 

@@ -33,8 +33,8 @@ from shoal.engine import wire
 from shoal.engine.api import (
     AudioChunk,
     Engine,
-    EngineError,
     EngineStats,
+    EngineUnavailable,
     FinishReason,
     InvalidRequest,
     RequestHandle,
@@ -48,11 +48,6 @@ DEFAULT_PING_INTERVAL = 0.5
 DEFAULT_UNAVAILABLE_AFTER = 3.0
 DEFAULT_CALL_TIMEOUT = 60.0  # prefill_voice waits for a step boundary of a busy engine
 CLOSE_LINGER_MS = 200  # time `stop`'s goodbye gets to leave
-
-
-class EngineUnavailable(EngineError):
-    """The engine process does not answer (dead, restarting, or stalled), or restarted and lost
-    the request: the server answers 503, the client may retry."""
 
 
 # What the engine's errors come back as on this side.

@@ -136,7 +136,8 @@ def encode_stats(stats: EngineStats) -> dict[str, Any]:
 
 
 def decode_stats(data: Mapping[str, Any]) -> EngineStats:
-    return construct(EngineStats, data)
+    stats = construct(EngineStats, data)
+    return dataclasses.replace(stats, queue_wait_buckets=tuple(stats.queue_wait_buckets))
 
 
 def encode_reason(reason: FinishReason | None) -> str | None:
