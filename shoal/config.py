@@ -28,6 +28,31 @@ def default_advance_on_device() -> bool:
     return TUNING.advance_on_device
 
 
+@dataclass(frozen=True)
+class RealtimePolicy:
+    """When realtime admission (`engine/admission.py`) stops taking new streams: the generation
+    speed per stream (steps per second over the model's frame rate) falls under `min_speed`, or a
+    stream playing for `grace_seconds` has under `min_headroom_seconds` of audio buffered.
+    Realtime and standard requests then wait at most `max_queue_wait_seconds` before a 503 (batch
+    requests wait as long as it takes); batch decodes pause while it is closed. `enabled=False`
+    admits by memory alone."""
+
+    enabled: bool = True
+    min_speed: float = 1.5
+    min_headroom_seconds: float = 0.1
+    grace_seconds: float = 0.5
+    max_queue_wait_seconds: float = 10.0
+    step_time_smoothing: float = 0.2  # weight of the newest step in the moving average
+
+    def __post_init__(self) -> None:
+        if self.min_speed < 0 or self.min_headroom_seconds < 0 or self.grace_seconds < 0:
+            raise ValueError("realtime policy thresholds must be >= 0")
+        if self.max_queue_wait_seconds <= 0:
+            raise ValueError("max_queue_wait_seconds must be > 0")
+        if not 0 < self.step_time_smoothing <= 1:
+            raise ValueError("step_time_smoothing must be in (0, 1]")
+
+
 def _default_queue_limits() -> dict[str, int]:
     # Keyed by Priority name (lower case). Realtime traffic should never queue deeply: if it
     # cannot start soon it is better rejected so the client can retry elsewhere.
@@ -56,13 +81,17 @@ class EngineConfig:
     # A waiting request is treated as one class more urgent for every `aging_seconds` it waits,
     # so batch work is never starved by a steady stream of live traffic.
     aging_seconds: float = 30.0
+    # Admit a stream only while the admitted ones stay ahead of playback (`engine/admission.py`).
+    # None: on a GPU the default policy; on the CPU (a demo, slower than real time with a few
+    # streams) admission by memory alone.
+    realtime: RealtimePolicy | None = None
 
     # Paged KV cache
     page_size: int = 16  # tokens per page
     # "auto": keys and values in the model dtype; "fp8": e4m3 with one fp32 scale per (token, kv
-    # head) (`engine.kv_cache.PagedKV`): 1.94x the tokens per GiB, but a 2-7% slower FP8 decode
-    # step on the H200 (widening e4m3 tiles costs more than the bytes saved; docs/performance.md
-    # run 59), so a capacity option. Lossy: see docs/quantization.md.
+    # head) (`engine.kv_cache.PagedKV`): almost twice the tokens per GiB, but a slower decode step
+    # (widening e4m3 tiles costs more than the bytes saved), so a capacity option. Lossy: see
+    # docs/quantization.md.
     kv_cache_dtype: str = "auto"
     num_pages: int | None = None  # None: size the pool from free GPU memory
     memory_fraction: float = 0.85  # of the memory free after loading the model (num_pages=None)
@@ -81,17 +110,14 @@ class EngineConfig:
     # A step's prefill chunk (or up to `prefill_graph_segments` chunks) of at most
     # max(prefill_graph_buckets) tokens in all on static buffers, padded to the next bucket and
     # replayed as one CUDA graph (`prefill_batch.py`): the eager prefill is bound by the host's
-    # launches (docs/performance.md run 36). None: wherever
-    # the decode graphs are captured; True: also without graphs, eagerly on the static buffers
-    # (needs the kernel step, which CPU engines do not build: the CPU tests attach the batch
-    # themselves); False: eager. First frame at concurrency 1 with a 300-token prompt, FP8 on the
-    # H200: 19.3-38.8 ms eager, 9.2-9.4 ms replayed (runs 35, 37, 38).
+    # launches. None: wherever the decode graphs are captured; True: also without graphs, eagerly
+    # on the static buffers (needs the kernel step, which CPU engines do not build: the CPU tests
+    # attach the batch themselves); False: eager.
     prefill_graphs: bool | None = None
     prefill_graph_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
     # Chunks of distinct requests packed into one static prefill, so a step that admits a burst
-    # of prompts replays too instead of prefilling eagerly. 1: a single chunk per replay. With
-    # 8, FP8 on the H200, in process: first audio at concurrency 8 54 / 61 ms p50 / p95 against
-    # 68 / 103 with 1, at 64 213 against 279, same throughput (docs/performance.md run 48).
+    # of prompts replays too instead of prefilling eagerly (first audio of a burst sooner, the
+    # same throughput). 1: a single chunk per replay.
     prefill_graph_segments: int = 8
 
     # The decode step: "fast" (graph-safe fused step, `engine/decode_step.py`) or "reference"
@@ -99,7 +125,7 @@ class EngineConfig:
     decode_step: str | None = None
     # The sampling kernels extract this many candidates per row (rows whose top_k is larger run
     # an uncapped eager step); None: always sort the whole row. 32 holds the API's top_k (always
-    # 30); against 64, the FP8 step at batch 1 / 16 / 64: 0.987x / 0.998x / 0.997x (run 191).
+    # 30); the candidate count is most of the sampler's cost.
     sample_max_top_k: int | None = 32
 
     # Launch decode step n+1 before step n's frames are read back when the batch cannot change
@@ -107,11 +133,9 @@ class EngineConfig:
     # n+1. A request that stopped at step n runs one discarded extra row (docs/engine.md).
     overlap_steps: bool = field(default_factory=default_overlap_steps)
     # CUDA: a step's prefill graph runs on a second stream while its decode graph runs, instead
-    # of after it; the next step starts when both are done (`ModelRunner.begin_step`). FP8 on the
-    # H200 with staggered arrivals (one new 300-token request per step): aggregate +8% at
-    # concurrency 16, +14-15% at 64, first frames 2 ms sooner; bursts and lone requests unchanged
-    # (docs/performance.md runs 162-164). Steps without a decode, and prefill outside the graphs
-    # (beyond their buckets), stay on the main stream.
+    # of after it; the next step starts when both are done (`ModelRunner.begin_step`): staggered
+    # arrivals gain throughput and earlier first frames. Steps without a decode, and prefill
+    # outside the graphs (beyond their buckets), stay on the main stream.
     overlap_prefill: bool = field(default_factory=default_overlap_prefill)
     # CUDA kernel step: its last kernel makes the step's metadata (positions, KV lengths, slots,
     # frame indices) the next step's and writes the frames into a pinned host ring, so the host
@@ -124,9 +148,8 @@ class EngineConfig:
     # Vocoder: a request's first chunk is decoded as soon as it has `first_chunk_frames`, its
     # second at `chunk_frames`, and each later one is twice the one before, up to
     # `max_chunk_frames` (None or `chunk_frames`: no growth). See `engine.vocoder.ChunkPolicy`.
-    # 32 (run 50): 7% more frames/s at concurrency 64 and the codec's GPU share 0.76 -> 0.42,
-    # first audio unchanged; but capturing the 16- and 32-frame codec graphs (each with a cuDNN
-    # algorithm search) made the FP8 engine's cold load 170 s (run 53), so it stays opt-in.
+    # Growth frees codec GPU time at high concurrency, but capturing the larger codec graphs
+    # (each with a cuDNN algorithm search) makes a cold engine load much longer: opt-in.
     vocoder_chunk_frames: int = 8
     vocoder_first_chunk_frames: int = 4
     vocoder_max_chunk_frames: int | None = None
@@ -155,6 +178,11 @@ class EngineConfig:
         largest_chunk = self.vocoder_max_chunk_frames
         if largest_chunk is not None and largest_chunk < self.vocoder_chunk_frames:
             raise ValueError("vocoder_max_chunk_frames must be at least vocoder_chunk_frames (or None)")
+
+    def resolved_realtime(self) -> RealtimePolicy:
+        if self.realtime is not None:
+            return self.realtime
+        return RealtimePolicy(enabled=self.device.startswith("cuda"))
 
     def resolved_decode_step(self, device_type: str) -> str:
         if self.decode_step is not None:

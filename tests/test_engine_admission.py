@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from shoal.engine.admission import RealtimeGate, RealtimePolicy
+from shoal.config import RealtimePolicy
+from shoal.engine.admission import RealtimeGate
 from shoal.engine.playback import PlaybackClock
 
 
@@ -59,3 +60,64 @@ def test_disabled_policy_admits_by_memory_alone() -> None:
     dry = PlaybackClock()
     dry.deliver(0.1, now=0.0)
     assert gate.state(5.0, [dry]).open
+
+
+def test_core_pauses_batch_work_holds_new_streams_and_expires_them(golden_dir) -> None:
+    """On a real engine core (the golden tiny model): while a listened stream runs below the
+    policy's speed, batch decoding pauses (its pages kept), a new standard request is not
+    admitted and, past the maximum wait, ends with EngineOverloaded; batch work never expires."""
+    import time
+
+    import torch
+    from model_testing import tiny_s2
+
+    from shoal.config import EngineConfig
+    from shoal.engine.api import EngineOverloaded, FinishReason, Priority
+    from shoal.engine.core import EngineCore
+    from shoal.engine.request import SamplingParams
+    from shoal.models.prompt import build_prompt
+
+    model = tiny_s2(golden_dir, torch.float32)
+    policy = RealtimePolicy(min_speed=1e9, max_queue_wait_seconds=0.3)
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=64, page_size=16, realtime=policy)
+    core = EngineCore(model, config)
+    ended: dict[str, FinishReason] = {}
+
+    def sink(request, frames, reason):
+        if reason is not None:
+            ended[request.request_id] = reason
+
+    def new(name: str, priority: Priority):
+        prompt = build_prompt(model.config, model.tokenizer, f"text {name}")
+        request = core.new_request(
+            prompt, SamplingParams(seed=1), max_new_frames=200, priority=priority, request_id=name, sink=sink
+        )
+        core.add(request)
+        return request
+
+    bulk = new("bulk", Priority.BATCH)
+    for _ in range(3):
+        core.step()
+    assert bulk.num_frames > 0 and core.scheduler.last_gate.open  # only batch work: open
+    listened = new("listened", Priority.STANDARD)
+    for _ in range(3):
+        core.step()
+    assert listened.num_frames > 0
+    frames_before = bulk.num_frames
+    late = new("late", Priority.STANDARD)
+    late_bulk = new("late-bulk", Priority.BATCH)
+    core.step()
+    gate = core.scheduler.last_gate
+    assert not gate.open and "real time" in gate.reason
+    assert bulk in core.scheduler.last_paused and bulk.block_table  # paused, pages kept
+    assert late.status.value == "waiting" and late_bulk.status.value == "waiting"
+    time.sleep(0.35)
+    core.step()
+    assert ended.get("late") is FinishReason.ERROR and isinstance(late.error, EngineOverloaded)
+    assert "late-bulk" not in ended and late_bulk.status.value == "waiting"
+    assert bulk.num_frames == frames_before  # no batch frame while the gate was closed
+    assert core.stats().queue_timeouts == 1 and not core.stats().admitting
+    core.abort("listened")
+    core.step()  # no listened stream: open again, batch work resumes and the waiting bulk enters
+    assert core.scheduler.last_gate.open and bulk.num_frames > frames_before
+    assert late_bulk.status.value == "running"

@@ -23,19 +23,25 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shoal.config import RealtimePolicy
 from shoal.engine.playback import PlaybackClock
 
 
-@dataclass(frozen=True)
-class RealtimePolicy:
-    """When the gate closes. `enabled=False` admits by memory alone (as a pure batch server)."""
+class WaitHistogram:
+    """Cumulative counts of admitted requests' queue waits (Prometheus histogram semantics)."""
 
-    enabled: bool = True
-    min_speed: float = 1.5
-    min_headroom_seconds: float = 0.1
-    grace_seconds: float = 0.5
-    max_queue_wait_seconds: float = 10.0
-    step_time_smoothing: float = 0.2  # weight of the newest step in the moving average
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.total += seconds
+        self.count += 1
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.counts[i] += 1
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from shoal.config import EngineConfig
-from shoal.engine.api import EngineStats, FinishReason, InvalidRequest, Priority
+from shoal.engine.api import EngineOverloaded, EngineStats, FinishReason, InvalidRequest, Priority
 from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page, kv_storage_dtype
+from shoal.engine.playback import PlaybackClock
 from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.runner import ModelRunner, PendingDecode
-from shoal.engine.scheduler import Scheduler, StepPlan
+from shoal.engine.scheduler import DEFAULT_FRAME_RATE, Scheduler, StepPlan
 from shoal.models.prompt import voice_prefix_key
 
 _ids = itertools.count()
@@ -90,13 +91,19 @@ class PendingStep:
 class EngineCore:
     """Scheduler + runner + the per-step bookkeeping; single-threaded."""
 
-    def __init__(self, model, config: EngineConfig) -> None:
+    def __init__(self, model, config: EngineConfig, frame_rate: float = DEFAULT_FRAME_RATE) -> None:
+        """`frame_rate`: frames per second of audio, which realtime admission compares the step
+        rate with."""
         self.model = model
         self.config = config
         self.max_seq_len = min(config.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         num_pages = size_page_pool(model, config, self.max_seq_len)
         self.kv = KVCacheManager(num_pages, config.page_size)
-        self.scheduler = Scheduler(config, self.kv, self.max_seq_len)
+        self.scheduler = Scheduler(config, self.kv, self.max_seq_len, frame_rate)
+        self.expired = 0  # requests that waited past the realtime policy's maximum (503)
+        self.streams_underrun = 0  # ended streams whose listener heard a gap
+        self.underrun_seconds = 0.0
+        self._last_decode_booked: float | None = None
         self.runner = ModelRunner(model, config, num_pages, self.max_seq_len)
         self.im_end_id = model.config.im_end_id
         self.requests: dict[str, Request] = {}
@@ -226,6 +233,7 @@ class EngineCore:
         if self._inflight is not None:
             pending, self._inflight = self._inflight, None
         else:
+            self._expire_waiting()
             plan = self.scheduler.schedule()
             if plan.empty:
                 return None
@@ -238,6 +246,17 @@ class EngineCore:
         if self.config.overlap_steps and self._can_run_ahead(pending):
             self._inflight = self._launch_ahead(pending)
         return pending
+
+    def _expire_waiting(self) -> None:
+        """End the requests that waited past the realtime policy's maximum with EngineOverloaded
+        (the server's 503 with Retry-After): capacity did not free up for them in time."""
+        limit = self.scheduler.gate.policy.max_queue_wait_seconds
+        for request in self.scheduler.expire_waiting(time.monotonic()):
+            self.requests.pop(request.request_id, None)
+            request.error = EngineOverloaded(f"no capacity within {limit:g} s")
+            self.scheduler.finish(request, FinishReason.ERROR)
+            self.expired += 1
+            self._notify(request, None, FinishReason.ERROR)
 
     def _can_run_ahead(self, pending: PendingStep) -> bool:
         """Whether the decode after `pending` (not booked yet) has the same rows: `pending`
@@ -293,7 +312,15 @@ class EngineCore:
         pending.release.clear()
         self.steps += 1
         self.frames_out += len(produced)
-        self._rate_window.append((time.monotonic(), self.steps, self.frames_out))
+        now = time.monotonic()
+        self._rate_window.append((now, self.steps, self.frames_out))
+        # The decoding streams' pace, for realtime admission: time between booked decode steps.
+        if plan.decodes:
+            if self._last_decode_booked is not None:
+                self.scheduler.gate.observe_step(now - self._last_decode_booked)
+            self._last_decode_booked = now
+        else:
+            self._last_decode_booked = None
         return [r for r, _ in produced]
 
     def _deliver(self, request: Request, frame: np.ndarray) -> None:
@@ -323,15 +350,34 @@ class EngineCore:
             dt = window[-1][0] - window[0][0]
             steps_ps = (window[-1][1] - window[0][1]) / dt
             frames_ps = (window[-1][2] - window[0][2]) / dt
+        scheduler = self.scheduler
+        gate, waits = scheduler.gate_state(time.monotonic()), scheduler.queue_waits
+        speed = scheduler.gate.speed
         return EngineStats(
-            running=len(self.scheduler.running),
-            waiting={p.name.lower(): len(q) for p, q in self.scheduler.waiting.items()},
+            running=len(scheduler.running),
+            waiting={p.name.lower(): len(q) for p, q in scheduler.waiting.items()},
             pages_used=self.kv.pool.num_used,
             pages_free=self.kv.pool.num_free,
             steps_per_second=steps_ps,
             frames_per_second=frames_ps,
             prefix_cache_pages=self.kv.prefix_cache_pages,
+            admitting=gate.open,
+            generation_speed=0.0 if speed == float("inf") else speed,
+            min_headroom_seconds=gate.min_headroom,
+            paused_batch=len(scheduler.last_paused),
+            streams_underrun=self.streams_underrun,
+            underrun_seconds=self.underrun_seconds,
+            queue_timeouts=self.expired,
+            queue_wait_sum=waits.total,
+            queue_wait_count=waits.count,
+            queue_wait_buckets=tuple(waits.counts),
         )
+
+    def book_playback(self, clock: PlaybackClock) -> None:
+        """A stream has ended: count its listener's gaps (any thread; the totals only grow)."""
+        if clock.underruns:
+            self.streams_underrun += 1
+            self.underrun_seconds += clock.stalled_seconds
 
     def prefill_voice(self, prefix: torch.Tensor, key: str | None = None) -> bool:
         """Compute a voice prefix's whole pages now and keep them in the prefix cache under `key`

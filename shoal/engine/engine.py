@@ -143,9 +143,9 @@ class LocalEngine(Engine):
             # Before the KV pool is sized from free memory, so the codec's graphs are counted.
             if config.use_cuda_graphs and self.vocoder.capture_graphs():
                 torch.cuda.empty_cache()
-        self.core = EngineCore(model, config)
         self.sample_rate = codec.sample_rate if codec is not None else 44100
         self.frame_rate = self.sample_rate / (codec.frame_length if codec is not None else 2048)
+        self.core = EngineCore(model, config, self.frame_rate)
         self.model_name = model_name
         self.v15_max_length = V15_MAX_LENGTH  # 1.5 long text: `reference.generate_long`'s max_length
         self._handles: dict[str, SynthesisHandle] = {}
@@ -156,6 +156,7 @@ class LocalEngine(Engine):
             add_next_batch=lambda request: self.core.add(request, bypass_limit=True),
             abort=self.abort,
             handle_ended=lambda request_id: self._handles.pop(request_id, None),
+            book_playback=self.core.book_playback,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._admission = Admission(lambda: self.config.queue_limits)

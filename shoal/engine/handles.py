@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shoal.engine.api import AudioChunk, FinishReason, InvalidRequest, RequestHandle, SynthesisRequest
+from shoal.engine.playback import PlaybackClock
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder, VocoderStream
 from shoal.models.prompt import LongTextHistory, Turn, split_text
@@ -37,6 +38,8 @@ class EngineLink:
     abort: Callable[[str], None]
     # A SynthesisHandle has ended: the engine forgets its id.
     handle_ended: Callable[[str], None]
+    # A stream has ended: book its listener's playback (underruns) in the engine's counters.
+    book_playback: Callable[[PlaybackClock], None] = lambda clock: None
 
 
 class FrameStream:
@@ -98,6 +101,9 @@ class SynthesisHandle(RequestHandle):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._finish: FinishReason | None = None
         self._stream: VocoderStream | None = None
+        # The listener's playback across the text batches: booked by the vocoder at each
+        # delivery, read by the scheduler (realtime admission, most urgent first).
+        self.playback = PlaybackClock()
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -121,8 +127,10 @@ class SynthesisHandle(RequestHandle):
             request_id=f"{self.request_id}/{self.batch}",
             sink=self._on_frames,
         )
+        self.current.playback = self.playback
+        self.current.continuation = self.batch > 0
         if self._link.vocoder is not None:
-            self._stream = self._link.vocoder.open(self._on_audio, self._on_vocoder_error)
+            self._stream = self._link.vocoder.open(self._on_audio, self._on_vocoder_error, self.playback)
         return self.current
 
     # Engine thread
@@ -137,6 +145,8 @@ class SynthesisHandle(RequestHandle):
                 self._on_audio(np.zeros(0, dtype=np.float32), frames.numpy().copy())
         if reason is None:
             return
+        if request.error is not None:  # e.g. no capacity in time: the consumer gets the error itself
+            self._to_loop(request.error)
         more = reason in (FinishReason.STOP, FinishReason.LENGTH) and self.batch + 1 < len(self.texts)
         if more and self.aborted:
             more, reason = False, FinishReason.ABORTED
@@ -173,6 +183,7 @@ class SynthesisHandle(RequestHandle):
     def finished(self, reason: FinishReason) -> None:
         """End the handle with `reason` (the last item its consumer reads)."""
         self._link.handle_ended(self.request_id)
+        self._link.book_playback(self.playback)
         self._to_loop(reason)
 
     def _to_loop(self, item) -> bool:
@@ -190,6 +201,9 @@ class SynthesisHandle(RequestHandle):
                 item = await self._queue.get()
                 if isinstance(item, FinishReason):
                     self._finish = item
+                elif isinstance(item, Exception):
+                    self._finish = FinishReason.ERROR
+                    raise item
                 else:
                     yield item
         finally:

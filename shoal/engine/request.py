@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shoal.engine.api import FinishReason, Priority
+from shoal.engine.playback import PlaybackClock
 from shoal.models.prompt import voice_prefix_key
 
 
@@ -92,6 +93,12 @@ class Request:
         self.num_shared_pages = 0  # leading pages borrowed from the prefix cache
         self.num_preemptions = 0
         self.first_frame_time: float | None = None
+        # Realtime admission: the listener's playback (shared by a synthesis's text batches), and
+        # whether waiting too long for capacity ends this request with `error` (a 503) instead.
+        self.playback: PlaybackClock | None = None
+        self.continuation = False  # a later text batch of a synthesis already admitted
+        self.may_expire = priority is not Priority.BATCH
+        self.error: Exception | None = None  # why it ended with FinishReason.ERROR, when known
 
     # Sequence view -------------------------------------------------------------------------
 

@@ -16,9 +16,12 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.config import EngineConfig
-from shoal.engine.api import EngineOverloaded, FinishReason, Priority
+from shoal.engine.admission import GateState, RealtimeGate, WaitHistogram
+from shoal.engine.api import QUEUE_WAIT_BUCKETS, EngineOverloaded, FinishReason, Priority
 from shoal.engine.kv_cache import KVCacheManager
 from shoal.engine.request import Request, RequestStatus
+
+DEFAULT_FRAME_RATE = 44100 / 2048  # every supported family's codec: 44.1 kHz, 2048 samples a frame
 
 
 @dataclass
@@ -29,6 +32,7 @@ class StepPlan:
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    paused: list[Request] = field(default_factory=list)  # batch decodes held back by the closed gate
 
     @property
     def empty(self) -> bool:
@@ -40,12 +44,22 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_seq_len: int,
+        frame_rate: float = DEFAULT_FRAME_RATE,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_seq_len = max_seq_len
         self.waiting: dict[Priority, list[Request]] = {p: [] for p in Priority}
         self.running: list[Request] = []
+        self.gate = RealtimeGate(config.resolved_realtime(), frame_rate)
+        self.last_gate: GateState | None = None  # the decision of the latest schedule()
+        self.queue_waits = WaitHistogram(QUEUE_WAIT_BUCKETS)  # first admissions only
+        self.last_paused: list[Request] = []
 
     # Queue --------------------------------------------------------------------------------
 
@@ -89,9 +103,42 @@ class Scheduler:
 
     # Scheduling ---------------------------------------------------------------------------
 
-    def _urgency(self, request: Request, now: float) -> tuple[int, int]:
-        """Sort key, smaller = more urgent: effective class, then arrival order."""
-        return (request.effective_priority(now, self.config.aging_seconds), request.arrival)
+    def _urgency(self, request: Request, now: float) -> tuple[int, float, int]:
+        """Sort key, smaller = more urgent: effective class, then the listener's buffered audio
+        (least first: a stream far ahead of playback can best afford to wait), then arrival."""
+        headroom = request.playback.headroom(now) if request.playback is not None else None
+        return (
+            request.effective_priority(now, self.config.aging_seconds),
+            -1.0 if headroom is None else headroom,
+            request.arrival,
+        )
+
+    def gate_state(self, now: float) -> GateState:
+        """Realtime admission over the running streams someone listens to (not batch work, which
+        only fills what they leave): open when there are none."""
+        listened = [r for r in self.running if r.priority is not Priority.BATCH]
+        if not listened:
+            return GateState(True, self.gate.speed, None)
+        return self.gate.state(now, [r.playback for r in listened if r.playback is not None])
+
+    def expire_waiting(self, now: float) -> list[Request]:
+        """Requests that waited longer than the realtime policy's maximum for capacity, taken
+        out of the queue (the caller ends them with a 503). Only those that may expire: never
+        batch work, nor a later text batch of a synthesis already playing."""
+        policy = self.gate.policy
+        if not policy.enabled:
+            return []
+        expired = []
+        for priority in (Priority.REALTIME, Priority.STANDARD):
+            queue = self.waiting[priority]
+            for request in list(queue):  # in arrival order: stop at the first still in time
+                if not request.may_expire or request.num_frames or request.continuation:
+                    continue
+                if now - request.arrival_time <= policy.max_queue_wait_seconds:
+                    break
+                queue.remove(request)
+                expired.append(request)
+        return expired
 
     def _victim(self, now: float, than: Request | None, plan: StepPlan) -> Request | None:
         """The least urgent running request, if it is less urgent than `than` (None: any)."""
@@ -131,9 +178,17 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         now = time.monotonic()
         plan = StepPlan()
-        # 1. Decodes of running requests, most urgent first.
+        if not any(r.priority is not Priority.BATCH for r in self.running):
+            self.gate.idle()  # a new batch of listened streams starts from a fresh measurement
+        gate = self.last_gate = self.gate_state(now)
+        self.last_paused = plan.paused
+        # 1. Decodes of running requests, most urgent first; batch work pauses while the gate is
+        #    closed (it keeps its pages), so that the steps serve the streams being listened to.
         for request in sorted(self.running, key=lambda r: self._urgency(r, now)):
             if request not in self.running or not request.is_decoding:
+                continue
+            if not gate.open and request.priority is Priority.BATCH:
+                plan.paused.append(request)
                 continue
             if self._reserve(request, request.seq_len, now, plan, any_victim=True):
                 plan.decodes.append(request)
@@ -146,7 +201,7 @@ class Scheduler:
                 continue
             budget -= self._plan_chunk(request, budget, now, plan)
         while budget > 0:
-            candidate = self._next_waiting(now)
+            candidate = self._next_waiting(now, fresh=gate.open)
             if candidate is None or not self._admit(candidate, now, plan):
                 break
             budget -= self._plan_chunk(candidate, budget, now, plan)
@@ -159,8 +214,17 @@ class Scheduler:
         plan.prefills.append((request, count))
         return count
 
-    def _next_waiting(self, now: float) -> Request | None:
-        heads = [q[0] for q in self.waiting.values() if q]
+    def _next_waiting(self, now: float, fresh: bool = True) -> Request | None:
+        """The most urgent waiting request; with `fresh` False (the realtime gate is closed) only
+        those of streams already admitted: preempted ones and later text batches."""
+        if fresh:
+            heads = [q[0] for q in self.waiting.values() if q]
+        else:
+            heads = [
+                next(r for r in q if r.num_frames or r.continuation)
+                for q in self.waiting.values()
+                if any(r.num_frames or r.continuation for r in q)
+            ]
         return min(heads, key=lambda r: self._urgency(r, now)) if heads else None
 
     def _admit(self, request: Request, now: float, plan: StepPlan) -> bool:
@@ -184,4 +248,6 @@ class Scheduler:
                 self._preempt(victim, plan)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if request.num_frames == 0 and not request.continuation and request.num_preemptions == 0:
+            self.queue_waits.observe(time.monotonic() - request.arrival_time)
         return True
