@@ -41,7 +41,7 @@ class RealtimePolicy:
     min_speed: float = 1.5
     min_headroom_seconds: float = 0.1
     grace_seconds: float = 0.5
-    max_queue_wait_seconds: float = 10.0
+    max_queue_wait_seconds: float = 2.0
     step_time_smoothing: float = 0.2  # weight of the newest step in the moving average
 
     def __post_init__(self) -> None:
