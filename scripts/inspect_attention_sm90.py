@@ -3,11 +3,9 @@ launches each tuned entry, and print what decides its speed before it runs: how 
 buffers Triton's pipeliner gave the key loop, the registers and shared memory per program, the
 programs per SM they allow, and how many waves the entry's largest batch then takes.
 
-Found this way (docs/performance.md runs 114 and 142-149): the page-table load in the loop
-left the keys and values one buffer below 5 stages (now loaded a block ahead: two buffers at
-3 stages); and the new loop's e4m3-cache build at 181 registers instead of 168, two programs per
-SM instead of three, which put batch 16's 384 programs in two waves (the step 1.073x at 2k keys
-until `max_registers` capped it).
+What it catches: a key loop whose loads the pipeliner left one buffer short (a page-table load
+inside the loop does that), or a build whose registers cost it a program per SM, which can put a
+batch's programs in two waves (`AttentionConfig.max_registers` caps it).
 
 Usage: python scripts/inspect_attention_sm90.py [--capacity 32768] [--kv bf16 fp8]
 (`--capacity`: the block tables' width in keys, which sets the split count; `shoal serve` uses

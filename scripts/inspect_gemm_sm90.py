@@ -2,10 +2,9 @@
 its steady K loop costs per 128-column step: instructions, CTA barriers, shuffles, shared-memory
 round trips, MMAs, and whether Triton software-pipelined the loads. No device time needed.
 
-Found this way (docs/performance.md, after runs 51 and 54): a stream-K loop that Triton did not
-pipeline at all, and the 7 barriers per step that `GemmConfig.scales_ahead` cuts to 4. It also
-prints the width of every global store in the kernel: the Gluon kernel's output stores of 2-4
-bytes straight from the wgmma layout were what it lost to Triton by at M = 64 (runs 119-120).
+What it catches: a loop Triton did not pipeline, the CTA barriers per step (`GemmConfig.scales_ahead`
+removes some), and the width of every global store (2-4 byte stores straight from the wgmma
+layout are slow; `GemmConfig.vector_stores` widens them).
 
 Usage: python scripts/inspect_gemm_sm90.py N K M [--config 'GemmConfig(16, 64, 7, 4, 4, tma=True)'] [--sass]
 (default config: the tuned table's for (N, K, M), pre-quantized activations).
@@ -87,7 +86,7 @@ def store_widths(sass: list[str]) -> Counter:
 def copies_of_fresh_loads(loop: list[str]) -> int:
     """Register copies, inside the loop, of a value the same iteration loaded from global memory.
     Such a copy (ptxas's answer to a loop-carried load whose old value is still live) waits out
-    the whole load latency at that point: the stall Nsight Compute found in run 57."""
+    the whole load latency at that point."""
     loaded_at: dict[str, int] = {}
     copies = 0
     for i, line in enumerate(loop):
@@ -173,8 +172,7 @@ def resource_usage(cubin: Path) -> dict[str, int]:
 
 def programs_per_sm(registers: int, warps: int, shared: int) -> int:
     """Resident programs per H100/H200 SM by its 64K registers, 228 KB of shared memory (1 KB of
-    it reserved per program) and 64 warps: what decides whether a grid runs in one wave (run 112:
-    168 registers instead of 128 cost a 4-warp kernel one program per SM)."""
+    it reserved per program) and 64 warps: what decides whether a grid runs in one wave."""
     by_registers = 65536 // (max(registers, 1) * 32 * warps)
     by_shared = (228 * 1024) // (shared + 1024)
     return min(by_registers, by_shared, 64 // warps)

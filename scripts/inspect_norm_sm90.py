@@ -4,9 +4,8 @@ GPU or not, and print how many dependent rounds its loads take to reach memory a
 Why: the norm's cost at decode sizes is latency, and it was written to issue every load in one
 round. ptxas decides otherwise unless the build states a register limit: it interleaves the loads
 of the split-K partials with the sums that consume them, so loads issued after the first sum wait
-for that sum's data. The batch-1 norm (7 fp32 partials) took 3 rounds, with bf16 partials 7, the
-batch-16 norm (5 bf16 partials) 7; with `NORM_MAX_REGISTERS` each takes one (docs/performance.md
-run 133). The count is read off the SASS: a round ends at the first instruction that reads a
+for that sum's data; with `NORM_MAX_REGISTERS` the loads go out in one round. The count is read
+off the SASS: a round ends at the first instruction that reads a
 register an outstanding global load writes.
 
 With `--gather` the build is a fast pass's first norm gathering its code embeddings

@@ -8,9 +8,9 @@ Nsight Compute can profile one launch of it:
         -o attention python3 scripts/ncu_attention.py --batch 16
     ncu --import attention.ncu-rep --page source --csv --print-source sass > attention_sass.csv
 
-Why: at batch 16 and 332 keys the kernel takes 14.0 µs per slow layer in the step against a
-5 µs read floor, and its cp.async pipeline makes a SASS read on the CPU say little about where
-the time goes (docs/performance.md, after run 136); the stall samples per instruction do.
+Why: at batch 16 and a few hundred keys the kernel stays well above its read floor, and its
+cp.async pipeline makes a SASS read on the CPU say little about where the time goes; the stall
+samples per instruction do.
 `--table-keys` sets the block table's width (the engine bench's is context + 48; `shoal serve`'s
 32,768): the split count follows it.
 Usage: python scripts/ncu_attention.py [--batch 16] [--context 332] [--table-keys 380] [--launches 5]

@@ -8,7 +8,7 @@ Nsight Compute can profile one launch of it:
 
 The kernel is one program per row, a chain of block-wide steps: the per-instruction stall samples
 say which of its steps (reductions, the radix select's passes, the scratch round trip, the top-k
-network, the race) the 10-12 µs per call go to (docs/performance.md).
+network, the race) the time per call goes to.
 Usage: python scripts/ncu_sampler.py [--rows 1] [--main] [--launches 5]
 """
 

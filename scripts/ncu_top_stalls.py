@@ -4,7 +4,7 @@ executed instructions by opcode.
 
 Stall samples say where warps wait (a load's consumer, a barrier, an MMA wait); for a short
 single-program kernel (the sampler: a dozen samples per launch) the executed-instruction counts,
-which are exact, say where the issue slots go instead (docs/performance.md run 102).
+which are exact, say where the issue slots go instead.
 Usage: python scripts/ncu_top_stalls.py R.csv [--top 20]
 """
 

@@ -1,7 +1,6 @@
 """Decode attention under a few launch configs beside the tuned one and SDPA, at S2-Pro shapes:
-for the batch buckets whose tuned config trails SDPA at long contexts (batch 16: 0.78-0.82x at
-1k-8k keys, docs/performance.md run 83), to see whether another block size, stage count or split
-target closes the gap before `shoal bench ab` checks it in the step.
+for a batch bucket whose tuned config trails SDPA at long contexts, to see whether another block
+size, stage count or split target closes the gap before `shoal bench ab` checks it in the step.
 
 Usage (GPU): python scripts/probe_attention_configs.py --batch 16 --context 1024 4096 8192 \
     --configs 64/2/264 128/2/264 64/2/528

@@ -1,8 +1,8 @@
 """Where the engine's frame interval at concurrency 1 goes beyond the decode graph: the GPU
 timeline of one request's steady decoding, split at the step's copies (or its first kernel).
 
-Why: the per-request rate at concurrency 1 (`shoal bench engine`) is a frame every 3.078 ms
-against a 3.059 ms graph step (docs/performance.md run 140). Between two steps' graphs the
+Why: the per-request rate at concurrency 1 (`shoal bench engine`) is a little below the graph
+step's rate. Between two steps' graphs the
 stream carries the metadata copy in, the frames' copy out and the graph launch; this probe
 measures each of them on the GPU's clock (PyTorch profiler, CUDA activities), so the decision
 to fold them into the graph rests on numbers.

@@ -2,8 +2,8 @@
 
 Why: which GEMM variant the prefill projections take above 128 rows (`engine/fp8_weights.py`'s
 `VARIANT_TABLE`: our FP8 kernel, block-scaled `torch._scaled_mm`, or bf16 cuBLAS over bf16
-copies of the weights) was decided by timing these graphs with each variant forced everywhere
-(docs/performance.md runs 157-158). `SHOAL_FP8_PREFILL=bf16|scaled_mm|w8a8` forces one variant,
+copies of the weights) is decided by timing these graphs with each variant forced everywhere.
+`SHOAL_FP8_PREFILL=bf16|scaled_mm|w8a8` forces one variant,
 so the comparison takes one process per setting.
 
 Prints ms per replay and TFLOP/s of the slow model (2 x 3.64 GFLOP per token) per bucket.

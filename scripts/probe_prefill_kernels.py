@@ -1,10 +1,10 @@
 """Where a concurrency-64 wave of prompts spends the GPU: its prefill's kernels by family.
 
 Why: with 64 prompts of 300 tokens submitted at once, the concurrency-64 aggregate is about half
-the decode-only rate (docs/performance.md runs 128 and 147): prefill takes about as long as the
-64 frames of decode after it. Before changing the prefill, this says how much of its wall time
-the GPU is busy, and on what: the FP8 GEMMs (block-scaled `torch._scaled_mm` from 257 rows, our
-kernel below), their activation quantization, norms, QK-norm/RoPE/KV writes, prefill attention.
+the decode-only rate: prefill takes about as long as the 64 frames of decode after it. Before
+changing the prefill, this says how much of its wall time the GPU is busy, and on what: the FP8
+GEMMs (block-scaled `torch._scaled_mm` from 257 rows, our kernel below), their activation
+quantization, norms, QK-norm/RoPE/KV writes, prefill attention.
 
 Runs one level (all prompts at once, `--frames` frames each, default 1: prefill and first frames
 only) untimed to warm it, three more timed unprofiled (new prompts each), with `--host-top N`

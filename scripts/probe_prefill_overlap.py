@@ -3,8 +3,7 @@
 Why: the engine runs a step's prefill chunks on the decode's stream, after its decode graph. The
 batch-16 and batch-64 decode steps leave SMs idle (latency chains), while prefill is
 compute-bound, so the two on separate streams should take less than their sum. This measures how
-much less before the engine is built for it (docs/performance.md run 156: 0.84-0.89x of serial
-with 256-token chunks, 0.95x with 1,024).
+much less, with graphs outside the engine.
 
 The two graphs share the engine's FP8 split-K workspace here, so their outputs are garbage when
 they overlap; only the times count. The engine itself would need separate buffers first.

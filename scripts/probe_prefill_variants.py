@@ -1,8 +1,7 @@
 """The small kernels of an eager prefill chunk at S2-Pro shapes, each timed in several builds.
 
-Why: run 198 (docs/performance.md) found a concurrency-64 wave's prefill spending as much on its
-QK-norm/RoPE/KV writes and activation quantization as their bytes would take three to eight
-times over, and its attention at about 60 TFLOP/s. This times, on one 3,840-token chunk (13
+Why: a concurrency-64 wave's prefill can spend several times what their bytes take on its
+QK-norm/RoPE/KV writes and activation quantization. This times, on one 3,840-token chunk (13
 prompts of 300 tokens, the engine's chunk at concurrency 64) replayed as CUDA graphs:
 - the QK-norm/RoPE/KV write: the per-head build (one warp per token and head) and the block
   build (`kernels/norm_rope_block.py`) at several tokens per program and warps;

@@ -27,10 +27,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="shoal",
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        prog="shoal", description=__doc__.split("\n\n")[0].replace("\n", " "),
         epilog="`shoal COMMAND --help` lists a command's options.",
-    )
+    )  # fmt: skip
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():

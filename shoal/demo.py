@@ -36,57 +36,28 @@ DEMO_IM_END_ID = 2
 def demo_model_config() -> ModelConfig:
     """S2-family config (QK-norm slow model, tied head, post-norm fast input), ~1.5 M parameters."""
     return ModelConfig(
-        model_type="fish_qwen3_omni",
-        family="s2",
-        vocab_size=DEMO_VOCAB_SIZE,
-        dim=128,
-        n_layer=4,
-        n_head=4,
-        n_local_heads=2,
-        head_dim=32,
-        intermediate_size=384,
-        max_seq_len=4096,
-        rope_base=1000000,
-        norm_eps=1e-6,
-        attention_qk_norm=True,
-        tie_word_embeddings=True,
-        scale_codebook_embeddings=True,
-        norm_fastlayer_input=True,
-        codebook_size=DEMO_CODEBOOK_SIZE,
-        num_codebooks=10,
-        n_fast_layer=2,
-        fast_head_dim=32,
-        fast_intermediate_size=256,
-        fast_attention_qk_norm=False,
-        initializer_range=0.02,
+        model_type="fish_qwen3_omni", family="s2", vocab_size=DEMO_VOCAB_SIZE, dim=128, n_layer=4, n_head=4,
+        n_local_heads=2, head_dim=32, intermediate_size=384, max_seq_len=4096, rope_base=1000000,
+        norm_eps=1e-6, attention_qk_norm=True, tie_word_embeddings=True, scale_codebook_embeddings=True,
+        norm_fastlayer_input=True, codebook_size=DEMO_CODEBOOK_SIZE, num_codebooks=10, n_fast_layer=2,
+        fast_head_dim=32, fast_intermediate_size=256, fast_attention_qk_norm=False, initializer_range=0.02,
         semantic_begin_id=DEMO_SEMANTIC_BEGIN_ID,
-        semantic_end_id=DEMO_SEMANTIC_BEGIN_ID + DEMO_CODEBOOK_SIZE - 1,
-        im_end_id=DEMO_IM_END_ID,
-    )
+        semantic_end_id=DEMO_SEMANTIC_BEGIN_ID + DEMO_CODEBOOK_SIZE - 1, im_end_id=DEMO_IM_END_ID,
+    )  # fmt: skip
 
 
 def demo_codec_config() -> CodecConfig:
     """The official codec's structure and frame rate (44.1 kHz, 2048 samples = 1 frame, 1 semantic
     + 9 residual codebooks) with narrow channels and one-layer transformers."""
     return CodecConfig(
-        sample_rate=44100,
-        encoder_dim=8,
-        encoder_rates=[2, 4, 8, 8],
-        decoder_dim=64,
-        decoder_rates=[8, 8, 4, 2],
-        encoder_transformer_layers=[0, 0, 0, 1],
-        decoder_transformer_layers=[0, 0, 0, 0],
-        latent_dim=64,
+        sample_rate=44100, encoder_dim=8, encoder_rates=[2, 4, 8, 8], decoder_dim=64,
+        decoder_rates=[8, 8, 4, 2], encoder_transformer_layers=[0, 0, 0, 1],
+        decoder_transformer_layers=[0, 0, 0, 0], latent_dim=64,
         general=TransformerConfig(n_layer=1, n_head=2, dim=128, intermediate_size=384, head_dim=64),
-        n_codebooks=9,
-        codebook_size=DEMO_CODEBOOK_SIZE,
-        codebook_dim=8,
-        downsample_factor=[2, 2],
-        semantic_codebook_size=DEMO_CODEBOOK_SIZE,
-        window_size=128,
-        encoder_window_size=512,
+        n_codebooks=9, codebook_size=DEMO_CODEBOOK_SIZE, codebook_dim=8, downsample_factor=[2, 2],
+        semantic_codebook_size=DEMO_CODEBOOK_SIZE, window_size=128, encoder_window_size=512,
         transformer=TransformerConfig(n_layer=1, n_head=2, dim=64, intermediate_size=192, head_dim=32),
-    )
+    )  # fmt: skip
 
 
 def write_demo_checkpoint(directory: str | Path, seed: int = 0) -> Path:

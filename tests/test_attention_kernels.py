@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
+from kernel_references import paged_attention_reference  # noqa: E402
 
 from shoal.kernels import attention  # noqa: E402
 from shoal.kernels.attention import (  # noqa: E402
@@ -21,7 +22,6 @@ from shoal.kernels.attention import (  # noqa: E402
 )
 from shoal.kernels.quant import new_activation_scales, quantize_activations  # noqa: E402
 from shoal.kernels.reference import dequantize_kv, quantize_kv  # noqa: E402
-from shoal.kernels.reference_attention import paged_attention_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = AttentionConfig(block_n=16, block_m=4)

@@ -31,7 +31,6 @@ from shoal.engine.decode_step import DecodeStep  # noqa: E402
 from shoal.engine.fp8_weights import (  # noqa: E402
     M_BUCKETS,
     PREFILL_BUCKETS,
-    S2_PRO_SHAPES,
     VARIANTS,
     Fp8Projections,
     graph_row_counts,
@@ -173,14 +172,14 @@ def test_variant_choice() -> None:
     assert variant_for(6144, 2560, 1, table={}) == "w8a8"
     assert variant_for(6144, 2560, 1, quantize_activations=False, table={}) == "w8a16"
     assert variant_for(6144, 2560, 300, table={}) == "bf16"
-    # Prefill: up to 256 rows on our kernel, then block-scaled cuBLAS (run 157).
+    # Prefill: up to 256 rows on our kernel, then block-scaled cuBLAS.
     assert m_bucket(129) == m_bucket(256) != m_bucket(257) == m_bucket(1024) != m_bucket(1025)
     assert variant_for(19456, 2560, 200) == "w8a8" and variant_for(2560, 9728, 256) == "w8a8"
     assert variant_for(19456, 2560, 300) == "scaled_mm" and variant_for(2560, 4096, 1024) == "scaled_mm"
     assert variant_for(19456, 2560, 1025) == "scaled_mm" and variant_for(2560, 9728, 8192) == "scaled_mm"
     assert variant_for(6144, 2560, 8192) == "scaled_mm"
     # So no S2-Pro projection keeps a bf16 copy of its weight.
-    for n, k in S2_PRO_SHAPES:
+    for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)):  # S2-Pro's projections
         assert all(variant_for(n, k, bucket) != "bf16" for bucket in (*M_BUCKETS, *PREFILL_BUCKETS))
     assert variant_for(6144, 2560, 3, table={(6144, 2560, 4): "w8a8_inline"}) == "w8a8_inline"
     assert graph_row_counts((1, 4)) == {1, 2, 4, 8}
@@ -589,7 +588,7 @@ def test_consumers_summing_split_k_partials_equal_the_reducing_gemms(
 
 def test_fast_qkv_partials_go_to_the_fast_attention_only_where_measured(tmp_path, monkeypatch) -> None:
     """The fast qkv GEMM hands its partials over up to FAST_ATTENTION_PARTIALS_MAX_BATCH rows, for
-    fast layers without QK-norm (the 8-warp launch measured in run 178), and never with
+    fast layers without QK-norm (the 8-warp launch), and never with
     its tuning field at 0."""
     import dataclasses
 

@@ -181,7 +181,7 @@ def test_same_bits_as_the_equivalent_triton_config(
 @pytest.mark.parametrize("m", [1, 5, 9])
 def test_scale_copies_fall_back_to_scale_loads_where_a_copy_cannot_start(m: int) -> None:
     """`tma_scales` at M not a multiple of 4 (the engine's odd batches): the launch loads its
-    scales by pointer instead (run 117's fault) and gives the same bits."""
+    scales by pointer instead (an unaligned copy start faults) and gives the same bits."""
     n, k = 128, 4096
     w_q, w_s = fp8_weight(n, k)
     x_q, x_s = quant.quantize_activations(torch.randn(m, k, device=DEVICE).to(torch.bfloat16))

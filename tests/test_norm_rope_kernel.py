@@ -10,10 +10,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from kernel_references import qk_norm_rope_reference, rms_norm_reference  # noqa: E402
 
 from shoal.kernels.norm_rope import qk_norm_rope_kv_write, rms_norm  # noqa: E402
 from shoal.kernels.quant import new_activation_scales, quantize_activations  # noqa: E402
-from shoal.kernels.reference_attention import qk_norm_rope_reference, rms_norm_reference  # noqa: E402
 from shoal.models.layers import rope_table  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -325,9 +325,9 @@ def test_radix_draws_equal_the_reference_on_random_rows(
 
 @pytest.mark.parametrize("main", [False, True], ids=["codebook", "s2-main"])
 def test_the_benchmarks_sampler_inputs_draw_like_the_reference(main: bool) -> None:
-    """`bench.profile.sampler_case` (the inputs `shoal bench profile --sample-kernel` and
-    `scripts/ncu_sampler.py` time): the kernel takes them as the step passes them, and a codebook
-    row draws what the reference draws; the main row draws a semantic id or `<|im_end|>`."""
+    """`bench.profile.sampler_case` (the inputs `scripts/ncu_sampler.py` times): the kernel takes
+    them as the step passes them, and a codebook row draws what the reference draws; the main row
+    draws a semantic id or `<|im_end|>`."""
     from shoal.bench.profile import sampler_case
 
     torch.manual_seed(3)

@@ -10,9 +10,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from kernel_references import window_shift_reference  # noqa: E402
 
 from shoal.bench.timing import capture_graph  # noqa: E402
-from shoal.kernels.reference_attention import window_shift_reference  # noqa: E402
 from shoal.kernels.window import window_shift  # noqa: E402
 from shoal.models.sampling import push_frames  # noqa: E402
 

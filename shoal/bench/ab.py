@@ -1,22 +1,18 @@
 """`shoal bench ab`: same-process A/B of the decode step's tunables, variants interleaved.
 
-Why: two processes of the same code timed the batch-16 and batch-64 FP8 steps 2% and 6% apart,
-although each repeats its own step within 0.3% (docs/performance.md run 33), so one process per
-variant cannot decide a 1-3% tuning question there. Here one engine (one set of weights, one
-memory layout) times the step under every variant in turn, round after round: the step is
-re-captured as a CUDA graph for each timing (`engine.decode_step_ms`) under the variant's
-`shoal.tuning.Tuning`, built with `dataclasses.replace` and handed to the step; nothing is patched.
+Why: two processes of the same code can time the same step a few percent apart although each
+repeats its own step within 0.3%, so one process per variant cannot decide a 1-3% question. Here
+one engine (one set of weights, one memory layout) times the step under every variant in turn,
+round after round: the step is re-captured as a CUDA graph for each timing (`engine.decode_step_ms`)
+under the variant's `shoal.tuning.Tuning`, built with `dataclasses.replace`; nothing is patched.
 
 A variant is one or more changes joined by `+`, each `TABLE@KEY:field=value[,field=value]`:
 - `attention@16:block_n=128,num_stages=4`: the decode attention config of batch bucket 16
-  (`kernels.attention.TUNED_DECODE_CONFIGS`);
+  (`kernels.attention.TUNED_DECODE_CONFIGS`; `attention-fp8kv@...` the e4m3 KV cache's);
 - `gemm@2560x9728x64:split_k=4`: the FP8 GEMM config of (N, K, M bucket)
-  (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part, so
-  `gemm@*x*x1:scales_ahead=true` changes every M = 1 entry and `gemm@*x*x*:...` every entry.
-- `step:head_kernel_max_rows=16` (or `kernel:packed_pairs=false`): any `Tuning` field, and
-  `max_top_k`, the sampling kernels' candidate count from `EngineConfig.sample_max_top_k`.
-`--kv-cache-dtype fp8` times the step with an e4m3 KV cache, whose attention configs are the
-`attention-fp8kv` table (`kernels.attention.TUNED_DECODE_CONFIGS_FP8_KV`).
+  (`kernels.fp8_gemm.TUNED_CONFIGS_FP8`); `*` matches any value of a part (`gemm@*x*x1:...`);
+- `step:head_kernel_max_rows=16` (or `kernel:...`): any `Tuning` field, and `max_top_k`, the
+  sampling kernels' candidate count.
 A GEMM variant that needs more split-K workspace than the engine reserved is reported, not run.
 """
 
@@ -42,10 +38,8 @@ STEP_SWITCHES = (
 )
 KERNEL_SWITCHES = STEP_SWITCHES
 TABLE_FIELDS = {
-    "attention": "attention_configs",
-    "attention-fp8kv": "attention_configs_fp8_kv",
-    "gemm": "gemm_configs",
-}
+    "attention": "attention_configs", "attention-fp8kv": "attention_configs_fp8_kv", "gemm": "gemm_configs",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,10 +54,9 @@ def _tables() -> dict:
     from shoal.kernels.fp8_gemm import TUNED_CONFIGS_FP8
 
     return {
-        "attention": TUNED_DECODE_CONFIGS,
-        "attention-fp8kv": TUNED_DECODE_CONFIGS_FP8_KV,
+        "attention": TUNED_DECODE_CONFIGS, "attention-fp8kv": TUNED_DECODE_CONFIGS_FP8_KV,
         "gemm": TUNED_CONFIGS_FP8,
-    }
+    }  # fmt: skip
 
 
 def _value(text: str) -> int | bool:
@@ -197,13 +190,9 @@ def workspace_shortfall(core, changes: list[Change], batch: int) -> str | None:
 
 
 def run_ab(
-    batches: list[int],
-    context: int,
-    variants: dict[str, list[Change]],
-    rounds: int,
-    kv_cache_dtype: str = "auto",
-    max_seq_len: int | None = None,
-) -> dict:
+    batches: list[int], context: int, variants: dict[str, list[Change]], rounds: int,
+    kv_cache_dtype: str = "auto", max_seq_len: int | None = None,
+) -> dict:  # fmt: skip
     """{batch: {variant: [ms per round]}} with "base" the tables as they are; `max_seq_len` sizes
     the block tables (default: the engine bench's, context + a margin)."""
     from shoal.bench.engine import decode_step_ms, random_step_core
@@ -261,9 +250,3 @@ def run(args: argparse.Namespace) -> int:
     results = run_ab(args.batch, args.context, variants, args.rounds, args.kv_cache_dtype, args.max_seq_len)
     print_table(results)
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))

@@ -1,19 +1,15 @@
-"""Decode-attention benchmark (GPU only; torch + triton): paged Triton kernels vs torch SDPA.
+"""`shoal bench attention`: paged decode attention against torch SDPA (GPU only).
 
-Shapes are S2-Pro's slow layer (32 q heads, 8 kv heads, head_dim 128, bf16). For batch 1/16/64 x
-context 1k/4k/8k it times `paged_decode_attention` with the engine's tuned config (pages
-scattered at random, page size 16) against `F.scaled_dot_product_attention(enable_gqa=True)` on
-contiguous KV, then short rows (332 and 512 keys) in tables 32k keys wide. Each decode case is
-also timed with an FP8 KV cache (the same pools quantized by `reference.quantize_kv`: e4m3 pages
-+ one fp32 scale per token and kv head), reported beside the bf16 time as "FP8-KV µs" and its
-ratio to it ("x bf16", below 1 is faster).
-Every time is the median of CUDA-graph replays over several input copies (so a small KV does
-not sit in L2); "GB/s" is the fewest bytes the step must read divided by the time, next to the
-copy (read + write) and read-only ceilings measured in the same run on 2 GiB buffers.
+S2-Pro's slow-layer shapes (32 q heads, 8 kv heads, head_dim 128, bf16). For batch 1/16/64 x
+context 1k/4k/8k it times `paged_decode_attention` with the engine's tuned config (pages scattered
+at random) against `F.scaled_dot_product_attention(enable_gqa=True)` on contiguous KV, then short
+rows in tables 32k keys wide (`shoal serve`'s width, which sets the split count). Each decode case
+is also timed on an FP8 KV cache ("FP8-KV µs", "x bf16": its ratio to the bf16 time). Times are
+medians of CUDA-graph replays cycling input copies (so a small KV does not sit in L2); "GB/s" is the
+fewest bytes the step must read over the time, beside the read-only ceiling.
 
-    python -m shoal.bench.attention            # the table
-    python -m shoal.bench.attention --sweep    # also time the SWEEP configs per shape (compiled
-                                               # first in parallel) and print TUNED_DECODE_CONFIGS
+`--sweep` also times the `SWEEP` configs per shape (compiled first in parallel) and prints each
+batch's winner; `--write-table` merges those into `kernels/tuned/attention_decode.json`.
 """
 
 from __future__ import annotations
@@ -21,8 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +24,12 @@ import torch.nn.functional as F
 from shoal.bench.gemm import memory_ceilings, precompile
 from shoal.bench.timing import time_graph_ms
 from shoal.kernels.attention import (
-    DEFAULT_CONFIG,
     PAGE_SIZE,
     AttentionConfig,
     choose_num_splits,
     decode_config,
     paged_decode_attention,
+    write_decode_table,
 )
 from shoal.kernels.reference import dequantize_kv, quantize_kv
 
@@ -46,18 +40,10 @@ SHORT_CONTEXTS = (332, 512)  # S2 prompts with a voice prompt and a few seconds 
 L2_FLUSH_BYTES = 256 << 20  # inputs cycled until at least this much is touched per replay
 REPEATS = 50  # timed replays per case (`bench/timing.py`)
 # Split-KV sizing (target programs, shortest split) x keys per iteration x warps x stages x merge.
-# At b=1, ctx 4k, 8 kv heads the default (264, 256) gives min(33, 4096/256) = 16 splits: 128
-# programs (< 1 per SM) of 256 keys, then a merge launch; (528, 64) gives 32 splits: 256 programs.
 SPLITS = ((264, 256), (264, 128), (528, 128), (528, 64))
 SWEEP = [
-    replace(
-        DEFAULT_CONFIG,
-        block_n=n,
-        num_warps=w,
-        num_stages=st,
-        target_programs=t,
-        min_split_tokens=m,
-        fused_merge=f,
+    AttentionConfig(
+        block_n=n, num_warps=w, num_stages=st, target_programs=t, min_split_tokens=m, fused_merge=f
     )
     for (t, m), n, w, st, f in itertools.product(SPLITS, (64, 128), (4, 8), (2, 3), (False, True))
 ]
@@ -173,29 +159,27 @@ def check_against_sdpa() -> None:
     assert error < 1e-2, f"FP8-KV decode attention disagrees with bf16 on the dequantized pools: {error:.2e}"
 
 
-def _distinct(configs: list[AttentionConfig], batch: int, context: int) -> list[AttentionConfig]:
-    """Drop configs that launch exactly what an earlier one does at this shape."""
-    seen, keep = set(), []
-    for c in configs:
-        splits = choose_num_splits(batch, HKV, context, c)
-        key = (c.block_n, c.num_warps, c.num_stages, splits, c.fused_merge and splits > 1)
-        if key not in seen:
-            seen.add(key)
-            keep.append(c)
-    return keep
+def _launch_key(config: AttentionConfig, batch: int, context: int) -> tuple:
+    """What a config launches at this shape: configs with one key time the same."""
+    splits = choose_num_splits(batch, HKV, context, config)
+    return (config.block_n, config.num_warps, config.num_stages, splits, config.fused_merge and splits > 1)
 
 
-def timed_configs(run: Callable[[AttentionConfig], float], configs) -> list[tuple[float, AttentionConfig]]:
-    timed = []
-    for config in configs:
-        try:
-            timed.append((run(config), config))
-        except Exception as error:  # a config the compiler rejects (e.g. out of shared memory)
-            print(f"  skipped {config}: {type(error).__name__}")
-    return timed
+def sweep_case(case: DecodeCase, batch: int, context: int) -> dict[AttentionConfig, float]:
+    """ms of every `SWEEP` config at this case, each distinct launch timed once."""
+    by_key: dict[tuple, float] = {}
+    for config in SWEEP:
+        key = _launch_key(config, batch, context)
+        if key not in by_key:
+            try:
+                by_key[key] = case.paged(config)
+            except Exception as error:  # a config the compiler rejects (e.g. out of shared memory)
+                print(f"  skipped {config}: {type(error).__name__}")
+                by_key[key] = math.inf
+    return {config: by_key[_launch_key(config, batch, context)] for config in SWEEP}
 
 
-def _per_batch_winners(sweeps: dict[int, list[dict]]) -> dict[int, AttentionConfig]:
+def per_batch_winners(sweeps: dict[int, list[dict]]) -> dict[int, AttentionConfig]:
     """Per batch: the config with the smallest sum over contexts of (time / that context's best)."""
     winners = {}
     for batch, per_context in sweeps.items():
@@ -204,13 +188,14 @@ def _per_batch_winners(sweeps: dict[int, list[dict]]) -> dict[int, AttentionConf
             best = min(timings.values())
             for config, t in timings.items():
                 score[config] = score.get(config, 0.0) + t / best
-        full = [c for c in score if all(c in timings for timings in per_context)]
-        winners[batch] = min(full, key=lambda c: score[c])
+        winners[batch] = min(score, key=score.get)
     return winners
 
 
-def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> list[dict]:
-    """Print the table; return its rows (times in µs) for callers such as the gate."""
+def run_attention_bench(
+    sweep: bool = False, precompile_only: bool = False, write_table: bool = False
+) -> list[dict]:
+    """Print the table; return its rows (times in µs)."""
     if sweep:
         precompile(SWEEP, _compile_job)
         if precompile_only:
@@ -227,28 +212,17 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
         ours, sdpa = case.paged(decode_config(batch)), case.sdpa()
         row = {"case": f"decode b={batch} ctx={context}", "bytes": kv_bytes(batch * context)}
         row.update(
-            ours_us=ours * 1e3,
-            sdpa_us=sdpa * 1e3,
+            ours_us=ours * 1e3, sdpa_us=sdpa * 1e3,
             fp8_kv_us=case.paged_fp8(decode_config(batch, kv_fp8=True)) * 1e3,
-        )
+        )  # fmt: skip
         if sweep:
-            timed = timed_configs(case.paged, _distinct(SWEEP, batch, context))
-            tuned, config = min(timed, key=lambda item: item[0])
-            row.update(tuned_us=tuned * 1e3, config=config)
+            timings = sweep_case(case, batch, context)
+            config = min(timings, key=timings.get)
+            row.update(tuned_us=timings[config] * 1e3, config=config)
             row["splits"] = choose_num_splits(batch, HKV, context, config)
-            # every SWEEP config timed (duplicates share their representative's time)
-            by_key = {}
-            for t, c in timed:
-                by_key[_distinct([c], batch, context)[0]] = t
-            timings = {}
-            for c in SWEEP:
-                for rep, t in by_key.items():
-                    if _distinct([rep, c], batch, context) == [rep]:
-                        timings[c] = t
-                        break
             sweeps.setdefault(batch, []).append(timings)
             print(
-                f"{row['case']}: default {ours * 1e3:.1f} us, best {tuned * 1e3:.1f} us, "
+                f"{row['case']}: default {ours * 1e3:.1f} us, best {timings[config] * 1e3:.1f} us, "
                 f"SDPA {sdpa * 1e3:.1f} us, {row['splits']} splits, {config!r}"
             )
         rows.append(row)
@@ -266,10 +240,12 @@ def run_attention_bench(sweep: bool = False, precompile_only: bool = False) -> l
     print(f"ceilings: copy {copy_gbs:.0f} GB/s (read+write), read {read_gbs:.0f} GB/s")
     print("\n".join(table_lines(rows, read_gbs)))
     if sweeps:
-        print("TUNED_DECODE_CONFIGS = {  # best summed over contexts, relative to each context's best")
-        for batch, config in _per_batch_winners(sweeps).items():
-            print(f"    {batch}: {config!r},")
-        print("}")
+        winners = per_batch_winners(sweeps)
+        print("winners (best summed over contexts, relative to each context's best):")
+        for batch, config in winners.items():
+            print(f"    {batch}: {config!r}")
+        if write_table:
+            print(f"wrote {write_decode_table(winners)}")
     return rows
 
 
@@ -302,17 +278,14 @@ def table_lines(rows: list[dict], read_gbs: float) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP configs per shape")
     parser.add_argument("--precompile-only", action="store_true", help="sweep: only fill the compile cache")
+    parser.add_argument(
+        "--write-table", action="store_true", help="sweep: merge the winners into the tuned decode table"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("the attention benchmark needs a CUDA GPU")
         return 2
-    run_attention_bench(sweep=args.sweep, precompile_only=args.precompile_only)
+    run_attention_bench(args.sweep, args.precompile_only, args.write_table)
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))

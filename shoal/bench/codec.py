@@ -15,14 +15,10 @@ graphs): every row but the accuracy one (a float32 reference of the modded DAC's
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
-import types
 
 import torch
-import torch.nn.functional as F
 
-from shoal.models import codec_modules
 from shoal.models.codec import Codec, CodecConfig, random_codec
 from shoal.models.codec_firefly import FireflyCodec, random_firefly_codec
 
@@ -42,13 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
     parser.add_argument("--no-redecode", action="store_true", help="skip the naive baseline rows")
     parser.add_argument("--encode-seconds", type=float, default=10.0, help="audio length for the encoder row")
-    parser.add_argument(
-        "--conv-layout", choices=["nhwc", "nchw"], default="nhwc",
-        help="nchw forces the streaming convs back to channels-first (to measure the layout's effect)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--eager-cudnn-benchmark", action="store_true", help="cuDNN search for eager steps too"
-    )
     parser.add_argument("--profile", action="store_true", help="kernel-time table of eager steps (64 x 8)")
     parser.add_argument("--diagnose", action="store_true", help="graph vs eager vs fp32 accuracy table")
 
@@ -56,31 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     firefly = args.codec == "firefly"
     codec = random_firefly_codec(device=args.device, dtype=getattr(torch, args.dtype)) if firefly else None
-    with _conv_layout(args.conv_layout):
-        run_codec_bench(
-            streams=args.streams, chunks=args.chunks, steps=args.steps, dtype=getattr(torch, args.dtype),
-            device=args.device, graphs=not args.no_graphs, redecode=not args.no_redecode,
-            encode_seconds=args.encode_seconds, eager_cudnn_benchmark=args.eager_cudnn_benchmark,
-            profile=args.profile and not firefly, diagnose=args.diagnose and not firefly, codec=codec,
-        )  # fmt: skip
+    run_codec_bench(
+        streams=args.streams, chunks=args.chunks, steps=args.steps, dtype=getattr(torch, args.dtype),
+        device=args.device, graphs=not args.no_graphs, redecode=not args.no_redecode,
+        encode_seconds=args.encode_seconds, profile=args.profile and not firefly,
+        diagnose=args.diagnose and not firefly, codec=codec,
+    )  # fmt: skip
     return 0
-
-
-@contextlib.contextmanager
-def _conv_layout(layout: str):
-    """`nchw`: make the streaming path's convs take channels-first copies (the old layout)."""
-    if layout == "nhwc":
-        yield
-        return
-    original = codec_modules.F
-    forced = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
-    forced.conv2d = lambda x, *a: F.conv2d(x.contiguous(), *a)
-    forced.conv_transpose2d = lambda x, *a: F.conv_transpose2d(x.contiguous(), *a)
-    codec_modules.F = forced
-    try:
-        yield
-    finally:
-        codec_modules.F = original
 
 
 def _sync(device: torch.device) -> None:
@@ -108,11 +79,10 @@ def _random_codes(codec: Codec, batch: int, frames: int, gen: torch.Generator) -
 
 
 def _time_streaming(
-    codec: Codec, codes: torch.Tensor, chunk: int, steps: int, graphs: bool, eager_benchmark: bool = False
+    codec: Codec, codes: torch.Tensor, chunk: int, steps: int, graphs: bool
 ) -> tuple[float, list]:
     """Seconds for `steps` batched steps (after one warm-up step), and the audio produced."""
     pool = codec.stream_pool(codes.shape[0])
-    pool.cudnn_benchmark_eager = eager_benchmark
     if graphs:
         pool.capture_cuda_graphs([codes.shape[0]], [chunk])
     streams = [pool.open() for _ in range(codes.shape[0])]
@@ -144,8 +114,8 @@ def _time_redecode(codec: Codec, codes: torch.Tensor, chunk: int, steps: int) ->
 def run_codec_bench(
     streams: list[int] = (1, 16, 64), chunks: list[int] = (4, 8), steps: int = 8,
     dtype: torch.dtype = torch.bfloat16, device: str = "cuda", graphs: bool = True, redecode: bool = True,
-    encode_seconds: float = 10.0, config: CodecConfig | None = None, eager_cudnn_benchmark: bool = False,
-    profile: bool = False, diagnose: bool = False, codec: Codec | None = None,
+    encode_seconds: float = 10.0, config: CodecConfig | None = None, profile: bool = False,
+    diagnose: bool = False, codec: Codec | None = None,
 ) -> list[dict]:  # fmt: skip
     """Print and return one row per measurement."""
     device = torch.device(device)
@@ -165,22 +135,11 @@ def run_codec_bench(
                 if mode == "redecode":
                     seconds = _time_redecode(codec, codes, chunk, steps)
                 else:
-                    seconds, _ = _time_streaming(
-                        codec,
-                        codes,
-                        chunk,
-                        steps,
-                        graphs=mode == "graph",
-                        eager_benchmark=eager_cudnn_benchmark,
-                    )
+                    seconds, _ = _time_streaming(codec, codes, chunk, steps, graphs=mode == "graph")
                 row = {
-                    "mode": mode,
-                    "streams": batch,
-                    "chunk": chunk,
-                    "ms_per_step": 1e3 * seconds / steps,
-                    "audio_s_per_s": audio_seconds / seconds,
-                    "frames_per_s": batch * steps * chunk / seconds,
-                }
+                    "mode": mode, "streams": batch, "chunk": chunk, "ms_per_step": 1e3 * seconds / steps,
+                    "audio_s_per_s": audio_seconds / seconds, "frames_per_s": batch * steps * chunk / seconds,
+                }  # fmt: skip
                 rows.append(row)
                 print(f"{mode:<9} {batch:>7} {chunk:>5} {row['ms_per_step']:>8.2f} "
                       f"{row['audio_s_per_s']:>10.0f} {row['frames_per_s']:>9.0f}")  # fmt: skip
@@ -189,7 +148,7 @@ def run_codec_bench(
     if encode_seconds > 0:
         rows.append(_encode_row(codec, encode_seconds, gen))
     if profile:
-        _profile_table(codec, gen, eager_cudnn_benchmark)
+        _profile_table(codec, gen)
     if diagnose:
         rows.append(_diagnose(codec, config, gen))
     return rows
@@ -208,13 +167,12 @@ def _fp32_reference(codec: Codec, config: CodecConfig | None, codes: torch.Tenso
         return reference.decode(codes)[:, 0]
 
 
-def _profile_table(codec: Codec, gen, eager_benchmark: bool, streams: int = 64, chunk: int = 8) -> None:
+def _profile_table(codec: Codec, gen, streams: int = 64, chunk: int = 8) -> None:
     """Where the time of an eager 64 x 8 step goes, by kernel name (top 14)."""
     from torch.profiler import ProfilerActivity, profile
 
     codes = _random_codes(codec, streams, 3 * chunk, gen)
     pool = codec.stream_pool(streams)
-    pool.cudnn_benchmark_eager = eager_benchmark
     streams_ = [pool.open() for _ in range(streams)]
     pool.step(streams_, [c[:, :chunk] for c in codes])
     _sync(codec.device)

@@ -1,22 +1,17 @@
 """`shoal bench engine`: decode throughput and time to first frame of the batching engine.
 
-Without `--checkpoint` the model is S2-Pro-shaped (the full-size config) with random weights
-built directly on the GPU: no file, no tokenizer. Prompts are `--prompt-tokens` long, either
-all different or sharing a voice prefix (`--shared-prefix` tokens). Output length is fixed
-(`ignore_eos`). Per concurrency it reports aggregate frames/s, per-request decode frames/s,
-time to first frame (p50/p95) and peak GPU memory, plus a naive batch-1 loop
-(`models.reference.generate`) on the same model for comparison. These whole-request numbers
-include prefill, scheduling and host jitter and moved by about 10% between identical runs, so
-each row also carries the decode step alone at batch = concurrency, timed as CUDA-graph replays
-(`bench/timing.py`) on synthetic rows of `--step-context` keys (default prompt + frames / 2): it
-repeats within 0.3%, and the performance gate (`bench/gate_performance.py`) compares it. `--json FILE` writes
-the rows, the sweep and the run's environment (GPU, torch/triton, date, commit, command), which
-`shoal gate performance --results FILE [--write-baseline]` reads.
-
-`--weight-format bf16 fp8` runs both engines in one call, one after the other on the same random
-weights (FP8: quantized at engine start, `engine/fp8_weights.py`), prints fp8/bf16 ratios and checks
-the issue's targets (`bench/targets.py: TARGETS`). `--fp8-sweep` times every FP8 projection variant
-per S2-Pro GEMM shape and M as CUDA-graph replays and prints `VARIANT_TABLE` entries to paste.
+Without `--checkpoint` the model is S2-Pro-shaped with random weights built on the GPU (no file,
+no tokenizer). Prompts are `--prompt-tokens` long, all different or sharing a voice prefix
+(`--shared-prefix`); output length is fixed (`ignore_eos`). Per concurrency it reports aggregate
+and per-request frames/s, time to first frame (p50/p95) and peak GPU memory, plus a naive batch-1
+loop (`models.reference.generate`). Whole-request numbers carry prefill, scheduling and host
+jitter, so each row also carries the decode step alone at batch = concurrency, timed as CUDA-graph
+replays on synthetic rows of `--step-context` keys: the number the performance gate compares.
+`--json FILE` writes the rows, the sweep and the run's environment for `shoal gate performance
+--results FILE`. `--weight-format bf16 fp8` runs both engines one after the other and prints
+their ratios and the targets (`bench/targets.py`). `--fp8-sweep` times every FP8 projection
+variant per S2-Pro GEMM shape and M; `--write-table` merges the fastest into
+`kernels/tuned/fp8_variants.json`.
 """
 
 from __future__ import annotations
@@ -30,12 +25,14 @@ import itertools
 import json
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from shoal.bench.random_checkpoint import S2_PRO_CONFIG
 from shoal.bench.targets import check_targets, select_results
 from shoal.bench.timing import time_graph_ms
 from shoal.config import KV_CACHE_DTYPES, EngineConfig
@@ -44,23 +41,6 @@ from shoal.engine.engine import EngineCore
 from shoal.engine.request import SamplingParams
 from shoal.tuning import environment as environment_setting
 
-S2_PRO_CONFIG = {
-    "model_type": "fish_qwen3_omni",
-    "eos_token_id": 151645,
-    "semantic_start_token_id": 151678,
-    "semantic_end_token_id": 155773,
-    "text_config": {
-        "dim": 2560, "n_layer": 36, "n_head": 32, "n_local_heads": 8, "head_dim": 128,
-        "intermediate_size": 9728, "max_seq_len": 32768, "rope_base": 1000000, "norm_eps": 1e-6,
-        "vocab_size": 155776, "attention_qk_norm": True, "tie_word_embeddings": True,
-    },
-    "audio_decoder_config": {
-        "dim": 2560, "n_layer": 4, "n_head": 32, "n_local_heads": 8, "head_dim": 128,
-        "intermediate_size": 9728, "max_seq_len": 11, "num_codebooks": 10, "vocab_size": 4096,
-        "rope_base": 1000000, "norm_eps": 1e-6, "attention_qk_norm": False,
-    },
-}  # fmt: skip
-
 
 def build_random_s2(device: str, dtype: torch.dtype, seed: int = 0, slow_layers: int | None = None):
     """The full-size S2-Pro module tree with random weights, allocated on `device` directly;
@@ -68,7 +48,7 @@ def build_random_s2(device: str, dtype: torch.dtype, seed: int = 0, slow_layers:
     from shoal.models.config import parse_config
     from shoal.models.dual_ar import DualARTransformer
 
-    fields = copy.deepcopy(S2_PRO_CONFIG)
+    fields = copy.deepcopy(S2_PRO_CONFIG)  # the official config.json
     if slow_layers is not None:
         fields["text_config"]["n_layer"] = slow_layers
     config = parse_config(fields)
@@ -170,16 +150,13 @@ def run_closed_loop(
     ttff = sorted(first[id(r)] - r.arrival_perf for r in requests)
     rates = [(frames - 1) / max(done[id(r)] - first[id(r)], 1e-9) for r in requests]
     return {
-        "concurrency": concurrency,
-        "requests": len(prompts),
-        "frames": frames,
+        "concurrency": concurrency, "requests": len(prompts), "frames": frames,
         "aggregate_frames_per_s": len(prompts) * frames / wall,
-        "per_request_frames_per_s": statistics.mean(rates),
-        "ttff_p50_ms": 1000 * statistics.median(ttff),
+        "per_request_frames_per_s": statistics.mean(rates), "ttff_p50_ms": 1000 * statistics.median(ttff),
         "ttff_p95_ms": 1000 * ttff[min(len(ttff) - 1, int(0.95 * len(ttff)))],
         "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
         "wall_s": wall,
-    }
+    }  # fmt: skip
 
 
 def naive_batch1(model, prompt: torch.Tensor, frames: int) -> dict:
@@ -188,10 +165,10 @@ def naive_batch1(model, prompt: torch.Tensor, frames: int) -> dict:
     from shoal.models.reference import generate
 
     generate(model, prompt, max_frames=4, temperature=0.8, top_p=0.8)  # warm up
-    _sync()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
     start = time.perf_counter()
     out = generate(model, prompt, max_frames=frames, temperature=0.8, top_p=0.8)
-    _sync()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
     return {"naive_batch1_frames_per_s": out.shape[1] / (time.perf_counter() - start)}
 
 
@@ -288,50 +265,26 @@ def _breakdown_one(core: EngineCore, batch: int, context: int) -> dict:
     }  # fmt: skip
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_engine_bench(
-    checkpoint: str | None = None,
-    concurrencies: list[int] | None = None,
-    *,
-    frames: int = 128,
-    prompt_tokens: int = 300,
-    shared_prefix: int = 0,
-    device: str = "cuda",
-    dtype: str = "bfloat16",
-    use_cuda_graphs: bool = True,
-    naive: bool = False,
-    breakdown_batches: list[int] | None = None,
-    weight_format: str = "bf16",
-    step_timing: bool = True,
-    step_context: int | None = None,
-    ttff_samples: int = 7,
-    max_seq_len: int | None = None,
-    prefill_graphs: bool = True,
+    checkpoint: str | None = None, concurrencies: list[int] | None = None, *, frames: int = 128,
+    prompt_tokens: int = 300, shared_prefix: int = 0, device: str = "cuda", dtype: str = "bfloat16",
+    use_cuda_graphs: bool = True, naive: bool = False, breakdown_batches: list[int] | None = None,
+    weight_format: str = "bf16", step_timing: bool = True, step_context: int | None = None,
+    ttff_samples: int = 7, max_seq_len: int | None = None, prefill_graphs: bool = True,
     prefill_graph_segments: int = EngineConfig.prefill_graph_segments,
-    prefill_graph_buckets: tuple[int, ...] | None = None,
-    kv_cache_dtype: str = "auto",
-    closed_loop: int = 0,
-    overlap_prefill: bool = True,
-    max_prefill_tokens: tuple[int, ...] = (),
-) -> list[dict]:
-    """One result dict per concurrency. `closed_loop`: run that many requests per level, with
-    `concurrency` of them running at any time (`run_closed_loop`), instead of `concurrency`
-    requests submitted at once; `overlap_prefill`: `EngineConfig.overlap_prefill`;
-    `max_prefill_tokens`: each concurrency once per value of `EngineConfig.max_prefill_tokens`
-    (the step's prefill budget: how a wave's prompts are chunked), side by side on one engine
-    (empty: the config's default only). With
-    `step_timing` (on a GPU) each also carries the decode step at batch = concurrency timed as
+    prefill_graph_buckets: tuple[int, ...] | None = None, kv_cache_dtype: str = "auto", closed_loop: int = 0,
+    overlap_prefill: bool = True, max_prefill_tokens: tuple[int, ...] = (),
+) -> list[dict]:  # fmt: skip
+    """One result dict per concurrency. `closed_loop`: that many requests per level with up to
+    `concurrency` running at once (`run_closed_loop`); `max_prefill_tokens`: each concurrency once
+    per prefill budget, side by side on one engine (empty: the config's default). With
+    `step_timing` (on a GPU) each row also carries the decode step at batch = concurrency as
     CUDA-graph replays at `step_context` keys (default `prompt_tokens + frames // 2`):
-    `decode_step_ms`, `decode_step_context` and `decode_frames_per_s` = 1000 / step ms, the
-    per-request rate the performance gate compares.
-    At concurrency 1 the first-frame time is the median over the level's request and
-    `ttff_samples` more single requests (p95 column: the worst of them). `max_seq_len` (default:
-    just what the requests need) sizes the block tables, hence the decode attention's split count:
-    `shoal serve` uses the model's (32,768 for S2-Pro), so pass that to measure its step."""
+    `decode_step_ms`, `decode_step_context` and `decode_frames_per_s` = 1000 / step ms, what the
+    performance gate compares. At concurrency 1 the first-frame time is the median over the
+    level's request and `ttff_samples` more (p95 column: the worst). `max_seq_len` (default: what
+    the requests need) sizes the block tables, hence the decode attention's split count:
+    `shoal serve` uses the model's (32,768 for S2-Pro)."""
     concurrencies = concurrencies or [1, 4, 16, 64]
     torch_dtype = getattr(torch, dtype)
     if checkpoint:
@@ -341,20 +294,13 @@ def run_engine_bench(
     else:
         model = build_random_s2(device, torch_dtype)
     config = EngineConfig(
-        device=device,
-        dtype=dtype,
-        max_running_requests=max(concurrencies),
-        max_seq_len=max_seq_len or max(prompt_tokens + frames, step_context or 0) + 16,
-        memory_fraction=0.6,
-        use_cuda_graphs=use_cuda_graphs,
-        ignore_eos=True,
-        weight_format=weight_format,
-        prefill_graphs=None if prefill_graphs else False,
-        prefill_graph_segments=prefill_graph_segments,
-        kv_cache_dtype=kv_cache_dtype,
-        overlap_prefill=overlap_prefill,
+        device=device, dtype=dtype, max_running_requests=max(concurrencies),
+        max_seq_len=max_seq_len or max(prompt_tokens + frames, step_context or 0) + 16, memory_fraction=0.6,
+        use_cuda_graphs=use_cuda_graphs, ignore_eos=True, weight_format=weight_format,
+        prefill_graphs=None if prefill_graphs else False, prefill_graph_segments=prefill_graph_segments,
+        kv_cache_dtype=kv_cache_dtype, overlap_prefill=overlap_prefill,
         **({"prefill_graph_buckets": tuple(prefill_graph_buckets)} if prefill_graph_buckets else {}),
-    )
+    )  # fmt: skip
     core = EngineCore(model, config)  # weight_format="fp8" quantizes the model in place
     results = []
     # More prompts at once than the static prefill packs warm the eager prefill of several chunks
@@ -382,17 +328,14 @@ def run_engine_bench(
             result.update(
                 ttff_samples_ms=samples, ttff_p50_ms=statistics.median(samples), ttff_p95_ms=max(samples)
             )
-        result["shared_prefix"] = shared_prefix
-        result["weight_format"] = weight_format
-        result["kv_cache_dtype"] = kv_cache_dtype
-        result["prompt_tokens"] = prompt_tokens
-        result["max_seq_len"] = config.max_seq_len
-        result["prefill_graphs"] = core.runner.prefill_graphs is not None
-        result["prefill_graph_segments"] = prefill_graph_segments
-        result["prefill_graph_buckets"] = list(config.prefill_graph_buckets)
-        result["overlap_prefill"] = overlap_prefill  # the setting (it takes effect on CUDA with graphs)
-        result["closed_loop"] = closed_loop
-        result["max_prefill_tokens"] = budget
+        result.update(
+            shared_prefix=shared_prefix, weight_format=weight_format, kv_cache_dtype=kv_cache_dtype,
+            prompt_tokens=prompt_tokens, max_seq_len=config.max_seq_len,
+            prefill_graphs=core.runner.prefill_graphs is not None,
+            prefill_graph_segments=prefill_graph_segments,
+            prefill_graph_buckets=list(config.prefill_graph_buckets), overlap_prefill=overlap_prefill,
+            closed_loop=closed_loop, max_prefill_tokens=budget,
+        )  # fmt: skip
         results.append(result)
     graphs_possible = core.runner.step is not None and core.runner.device.type == "cuda"
     if step_timing and graphs_possible:
@@ -419,7 +362,7 @@ def free_gpu() -> None:
 @torch.no_grad()
 def fp8_sweep(ms: list[int], device: str = "cuda") -> list[dict]:
     """µs per call of each FP8 projection variant for the S2-Pro GEMM shapes (block 0 of a random
-    model), as CUDA-graph replays on reserved buffers: the numbers `VARIANT_TABLE` is filled from."""
+    model), as CUDA-graph replays on reserved buffers: what the variant table is chosen from."""
     from shoal.engine.fp8_weights import VARIANTS, Fp8Projections, m_bucket, prepare_model
 
     model = build_random_s2(device, torch.bfloat16)
@@ -450,112 +393,56 @@ def fp8_sweep(ms: list[int], device: str = "cuda") -> list[dict]:
 
 
 def print_sweep(rows: list[dict]) -> None:
-    from shoal.engine.fp8_weights import VARIANTS, m_bucket
+    from shoal.engine.fp8_weights import VARIANTS
 
     print(f"{'shape':>12} {'m':>5} " + " ".join(f"{v:>12}" for v in VARIANTS) + "  best")
     for r in rows:
         cells = " ".join(f"{r['us'][v]:>12.1f}" for v in VARIANTS)
         print(f"{r['shape']:>12} {r['m']:>5} {cells}  {r['best']}")
-    print("VARIANT_TABLE entries (shoal/engine/fp8_weights.py):")
-    for r in rows:
-        key = f"({r['n']}, {r['k']}, {m_bucket(r['m'])})"
-        print(f"    {key}: {r['best']!r},  # {r['shape']} {r['us'][r['best']]:.1f} us")
+
+
+def sweep_winners(rows: list[dict]) -> dict[tuple[int, int, int], str]:
+    """{(N, K, M bucket): fastest variant} of `fp8_sweep` rows: the variant table's entries."""
+    from shoal.engine.fp8_weights import m_bucket
+
+    return {(r["n"], r["k"], m_bucket(r["m"])): r["best"] for r in rows}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", default=None, help="default: random S2-Pro-shaped weights")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--frames", type=int, default=128, help="frames per request (fixed)")
-    parser.add_argument("--prompt-tokens", type=int, default=300)
-    parser.add_argument("--shared-prefix", type=int, nargs="+", default=[0, 200], help="voice prefix tokens")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--no-graphs", action="store_true")
-    parser.add_argument("--no-naive", action="store_true", help="skip the naive batch-1 loop")
-    parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument(
-        "--breakdown", type=int, nargs="*", default=[1, 64], help="batches timed part by part (graphs)"
-    )
-    parser.add_argument(
-        "--step-context",
-        type=int,
-        default=None,
-        help="keys per row when timing the decode step at each concurrency (default prompt + frames/2)",
-    )
-    parser.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=None,
-        help="engine max_seq_len (block-table width; default prompt + frames + 16; shoal serve: the model's)",
-    )
-    parser.add_argument(
-        "--prefill-graphs",
-        choices=("off", "on"),
-        default="on",
-        help="prefill chunks as CUDA graphs (EngineConfig.prefill_graphs; on by default)",
-    )
-    parser.add_argument(
-        "--prefill-graph-segments",
-        type=int,
-        default=EngineConfig.prefill_graph_segments,
-        help="requests' chunks packed into one prefill replay (EngineConfig.prefill_graph_segments)",
-    )
-    parser.add_argument(
-        "--prefill-graph-buckets",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="TOKENS",
-        help="token buckets of the prefill graphs (EngineConfig.prefill_graph_buckets; e.g. up to 8192 "
-        "with --prefill-graph-segments 32 puts a concurrency-64 wave's chunks on graphs too)",
-    )
-    parser.add_argument(
-        "--closed-loop",
-        type=int,
-        default=0,
-        metavar="REQUESTS",
-        help="per level, run this many requests with up to `concurrency` of them running at any "
-        "time (at most one new one per step) instead of `concurrency` submitted at once",
-    )
-    parser.add_argument(
-        "--overlap-prefill",
-        nargs="+",
-        choices=("on", "off"),
-        default=["on"],
-        help="prefill graphs beside the decode on a stream of their own (EngineConfig.overlap_prefill); "
-        "`on off`: side by side",
-    )
-    parser.add_argument(
-        "--max-prefill-tokens",
-        type=_positive_int,
-        nargs="+",
-        default=None,
-        metavar="TOKENS",
-        help="the step's prefill budget (EngineConfig.max_prefill_tokens), one or more: every "
-        "concurrency once per value on the same engine (`8192 2048`: side by side)",
-    )
-    parser.add_argument(
-        "--weight-format",
-        nargs="+",
-        choices=("bf16", "fp8"),
-        default=["bf16"],
-        help="one or more, run one after the other (`bf16 fp8`: ratios side by side)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        nargs="+",
-        choices=KV_CACHE_DTYPES,
-        default=["auto"],
-        help="KV cache storage, one or more (EngineConfig.kv_cache_dtype; `auto fp8`: side by side)",
-    )
-    parser.add_argument(
-        "--fp8-sweep",
-        type=int,
-        nargs="*",
-        default=None,
-        metavar="M",
-        help="first time every FP8 projection variant at these M (default 1 2 4 8 16 32 64 128 300 2048)",
-    )
+    add = parser.add_argument
+    # fmt: off
+    add("--checkpoint", default=None, help="default: random S2-Pro-shaped weights")
+    add("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    add("--frames", type=int, default=128, help="frames per request (fixed)")
+    add("--prompt-tokens", type=int, default=300)
+    add("--shared-prefix", type=int, nargs="+", default=[0, 200], help="voice prefix tokens")
+    add("--device", default="cuda")
+    add("--dtype", default="bfloat16")
+    add("--no-graphs", action="store_true")
+    add("--no-naive", action="store_true", help="skip the naive batch-1 loop")
+    add("--json", default=None, help="also write the results here")
+    add("--breakdown", type=int, nargs="*", default=[1, 64], help="batches timed part by part (graphs)")
+    add("--step-context", type=int, default=None,
+        help="keys per row of the timed decode step (default prompt + frames/2)")
+    add("--max-seq-len", type=int, default=None,
+        help="block-table width (default prompt + frames + 16; shoal serve: the model's)")
+    add("--prefill-graphs", choices=("off", "on"), default="on", help="prefill chunks as CUDA graphs")
+    add("--prefill-graph-segments", type=int, default=EngineConfig.prefill_graph_segments,
+        help="chunks packed into one prefill replay")
+    add("--prefill-graph-buckets", type=int, nargs="+", default=None, metavar="TOKENS",
+        help="token buckets of the prefill graphs")
+    add("--closed-loop", type=int, default=0, metavar="REQUESTS",
+        help="per level, this many requests with up to `concurrency` running (one new one per step)")
+    add("--overlap-prefill", nargs="+", choices=("on", "off"), default=["on"],
+        help="prefill graphs beside the decode on a stream of their own; `on off`: side by side")
+    add("--max-prefill-tokens", type=_positive_int, nargs="+", default=None, metavar="TOKENS",
+        help="the step's prefill budget, one or more (`8192 2048`: side by side on one engine)")
+    add("--weight-format", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="one or more")
+    add("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"], help="one or more")
+    add("--fp8-sweep", type=int, nargs="*", default=None, metavar="M",
+        help="first time every FP8 projection variant at these M (default 1 2 4 8 16 32 64 128 300 2048)")
+    add("--write-table", action="store_true", help="--fp8-sweep: merge the winners into the variant table")
+    # fmt: on
 
 
 def _positive_int(text: str) -> int:
@@ -571,33 +458,26 @@ def run(args: argparse.Namespace) -> int:
         sweep = fp8_sweep(args.fp8_sweep or [1, 2, 4, 8, 16, 32, 64, 128, 300, 2048], args.device)
         free_gpu()
         print_sweep(sweep)
+        if args.write_table:
+            from shoal.engine.fp8_weights import write_variant_table
+
+            print(f"wrote {write_variant_table(sweep_winners(sweep))}")
     all_results = []
     first_level = (args.shared_prefix[0], args.kv_cache_dtype[0])  # the naive loop runs once
     for weight_format, kv_cache_dtype, shared, overlap in itertools.product(
         args.weight_format, args.kv_cache_dtype, args.shared_prefix, args.overlap_prefill
     ):
         all_results += run_engine_bench(
-            args.checkpoint,
-            args.concurrency,
-            frames=args.frames,
-            prompt_tokens=args.prompt_tokens,
-            shared_prefix=shared,
-            device=args.device,
-            dtype=args.dtype,
-            use_cuda_graphs=not args.no_graphs,
+            args.checkpoint, args.concurrency, frames=args.frames, prompt_tokens=args.prompt_tokens,
+            shared_prefix=shared, device=args.device, dtype=args.dtype, use_cuda_graphs=not args.no_graphs,
             naive=not args.no_naive and (shared, kv_cache_dtype) == first_level,
             breakdown_batches=args.breakdown if shared == args.shared_prefix[0] else None,
-            weight_format=weight_format,
-            step_context=args.step_context,
-            max_seq_len=args.max_seq_len,
-            prefill_graphs=args.prefill_graphs == "on",
-            prefill_graph_segments=args.prefill_graph_segments,
-            prefill_graph_buckets=args.prefill_graph_buckets,
-            kv_cache_dtype=kv_cache_dtype,
-            closed_loop=args.closed_loop,
-            overlap_prefill=overlap == "on",
+            weight_format=weight_format, step_context=args.step_context, max_seq_len=args.max_seq_len,
+            prefill_graphs=args.prefill_graphs == "on", prefill_graph_segments=args.prefill_graph_segments,
+            prefill_graph_buckets=args.prefill_graph_buckets, kv_cache_dtype=kv_cache_dtype,
+            closed_loop=args.closed_loop, overlap_prefill=overlap == "on",
             max_prefill_tokens=tuple(args.max_prefill_tokens or ()),
-        )
+        )  # fmt: skip
         free_gpu()
     print_results(all_results)
     if args.json:
@@ -609,9 +489,8 @@ def run(args: argparse.Namespace) -> int:
 
 def environment(argv: list[str] | None = None) -> dict:
     """What a measurement ran on, stored beside its numbers (`--json`, the gate's baseline): step
-    times only compare on the same GPU and software. `commit` comes from the COMMIT
-    environment setting, else from the checkout's `.git` files (GPU machines get a copy without
-    them: set it there)."""
+    times only compare on the same GPU and software. `commit` comes from the COMMIT environment
+    setting (GPU machines get a copy without `.git`: set it there), else from git."""
     try:
         import triton
 
@@ -622,10 +501,9 @@ def environment(argv: list[str] | None = None) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": environment_setting("COMMIT") or _git_head(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "triton": triton_version,
+        "torch": torch.__version__, "triton": triton_version,
         "command": _command_line(sys.argv if argv is None else argv),
-    }
+    }  # fmt: skip
 
 
 def _command_line(argv: list[str]) -> str:
@@ -641,28 +519,15 @@ def _command_line(argv: list[str]) -> str:
 
 
 def _git_head() -> str | None:
-    """The checked-out commit, read from `.git` files (no git process); None when there is none."""
-    git = Path(__file__).resolve().parents[2] / ".git"
+    """The checked-out commit; None without a checkout or a git binary."""
     try:
-        if git.is_file():  # a worktree: "gitdir: PATH"
-            git = (git.parent / git.read_text().split(":", 1)[1].strip()).resolve()
-        head = (git / "HEAD").read_text().strip()
-        if not head.startswith("ref:"):
-            return head[:12]
-        ref = head.split(":", 1)[1].strip()
-        ref_file = git / ref
-        if ref_file.exists():
-            return ref_file.read_text().strip()[:12]
-        common = git / "commondir"
-        root = (git / common.read_text().strip()).resolve() if common.exists() else git
-        if (root / ref).exists():
-            return (root / ref).read_text().strip()[:12]
-        for line in (root / "packed-refs").read_text().splitlines():
-            if line.endswith(" " + ref):
-                return line.split()[0][:12]
-    except (OSError, IndexError):
+        done = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parents[2],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
         return None
-    return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
 
 
 def print_results(all_results: list[dict]) -> None:

@@ -24,48 +24,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from shoal.engine.fp8_validation import (  # the checks the engine runs on served weights
+    GREEDY,
+    CorrectnessResult,
+    check_correctness,
+    engine_greedy,
+    gate_prompt,
+    top1_margin,
+)
+
+__all__ = ["GREEDY", "CorrectnessResult", "check_correctness", "engine_greedy", "gate_prompt"]
 PLANTED_MARGIN_NATS = 8.0
-
-
-@dataclass
-class CorrectnessResult:
-    frames_checked: int
-    first_mismatch: int | None  # frame index, None when all equal
-    logit_relative_error: float
-    top1_margin_nats: float  # median over the prompt's last position and the frames' slow steps
-    max_logit_error: float
-
-    @property
-    def passed(self) -> bool:
-        return self.first_mismatch is None and self.logit_relative_error <= self.max_logit_error
-
-    def report(self) -> str:
-        tokens = "equal" if self.first_mismatch is None else f"differ from frame {self.first_mismatch}"
-        return (
-            f"correctness: {'PASS' if self.passed else 'FAIL'}: "
-            f"tokens of {self.frames_checked} frames {tokens}; "
-            f"logit relative error {self.logit_relative_error:.4f} (limit {self.max_logit_error}); "
-            f"bf16 top-1 margin {self.top1_margin_nats:.2f} nats"
-        )
-
-
-def gate_prompt(config, length: int = 24, seed: int = 0) -> Tensor:
-    """A fixed Long[N+1, T] prompt: text-range tokens, then a block of semantic (code) columns."""
-    generator = torch.Generator().manual_seed(seed)
-    n = config.num_codebooks
-    text = torch.randint(0, min(256, config.semantic_begin_id), (length // 2,), generator=generator)
-    codes = torch.randint(0, config.codebook_size, (n, length - length // 2), generator=generator)
-    prompt = torch.zeros(n + 1, length, dtype=torch.long)
-    prompt[0, : text.numel()] = text
-    prompt[0, text.numel() :] = config.semantic_begin_id + codes[0]
-    prompt[1:, text.numel() :] = codes
-    return prompt
 
 
 @torch.no_grad()
@@ -100,87 +73,11 @@ def planted_margin_model(
     # Heads = the unit-normed input embeddings (a copy structure), scaled to a margin of ~8 nats.
     unit = model.embeddings.weight / model.embeddings.weight.norm(dim=1, keepdim=True)
     model.output.weight.copy_(unit)
-    margin = _top1_margin(model.prefill_logits(prompt), config.semantic_begin_id, config.semantic_end_id)
+    margin = top1_margin(model.prefill_logits(prompt), config.semantic_begin_id, config.semantic_end_id)
     model.output.weight.mul_(PLANTED_MARGIN_NATS / margin)
     fast_unit = model.fast_embeddings.weight / model.fast_embeddings.weight.norm(dim=1, keepdim=True)
     model.fast_output.weight.copy_(fast_unit * PLANTED_MARGIN_NATS / margin)
     return model.to(dtype)
-
-
-def _top1_margin(logits: Tensor, begin: int, end: int) -> float:
-    top2 = logits[begin : end + 1].float().topk(2).values
-    return float(top2[0] - top2[1])
-
-
-GREEDY = dict(temperature=1.0, top_p=1.0, top_k=1, seed=0)
-
-
-@torch.no_grad()
-def engine_greedy(
-    model: nn.Module,
-    prompt: Tensor,
-    frames: int,
-    weight_format: str,
-    quantize_activations: bool = True,
-    kv_cache_dtype: str = "auto",
-) -> Tensor:
-    """Greedy frames int32 [N+1, F] of one request through the batching engine (`EngineCore`): the
-    fused decode step with FP8 kernels and a CUDA graph on a GPU, the reference step on the CPU."""
-    from shoal.config import EngineConfig
-    from shoal.engine.core import EngineCore
-    from shoal.engine.request import SamplingParams
-
-    weight = model.embeddings.weight
-    page_size = 16
-    config = EngineConfig(
-        device=weight.device.type,
-        dtype=str(weight.dtype).removeprefix("torch."),
-        weight_format=weight_format,
-        fp8_quantize_activations=quantize_activations,
-        max_running_requests=1,
-        page_size=page_size,
-        num_pages=-(-(prompt.shape[1] + frames) // page_size) + 2,
-        graph_buckets=(1,),
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    core = EngineCore(model, config)
-    params = SamplingParams(repetition_penalty=1.0, **GREEDY)
-    request = core.new_request(prompt, params, max_new_frames=frames)
-    core.add(request)
-    while core.has_work:
-        core.step()
-    return request.frames[: request.num_frames].t().to(torch.int32)
-
-
-@torch.no_grad()
-def check_correctness(
-    reference_model: nn.Module,
-    fp8_model: nn.Module,
-    prompt: Tensor,
-    frames: int = 5,
-    max_logit_error: float = 0.1,
-    fp8_frames: Callable[[Tensor, int], Tensor] | None = None,
-) -> CorrectnessResult:
-    """Greedy frames and prompt logits of `fp8_model` against `reference_model`. `fp8_frames(prompt,
-    frames)` produces the FP8 side's frames (e.g. `engine_greedy`); default the reference generator."""
-    from shoal.models.reference import generate
-
-    def greedy(model: nn.Module) -> Tensor:
-        return generate(model, prompt, max_frames=frames, **GREEDY)
-
-    expected = greedy(reference_model)
-    actual = greedy(fp8_model) if fp8_frames is None else fp8_frames(prompt, frames)
-    first_mismatch = None
-    for f in range(max(expected.shape[1], actual.shape[1])):
-        if f >= expected.shape[1] or f >= actual.shape[1] or not torch.equal(expected[:, f], actual[:, f]):
-            first_mismatch = f
-            break
-    exact = reference_model.prefill_logits(prompt).float()
-    approx = fp8_model.prefill_logits(prompt).float()
-    error = float((approx - exact).norm() / exact.norm())
-    config = reference_model.config
-    margin = _top1_margin(exact, config.semantic_begin_id, config.semantic_end_id)
-    return CorrectnessResult(expected.shape[1], first_mismatch, error, margin, max_logit_error)
 
 
 def run_correctness(args: argparse.Namespace) -> int:
@@ -209,13 +106,9 @@ def run_correctness(args: argparse.Namespace) -> int:
 
     with bf16_partials_everywhere() if args.bf16_partials else contextlib.nullcontext():
         result = check_correctness(
-            reference_model,
-            fp8_model,
-            gate_prompt(reference_model.config),
-            args.frames,
-            args.max_logit_error,
-            fp8_frames,
-        )
+            reference_model, fp8_model, gate_prompt(reference_model.config), args.frames,
+            args.max_logit_error, fp8_frames,
+        )  # fmt: skip
     partials = ", split-K partials in bf16" if args.bf16_partials else ""
     kv = ", FP8 KV cache" if args.kv_cache_dtype == "fp8" and args.path == "engine" else ""
     print(f"FP8 frames through the {args.path} path{partials}{kv}")

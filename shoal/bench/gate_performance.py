@@ -35,16 +35,8 @@ EXIT_NOT_COMPARABLE = 2  # no usable baseline entry, a different context length 
 EXIT_PLACEHOLDER = 3  # the baseline entry was never measured ("measured": false)
 BASELINE_SCHEMA = 2
 METADATA_KEYS = (
-    "date",
-    "commit",
-    "gpu",
-    "torch",
-    "triton",
-    "command",
-    "prompt_tokens",
-    "frames",
-    "max_seq_len",
-)
+    "date", "commit", "gpu", "torch", "triton", "command", "prompt_tokens", "frames", "max_seq_len",
+)  # fmt: skip
 
 
 BASELINE_DESCRIPTION = (
@@ -132,10 +124,9 @@ def save_baseline(
     path: str | Path, formats: dict[str, FormatBaseline], description: str | None = None
 ) -> None:
     document = {
-        "schema": BASELINE_SCHEMA,
-        "description": description or BASELINE_DESCRIPTION,
+        "schema": BASELINE_SCHEMA, "description": description or BASELINE_DESCRIPTION,
         "formats": {fmt: formats[fmt].to_json() for fmt in sorted(formats)},
-    }
+    }  # fmt: skip
     Path(path).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
 
 
@@ -204,15 +195,11 @@ def format_table(rows: Sequence[PerfRow]) -> str:
     ]
     for row in rows:
         cells = [
-            str(row.concurrency),
-            number(row.baseline_step_ms, 3),
-            number(row.measured_step_ms, 3),
-            number(row.baseline_fps, 1),
-            number(row.measured_fps, 1),
-            number(row.ratio, 3),
+            str(row.concurrency), number(row.baseline_step_ms, 3), number(row.measured_step_ms, 3),
+            number(row.baseline_fps, 1), number(row.measured_fps, 1), number(row.ratio, 3),
             "PASS" if row.passed else "FAIL",
             f"{number(row.baseline_request_fps, 1)} / {number(row.measured_request_fps, 1)}",
-        ]
+        ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -236,11 +223,6 @@ def read_results_file(path: str | Path) -> tuple[list[dict], dict | None]:
     if isinstance(raw, dict):
         return raw["results"], raw.get("environment")
     return raw, None
-
-
-def read_results(path: str | Path) -> list[dict]:
-    """Rows of a `shoal bench engine --json` file."""
-    return read_results_file(path)[0]
 
 
 def engine_results(
@@ -297,12 +279,9 @@ def _not_comparable(entry: FormatBaseline, results: Sequence[dict], env: dict | 
 
 
 def gate_format(
-    weight_format: str,
-    entry: FormatBaseline | None,
-    results: Sequence[dict],
-    env: dict | None,
+    weight_format: str, entry: FormatBaseline | None, results: Sequence[dict], env: dict | None,
     args: argparse.Namespace,
-) -> int:
+) -> int:  # fmt: skip
     """Print one weight format's table and verdict; return its exit code (`EXIT_*`)."""
     results = select_results(results, weight_format)
     if entry is None and not args.targets:
@@ -370,10 +349,9 @@ def _weight_formats(args: argparse.Namespace) -> list[str]:
 
 
 def run_performance(
-    args: argparse.Namespace,
-    bench: Callable[..., list[dict]] = engine_results,
+    args: argparse.Namespace, bench: Callable[..., list[dict]] = engine_results,
     environment: Callable[[], dict] = current_environment,
-) -> int:
+) -> int:  # fmt: skip
     """`shoal gate performance`: per weight format, decode step ms at each baseline concurrency
     against the baseline (`gate_format`), or with --write-baseline freeze them (`write_baseline`)."""
     if args.write_baseline:
@@ -402,10 +380,9 @@ def run_performance(
 
 
 def write_baseline(
-    args: argparse.Namespace,
-    bench: Callable[..., list[dict]] = engine_results,
+    args: argparse.Namespace, bench: Callable[..., list[dict]] = engine_results,
     environment: Callable[[], dict] = current_environment,
-) -> int:
+) -> int:  # fmt: skip
     """Freeze the decode step ms at `CONCURRENCIES` per weight format into `args.baseline`, from a
     bench run now or from `--results FILE`; other formats' entries in the file are kept."""
     formats = _weight_formats(args)
@@ -435,11 +412,9 @@ def write_baseline(
             return EXIT_NOT_COMPARABLE
         metadata = {key: env.get(key) for key in METADATA_KEYS}
         metadata.update(
-            commit=args.commit or env.get("commit"),
-            prompt_tokens=rows[0].get("prompt_tokens"),
-            frames=rows[0].get("frames"),
-            max_seq_len=rows[0].get("max_seq_len"),
-        )
+            commit=args.commit or env.get("commit"), prompt_tokens=rows[0].get("prompt_tokens"),
+            frames=rows[0].get("frames"), max_seq_len=rows[0].get("max_seq_len"),
+        )  # fmt: skip
         entries[weight_format] = FormatBaseline(
             measured=True,
             step_ms={c: float(r["decode_step_ms"]) for c, r in zip(CONCURRENCIES, rows, strict=True)},

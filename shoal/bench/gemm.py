@@ -1,25 +1,20 @@
 """`shoal bench gemm`: the FP8 GEMM at S2-Pro decode shapes against torch baselines (GPU only).
 
-Every variant is timed as CUDA-graph replays of one launch per weight set, rotating over enough
-weight sets that L2 (50 MB on the H200) cannot serve them. Bandwidth counts weight bytes only, and
-is compared with two ceilings measured in the same run on 2 GiB buffers (`memory_ceilings`): a
-device-to-device copy (bytes read + written) and a pure read (the limit a GEMM's weight stream has).
+Every variant is timed as CUDA-graph replays rotating over enough weight sets that L2 cannot serve
+them. Bandwidth counts weight bytes only, beside two ceilings measured in the same run
+(`memory_ceilings`): a device-to-device copy and a pure read (a GEMM's weight stream's limit).
 
-Variants: ours W8A16 (bf16 activations), ours W8A8 with in-GEMM activation quantization, ours W8A8
-after the separate quant launch, `torch._scaled_mm` (block-wise scales where this torch accepts
-them, else row-wise) with its activation quantization in torch ops, bf16 cuBLAS; plus the whole
-MLP (gate+up, SwiGLU, down) in bf16 eager, `torch.compile`d, and ours with SwiGLU fused.
-`torch._scaled_mm` block-wise rejects M=1 in cuBLAS: there M is zero-padded to the smallest size it
-accepts, and the row says so. `--sweep` times the candidate configs per (N, K, M) for the W8A8
-(pre-quantized) and W8A16 paths, compiling them first in parallel worker processes, and prints the
-best per (shape, M) as lines to paste into `kernels/fp8_gemm.py: TUNED_CONFIGS_FP8 / TUNED_CONFIGS`.
-Needs only torch and triton.
+Variants: ours W8A16, ours W8A8 quantizing inline, ours W8A8 after the quant launch,
+`torch._scaled_mm` with block-wise scales (M zero-padded where cuBLAS rejects it, and the row
+says so), bf16 cuBLAS; and the whole SwiGLU MLP in bf16 eager,
+`torch.compile`d and ours. `--sweep` times candidate configs per (N, K, M) for pre-quantized (W8A8)
+and bf16 (W8A16) activations, compiled first in parallel processes, and prints the best per shape;
+`--write-table` merges them into `kernels/tuned/fp8_gemm.json`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -144,14 +139,6 @@ def _padded(fn: Callable, rows: int) -> Callable:
     return call
 
 
-def _scaled_mm_rowwise(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    amax = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-    q = (x.float() * (448.0 / amax)).to(torch.float8_e4m3fn)
-    # Timing only: the block-quantized weight with a unit per-row scale moves the same bytes.
-    w_rowscale = torch.ones(1, weights["w_q"].shape[0], device=x.device)
-    return torch._scaled_mm(q, weights["w_q"].t(), amax / 448.0, w_rowscale, out_dtype=torch.bfloat16)
-
-
 def _variants(shape: str) -> dict[str, Callable]:
     from shoal.kernels import fp8_gemm, quant
 
@@ -165,25 +152,9 @@ def _variants(shape: str) -> dict[str, Callable]:
             w["w_scale"],
         ),
         "bf16_cublas": lambda x, w: F.linear(x[:, : w["bf16"].shape[1]], w["bf16"]),
-        "scaled_mm": lambda x, w: _SCALED_MM(x[:, : w["w_q"].shape[1]], w),
+        "scaled_mm": lambda x, w: _scaled_mm_blockwise(x[:, : w["w_q"].shape[1]], w),
     }
     return variants
-
-
-_SCALED_MM: Callable = _scaled_mm_blockwise
-
-
-def _pick_scaled_mm() -> str:
-    """Use block-wise scales if this torch build accepts them, else row-wise."""
-    global _SCALED_MM
-    try:
-        w = _weight_sets(256, 256, 1)[0]
-        _scaled_mm_blockwise(torch.randn(16, 256, device="cuda", dtype=torch.bfloat16), w)
-        _SCALED_MM = _scaled_mm_blockwise
-        return "blockwise"
-    except (RuntimeError, ValueError):
-        _SCALED_MM = _scaled_mm_rowwise
-        return "rowwise"
 
 
 def time_variant(
@@ -200,16 +171,12 @@ def time_variant(
 
 
 def run_gemm_bench(
-    shapes: dict[str, tuple[int, int]] = SHAPES,
-    m_values=M_VALUES,
-    mlp: bool = True,
+    shapes: dict[str, tuple[int, int]] = SHAPES, m_values=M_VALUES, mlp: bool = True,
     only: list[str] | None = None,
-) -> list[dict]:
+) -> list[dict]:  # fmt: skip
     """Times every variant (or those whose names start with one of `only`); prints and returns
     one row per (shape, M, variant)."""
     ceilings = memory_ceilings()
-    mode = _pick_scaled_mm()
-    print(f"torch._scaled_mm {mode}")
     print(f"{'shape':>8} {'M':>4} {'variant':>22} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%read':>6}")
     rows = []
     for name, (n, k) in shapes.items():
@@ -219,12 +186,11 @@ def run_gemm_bench(
             width = 2 * k if name == "down" else k
             x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
             variants = _variants(name)
-            if mode == "blockwise":
-                pad = scaled_mm_rows(m, k)
-                if pad is None:
-                    variants.pop("scaled_mm")
-                elif pad != m:  # cuBLAS rejects this M: time it on zero-padded rows, and say so
-                    variants[f"scaled_mm(M pad->{pad})"] = _padded(variants.pop("scaled_mm"), pad)
+            pad = scaled_mm_rows(m, k)
+            if pad is None:
+                variants.pop("scaled_mm")
+            elif pad != m:  # cuBLAS rejects this M: time it on zero-padded rows, and say so
+                variants[f"scaled_mm(M pad->{pad})"] = _padded(variants.pop("scaled_mm"), pad)
             for variant, fn in variants.items():
                 if only and not any(variant.startswith(prefix) for prefix in only):
                     continue
@@ -251,8 +217,7 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
     """The whole SwiGLU MLP: bf16 eager, torch.compile, ours W8A16 (SwiGLU fused into down), and
     at decode sizes (M <= 16) ours W8A8 as the engine runs it (gate+up, `swiglu_quantize`, down
     leaving its split-K partials: three launches). FP8 rows also report bandwidth on the FP8
-    weight bytes of both projections. (A one-launch persistent MLP, with grid barriers or with
-    per-group ready flags, lost to these three launches.)"""
+    weight bytes of both projections."""
     from shoal.kernels import fp8_gemm, quant
 
     (n_up, k_up), (n_down, k_down) = SHAPES["gate_up"], SHAPES["down"]
@@ -289,11 +254,9 @@ def _mlp_rows(m_values, rows: list[dict], ceilings: dict[str, float], only: list
             quantized = variant in fp8_variants
             arg = x_quantized if quantized else x
             ms = time_graph_ms(
-                lambda fn=fn, arg=arg: [fn(arg, i) for i in range(2)],
-                repeats=5,
-                replays_per_sample=50,
+                lambda fn=fn, arg=arg: [fn(arg, i) for i in range(2)], repeats=5, replays_per_sample=50,
                 calls_per_replay=2,
-            )
+            )  # fmt: skip
             seconds = ms / 1e3
             rows.append({"shape": "mlp", "m": m, "variant": variant, "us": seconds * 1e6})
             line = f"{'mlp':>8} {m:>4} {variant:>30} {seconds * 1e6:8.1f}"
@@ -418,14 +381,12 @@ def precompile(jobs: list, job_fn: Callable = _compile_job, workers: int | None 
 
 
 def sweep(
-    shapes: dict[str, tuple[int, int]] = SHAPES,
-    m_values=M_VALUES,
-    modes=SWEEP_MODES,
-    precompile_only: bool = False,
-    json_path: str | None = None,
-) -> list[dict]:
-    """Time the candidates per (shape, M, mode); print the best as TUNED_CONFIGS lines and a
-    summary against the default config, bf16 cuBLAS and `_scaled_mm`, and the ceilings."""
+    shapes: dict[str, tuple[int, int]] = SHAPES, m_values=M_VALUES, modes=SWEEP_MODES,
+    precompile_only: bool = False, json_path: str | None = None, write_table: bool = False,
+) -> list[dict]:  # fmt: skip
+    """Time the candidates per (shape, M, mode); print the best per shape and a summary against
+    the default config, bf16 cuBLAS and `_scaled_mm`; `write_table` merges the winners into the
+    tuned tables."""
     from shoal.kernels import fp8_gemm
 
     jobs = []
@@ -442,8 +403,8 @@ def sweep(
     if precompile_only:
         return []
     ceilings = memory_ceilings()
-    scaled_mm_mode = _pick_scaled_mm()
     results = []
+    winners: dict[str, dict] = {mode: {} for mode in modes}
     for name, (n, k) in shapes.items():
         sets = _weight_sets(n, k, max(2, -(-ROTATION_BYTES // (n * k))))
         for m in m_values:
@@ -460,21 +421,15 @@ def sweep(
                 default = next((t for t, c in timed if c is None), math.nan)
                 best_t, best_c = min((item for item in timed if item[1] is not None), key=lambda i: i[0])
                 row[mode] = {"best_us": best_t * 1e6, "config": repr(best_c), "default_us": default * 1e6}
-                if mode == "w8a8":  # the same tiles, scales loaded ahead
-                    ahead = dataclasses.replace(best_c, scales_ahead=True)
-                    ahead_t = time_variant(_sweep_fn(mode, ahead), x, sets, 20, 3)
-                    row[mode]["scales_ahead_us"] = ahead_t * 1e6
-                    rate = n * k / ahead_t / 1e12
-                    print(f"      best config with scales_ahead: {ahead_t * 1e6:.1f} us ({rate:.2f} TB/s)")
-                table = "TUNED_CONFIGS_FP8" if mode == "w8a8" else "TUNED_CONFIGS"
+                winners[mode][(n, k, fp8_gemm.m_bucket(m))] = best_c
                 print(
-                    f"    ({n}, {k}, {fp8_gemm.m_bucket(m)}): {best_c!r},  # {table} {name} "
+                    f"    {mode} ({n}, {k}, {fp8_gemm.m_bucket(m)}): {best_c!r},  # {name} "
                     f"{best_t * 1e6:.1f} us {n * k / best_t / 1e12:.2f} TB/s (default {default * 1e6:.1f})"
                 )
             xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row["bf16_us"] = time_variant(lambda x, w: F.linear(x, w["bf16"]), xb, sets, 20, 3) * 1e6
-            pad = scaled_mm_rows(m, k) if scaled_mm_mode == "blockwise" else m
-            fn = _SCALED_MM if pad == m else _padded(_SCALED_MM, pad)
+            pad = scaled_mm_rows(m, k)
+            fn = _scaled_mm_blockwise if pad == m else _padded(_scaled_mm_blockwise, pad)
             row["scaled_mm_us"] = time_variant(fn, xb, sets, 20, 3) * 1e6 if pad else math.nan
             row["scaled_mm_rows"] = pad
             results.append(row)
@@ -482,6 +437,9 @@ def sweep(
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"ceilings": ceilings, "rows": results}, f, indent=1)
+    if write_table:
+        for mode, found in winners.items():
+            print(f"wrote {fp8_gemm.write_tuned_table(found, fp8_activations=mode == 'w8a8')}")
     return results
 
 
@@ -511,6 +469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="*", choices=SWEEP_MODES, default=list(SWEEP_MODES))
     parser.add_argument("--precompile-only", action="store_true", help="sweep: only fill the compile cache")
     parser.add_argument("--json", help="sweep: also write the results here")
+    parser.add_argument("--write-table", action="store_true", help="sweep: merge the winners into the tables")
     parser.add_argument("--no-mlp", action="store_true", help="table: skip the whole-MLP rows")
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--m", nargs="*", type=int, default=list(M_VALUES))
@@ -523,13 +482,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shapes = {name: SHAPES[name] for name in args.shapes}
     if args.sweep:
-        sweep(shapes, args.m, args.modes, args.precompile_only, args.json)
+        sweep(shapes, args.m, args.modes, args.precompile_only, args.json, args.write_table)
     else:
         run_gemm_bench(shapes, args.m, mlp=not args.no_mlp, only=args.variants)
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))

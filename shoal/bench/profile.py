@@ -16,7 +16,6 @@ one name but a different grid per weight shape). The analysis (`kernel_events`, 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import tempfile
@@ -151,12 +150,11 @@ def sampler_case(rows: int, main: bool, device: str, scale: float = 1.0):
     columns = 4097 if main else 4096
     logits = (scale * torch.randn(rows, columns, device=device)).to(torch.bfloat16)
     params = (
-        torch.full((rows,), 0.8, device=device),
-        torch.full((rows,), 0.8, device=device),
+        torch.full((rows,), 0.8, device=device), torch.full((rows,), 0.8, device=device),
         torch.full((rows,), 30, device=device, dtype=torch.long),
         torch.arange(rows, device=device, dtype=torch.long),
         torch.full((rows,), 5, device=device, dtype=torch.long),
-    )
+    )  # fmt: skip
     extra = {}
     if main:
         extra = {
@@ -167,55 +165,14 @@ def sampler_case(rows: int, main: bool, device: str, scale: float = 1.0):
     return logits, params, extra
 
 
-def sample_kernel_table() -> None:
-    """The sampling kernel alone (CUDA-graph replays) at the decode step's shapes: codebook rows
-    (4,096 columns) and S2's main row (4,097, with token ids and RAS), batch 1 and 64, `max_top_k`
-    64; for the main row with its last column split off (`split_last_column`) and without (the
-    8,192 tile); at 4, 8 and 16 warps (`/4w`, `/16w`; 8 by default). Those run one program per
-    row (`chunks=1`); `/c4`, `/c8`, `/c16` spread each row over that many programs
-    (`sample_tokens`' `chunks`, 8 warps; the default at batch <= 64 is `DEFAULT_CHUNKS`),
-    requested explicitly at both batches."""
-    import torch
-
-    from shoal.bench.timing import time_graph_ms
-    from shoal.kernels.sample import sample_tokens
-
-    device = "cuda"
-    for rows, main in ((1, False), (1, True), (64, False), (64, True)):
-        logits, params, extra = sampler_case(rows, main, device)
-        columns = logits.shape[1]
-        out = torch.empty(rows, dtype=torch.long, device=device)
-        times = {}
-        variants = [
-            (split, warps, 1)
-            for split in ((True, False) if main else (True,))  # a 4,096-column row has no column to split
-            for warps in ((4, 8, 16) if split else (8,))
-        ]
-        variants += [(True, 8, chunks) for chunks in (4, 8, 16)]
-        for split, warps, chunks in variants:
-            call = functools.partial(
-                sample_tokens, logits, *params, slot=0 if main else 3, max_top_k=64, out=out,
-                split_last_column=split, num_warps=warps, chunks=chunks, **extra,
-            )  # fmt: skip
-            label = ("split" if split else "whole") if main else "row"
-            label += f"/{warps}w" if warps != 8 else ""
-            label += f"/c{chunks}" if chunks != 1 else ""
-            times[label] = 1000 * time_graph_ms(call, repeats=30)
-        cells = "  ".join(f"{label} {t:6.1f}" for label, t in times.items())
-        print(f"sample kernel rows={rows} columns={columns}: µs  {cells}")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=332, help="keys per row")
     parser.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=None,
-        help="sizes the block tables, hence the decode attention's split count; default: "
-        "context + 48 (`bench.engine.STEP_TABLE_MARGIN`), the width `shoal bench engine` gives its "
-        "332-key step, so both time the same step; `shoal serve` uses 32768",
-    )
+        "--max-seq-len", type=int, default=None,
+        help="block-table width, hence the attention's split count (default: context + 48, the engine "
+        "bench's step; `shoal serve` uses 32768)",
+    )  # fmt: skip
     parser.add_argument("--weight-format", choices=("bf16", "fp8"), default="fp8")
     parser.add_argument("--top", type=int, default=24)
     parser.add_argument(
@@ -223,15 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", default=None, help="write every kernel event of each profiled step here")
     parser.add_argument(
-        "--sample-kernel", action="store_true", help="first time the sampling kernel's variants alone"
-    )
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="SPEC",
+        "--variant", action="append", default=[], metavar="SPEC",
         help="also profile the step with these tuned-table changes (`shoal bench ab`'s syntax); repeat",
-    )
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,8 +191,6 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("the step profile needs a CUDA GPU")
         return 2
-    if args.sample_kernel:
-        sample_kernel_table()
     from shoal.bench.ab import applied, concrete, parse_variant
     from shoal.bench.engine import decode_step_ms, random_step_core
 
@@ -267,9 +216,3 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dump, f)
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))

@@ -28,13 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from shoal.models.checkpoint import S2_INDEX_FILE, build_model, native_to_file_key
+from shoal.models.checkpoint import S2_INDEX_FILE, native_to_file_key
 from shoal.models.codec import CodecConfig, save_random_codec
 from shoal.models.config import ModelConfig, parse_config, to_official_dict
-from shoal.models.layers import RMSNorm
-from shoal.models.writer import write_s2_tokenizer
+from shoal.models.writer import tensor_plan, write_s2_tokenizer
 
 SIZES = ("s2-pro", "demo")
 CODEC_FILE = "codec.pth"
@@ -64,17 +63,10 @@ S2_PRO_CONFIG = {
 
 # safetensors dtype names
 _SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
-}
+}  # fmt: skip
 
 
 def model_config(size: str) -> ModelConfig:
@@ -113,20 +105,6 @@ def special_ids(config: ModelConfig, size: str) -> dict[str, int]:
 # ---- weights ----------------------------------------------------------------------------------
 
 
-def tensor_plan(config: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
-    """(native name, shape, init) for every tensor the loader expects; init is "ones" (norm
-    weights), "zeros" (biases) or "normal" (N(0, initializer_range)), as in the writer."""
-    model = build_model(config)  # meta device: shapes only
-    norms = {
-        f"{name}.weight" for name, module in model.named_modules() if isinstance(module, RMSNorm | nn.RMSNorm)
-    }
-    plan = []
-    for name, param in model.state_dict().items():
-        init = "ones" if name in norms else "zeros" if name.endswith(".bias") else "normal"
-        plan.append((name, tuple(param.shape), init))
-    return plan
-
-
 def split_shards(sizes: list[int], num_shards: int) -> list[list[int]]:
     """Consecutive index groups of about equal byte totals: at most `num_shards`, none empty
     (fewer when single items are larger than a shard)."""
@@ -147,10 +125,9 @@ def safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], 
     for name, dtype, shape in entries:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(shape),
+            "dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
-        }
+        }  # fmt: skip
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -163,14 +140,9 @@ def _write_tensor(file, tensor: Tensor) -> None:
 
 
 def write_shard(
-    path: Path,
-    items: list[tuple[str, str, tuple[int, ...], str]],
-    *,
-    std: float,
-    dtype: torch.dtype,
-    device: torch.device,
-    seed: int,
-) -> int:
+    path: Path, items: list[tuple[str, str, tuple[int, ...], str]], *, std: float, dtype: torch.dtype,
+    device: torch.device, seed: int,
+) -> int:  # fmt: skip
     """Draw each tensor on `device` and stream it into a safetensors file; items are (file key,
     native name, shape, init). Returns the bytes of tensor data written."""
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -191,15 +163,9 @@ def write_shard(
 
 
 def write_weights(
-    directory: Path,
-    config: ModelConfig,
-    *,
-    device: torch.device,
-    dtype: torch.dtype = torch.bfloat16,
-    num_shards: int = 8,
-    seed: int = 0,
-    workers: int = 4,
-) -> int:
+    directory: Path, config: ModelConfig, *, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+    num_shards: int = 8, seed: int = 0, workers: int = 4,
+) -> int:  # fmt: skip
     """The sharded safetensors files + index of `config`'s random weights; returns total bytes."""
     plan = [(native_to_file_key(name, "s2"), name, shape, init) for name, shape, init in tensor_plan(config)]
     element = torch.empty((), dtype=dtype).element_size()
@@ -235,15 +201,9 @@ def write_metadata(directory: Path, config: ModelConfig, size: str) -> dict:
 
 
 def write_random_checkpoint(
-    directory: str | Path,
-    size: str = "s2-pro",
-    *,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-    num_shards: int | None = None,
-    codec: bool = True,
-    log=print,
-) -> ModelConfig:
+    directory: str | Path, size: str = "s2-pro", *, device: str | torch.device = "cpu", seed: int = 0,
+    num_shards: int | None = None, codec: bool = True, log=print,
+) -> ModelConfig:  # fmt: skip
     """Write the `size` model (S2 layout, bf16) and, with `codec`, `codec.pth` into `directory`.
     Returns the model config that `load_model` reads back."""
     directory = Path(directory)

@@ -4,29 +4,17 @@ with CUDA events, take the median.
 Why graphs: a replay is one launch, so the time is the kernels' own, not Python's launch cost,
 which is what the engine pays too (its decode step runs as graph replays). Why the median: a
 sample now and then lands on a clock ramp or a host hiccup; the median ignores it where a mean
-would not.
-
-`time_graph_ms` replaced three near-copies (`bench/attention.py`, `bench/engine.py`,
-`bench/gemm.py`) whose warm-up differed; it does the most careful of them:
-1. `warmup_calls` eager calls on a side stream, then a synchronize (gemm's 3 calls on a side
-   stream, as torch's capture notes ask: Triton compiles and autotunes, cuBLAS picks kernels and
-   allocates its workspace, lazy buffers appear, all outside the capture). Engine's helper made
-   1 call; attention's made 1 on the capturing stream.
-2. Capture one `fn()` into a graph.
-3. `warmup_replays` replays, then a synchronize (attention's), so the first timed replay finds the
-   graph uploaded and the caches as every later one does. Engine's helper timed the first replay;
-   gemm's replayed once but did not wait for it.
-4. `repeats` samples; each is CUDA events around `replays_per_sample` back-to-back replays (gemm
-   timed 50 per sample, which also hides the gap between replays; attention and engine timed 1).
-
+would not. `time_graph_ms`:
+1. `warmup_calls` eager calls on a side stream, then a synchronize (Triton compiles, cuBLAS picks
+   kernels and allocates its workspace, lazy buffers appear, all outside the capture);
+2. capture one `fn()` into a graph;
+3. `warmup_replays` replays, then a synchronize, so the first timed replay finds the graph
+   uploaded and the caches as every later one does;
+4. `repeats` samples, each CUDA events around `replays_per_sample` back-to-back replays.
 The result is the median sample / `replays_per_sample` / `calls_per_replay` (how many calls of
-the measured thing `fn` makes, e.g. one per input copy that keeps L2 cold). `statistics.median`
-takes the mean of the two middle samples for an even count; the old helpers of attention and gemm
-took the upper one (the same value for gemm's odd counts, a negligible change for attention's 50).
+the measured thing `fn` makes, e.g. one per input copy that keeps L2 cold).
 
-The non-CUDA parts (`sample_ms`, `per_call_ms`) take plain callables and numbers, so they are
-tested on the CPU (tests/test_bench_timing.py); only `capture_graph` and `cuda_elapsed_ms` need
-a GPU.
+`sample_ms` and `per_call_ms` take plain callables and numbers, so they are tested on the CPU.
 """
 
 from __future__ import annotations
@@ -48,11 +36,9 @@ def per_call_ms(samples_ms: Sequence[float], replays_per_sample: int = 1, calls_
 
 
 def sample_ms(
-    replay: Callable[[], object],
-    repeats: int,
-    replays_per_sample: int,
+    replay: Callable[[], object], repeats: int, replays_per_sample: int,
     elapsed_ms: Callable[[Callable[[], None]], float],
-) -> list[float]:
+) -> list[float]:  # fmt: skip
     """`repeats` samples, each `elapsed_ms(work)` of `replays_per_sample` back-to-back `replay()`s.
     `elapsed_ms` is the clock (CUDA events on the GPU; any callable in tests)."""
     if repeats < 1:
@@ -92,14 +78,9 @@ def capture_graph(fn: Callable[[], object], warmup_calls: int = 3) -> torch.cuda
 
 
 def time_graph_ms(
-    fn: Callable[[], object],
-    *,
-    repeats: int = 30,
-    replays_per_sample: int = 1,
-    warmup_calls: int = 3,
-    warmup_replays: int = 1,
-    calls_per_replay: int = 1,
-) -> float:
+    fn: Callable[[], object], *, repeats: int = 30, replays_per_sample: int = 1, warmup_calls: int = 3,
+    warmup_replays: int = 1, calls_per_replay: int = 1,
+) -> float:  # fmt: skip
     """Median ms per call of `fn` replayed as a CUDA graph (module docstring: warm-up, samples).
     `fn` must be capturable: fixed shapes and addresses, no host sync."""
     if not torch.cuda.is_available():

@@ -2,15 +2,11 @@
 host side that fills them.
 
 `DecodeBuffers` rows 0..bs-1 are live; the rest is padding pointed at the KV cache's scratch
-page. `HostBatch` keeps a pinned host copy of every buffer and fills it with numpy, so a step
-costs a few vectorized writes and one non-blocking copy per field. When a step runs the same
-requests in the same rows as the previous one (steady decoding), the device already holds the
-right tokens and window (the step writes them in place), so only the per-step metadata
-(positions, slots, lengths, frame indices, block tables) travels.
-
-The four per-row scalars live in one buffer (`DecodeBuffers.scalars`) and travel in one copy,
-and the block tables only when they changed (a row gained a page): at concurrency 1 each copy on
-the stream is a few µs of GPU time between two steps' graphs, on a 3 ms step.
+page. `HostBatch` keeps a pinned host copy of every buffer and fills it with numpy. When a step
+runs the same requests in the same rows as the previous one, the device already holds their
+tokens and window (the step writes them in place), so only the per-step metadata travels: the
+four per-row scalars in one copy, the block tables only when a row gained a page (each copy is a
+few µs of GPU time between two steps' graphs).
 """
 
 from __future__ import annotations

@@ -48,14 +48,9 @@ class DecodeStep:
     """One frame per row of a `DecodeBuffers` (runner.py), in place."""
 
     def __init__(
-        self,
-        model,
-        kv,
-        max_batch: int,
-        use_kernels: bool,
-        max_top_k: int | None = 32,
+        self, model, kv, max_batch: int, use_kernels: bool, max_top_k: int | None = 32,
         tuning: Tuning = TUNING,
-    ) -> None:
+    ) -> None:  # fmt: skip
         mc = model.config
         self.model, self.kv, self.config = model, kv, mc
         self.rules = rules_for(mc.family)
@@ -76,19 +71,17 @@ class DecodeStep:
         else:
             self.column_ids = torch.arange(mc.vocab_size, device=device)
             self.head_weight = head.detach()
-        # cuBLAS picks a slow kernel for S2's 4,097-row slice (a 39 µs CUTLASS fallback at batch 64
-        # on the H200, docs/performance.md run 16): on CUDA that slice (a copy already) gets zero
-        # rows up to a multiple of 64 and the step reads only the first `head_rows` logits.
+        # cuBLAS picks a slow fallback kernel for S2's 4,097-row slice: on CUDA that slice (a copy
+        # already) gets zero rows up to a multiple of 64 and the step reads only the first
+        # `head_rows` logits.
         self.head_rows = self.head_weight.shape[0]
         padded_rows = -(-self.head_rows // 64) * 64
         if self.rules.constrain_to_semantic and device.type == "cuda" and padded_rows != self.head_rows:
             padding = self.head_weight.new_zeros(padded_rows - self.head_rows, self.head_weight.shape[1])
             self.head_weight = torch.cat([self.head_weight, padding])
         self.column_ids32 = self.column_ids.to(torch.int32)
-        self.main_ranks = torch.arange(self.column_ids.numel(), device=device)
         limit = self.rules.codebook_logit_limit or mc.codebook_size
         self.codebook_columns = min(limit, mc.codebook_size)
-        self.codebook_ranks = torch.arange(self.codebook_columns, device=device)
         self.ras = self.rules.ras_parameters(max_batch, device)
         self.kernel_main = (
             use_kernels and self.rules.constrain_to_semantic and self.rules.main_penalty == "none"
@@ -325,10 +318,8 @@ class DecodeStep:
             batch = x.shape[0] // 2
             positions, slots = self.pass0_positions[: 2 * batch], self.pass0_slots[: 2 * batch]
             tables, lens, starts = (
-                self.fast_tables[:batch],
-                self.pass0_lens[:batch],
-                self.pass0_starts[: batch + 1],
-            )
+                self.fast_tables[:batch], self.pass0_lens[:batch], self.pass0_starts[: batch + 1],
+            )  # fmt: skip
 
             def attend(q, pools, out_fp8):
                 return paged_prefill_attention(q, pools.k, pools.v, tables, lens, starts, 2, out_fp8=out_fp8)
@@ -432,15 +423,9 @@ class DecodeStep:
         batch = logits.shape[0]
         ras = (self.ras[0][:batch], self.ras[1][:batch])
         token = sample_main_tokens(
-            rules,
-            logits,
-            self.column_ids,
-            self._params(buffers),
-            buffers.window,
-            buffers.frame_index,
-            semantic,
-            ras,
-        )
+            rules, logits, self.column_ids, self._params(buffers), buffers.window, buffers.frame_index,
+            semantic, ras,
+        )  # fmt: skip
         buffers.frames[:, 0].copy_(token)
 
     def sample_codebook(self, logits: Tensor, k: int, buffers, capped: bool) -> None:

@@ -4,29 +4,27 @@
 projection (`fp8_linear.QUANTIZED_MODULES`) unless the model came from an FP8 checkpoint, sets the
 activation mode, and checks every layer's layout with its probe. Embeddings, norms, the S2 head
 slice and the fast head stay in the model dtype: embeddings are gathers (a step reads B rows, not
-the matrix), norms are vectors, and the two heads are 2 x 10.5 M parameters (about 1.4% of the
-bytes a frame reads) whose logits decide every sampled token directly, so they keep full precision.
+the matrix), norms are vectors, and the two heads are a small share of the bytes a frame reads
+whose logits decide every sampled token directly, so they keep full precision.
 
 `Fp8Projections` runs those projections for `engine/decode_step.py`'s kernel path. Per call the
 kernel variant is chosen from the GEMM shape (N, K) and the row count M (`variant_for`):
 
 - `"w8a8"`: activations quantized per token per 128 columns by one `kernels/quant.py` launch (for
-  the down projection fused with SwiGLU: `swiglu_quantize`), then the W8A8 GEMM; measured fastest
-  at M <= 16 (docs/performance.md run 6);
+  the down projection fused with SwiGLU: `swiglu_quantize`), or by the kernel that produced them
+  (`fp8_input`), then the W8A8 GEMM;
 - `"w8a8_inline"`: the GEMM quantizes its activation tiles itself (no extra launch);
 - `"w8a16"`: bf16 activations, weights dequantized in registers;
 - `"bf16"`: cuBLAS on a resident bf16 copy dequantized from the FP8 weights once at load (more
-  memory, kept only for shapes whose table entry uses it: none of S2-Pro's since run 157);
+  memory, kept only for shapes whose table entry uses it);
 - `"scaled_mm"`: prefill-sized M: activations quantized by one `kernels/quant.py` launch, then
   `torch._scaled_mm` with block-wise scales (cuBLAS; rows padded to a multiple of 16), no bf16
-  copy of the weight needed; `VARIANT_TABLE` runs S2-Pro's prefill from 257 rows on it (runs 24
-  and 157). `Tuning.fp8_prefill` forces one variant for every prefill GEMM
-  (A/B between processes).
+  copy of the weight needed. `Tuning.fp8_prefill` forces one variant for every prefill GEMM.
 
-`VARIANT_TABLE` holds measured winners (`shoal bench engine --fp8-sweep` prints it);
-`default_variant` decides the rest. M buckets are the GEMM's (1, 2, ..., 128) plus three for
-prefill: `SMALL_PREFILL_M` (129-256 rows), `SHORT_PREFILL_M` (257-1,024: one prompt, or a graph's
-packed chunks) and `LARGE_M` (eager batched prefill).
+`VARIANT_TABLE` holds the tuned choices; `default_variant` decides the rest. M buckets are the
+GEMM's (1, 2, ..., 128) plus three for prefill: `SMALL_PREFILL_M` (129-256 rows),
+`SHORT_PREFILL_M` (257-1,024: one prompt, or a graph's packed chunks) and `LARGE_M` (eager batched
+prefill).
 
 CUDA-graph safety: `reserve(ms)` allocates, before capture, the outputs, activation buffers and one
 split-K workspace for every M the graphs use; a call with a reserved M allocates nothing. A call with
@@ -42,7 +40,10 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shoal.kernels import reference
+from shoal.kernels.tuned import FP8_VARIANTS, keyed_entries, read_table, update_table
 from shoal.quant.fp8_linear import (
     DEFAULT_QUANTIZE_INPUT,
     Fp8Linear,
@@ -74,38 +76,21 @@ SMALL_PREFILL_M = 256
 SHORT_PREFILL_M = 1024
 LARGE_M = 1 << 30
 PREFILL_BUCKETS = (SMALL_PREFILL_M, SHORT_PREFILL_M, LARGE_M)
-# Activations quantized (W8A8) at decode sizes: W8A16 measured 1.9x slower (performance.md run 6).
 DEFAULT_QUANTIZE_ACTIVATIONS = DEFAULT_QUANTIZE_INPUT
 
-# (N, K, M bucket) -> variant, measured on the H200 (docs/performance.md run 18: `shoal bench gemm
-# --sweep --m 1 64 128 --modes w8a8`, the tuned W8A8 kernel, TMA loads among the candidates,
-# against bf16 cuBLAS on the same shapes).
-# Shapes and buckets absent here follow `default_variant` (W8A8 up to 32 rows, measured in run 6).
-S2_PRO_SHAPES = ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728))  # qkv, o, gate+up, down
-VARIANT_TABLE: dict[tuple[int, int, int], str] = {
-    (6144, 2560, 64): "w8a8",  # 10.2 vs 11.2 us
-    (2560, 4096, 64): "w8a8",  # 9.8 vs 9.8: a tie; FP8 reads half the bytes
-    (19456, 2560, 64): "w8a8",  # 16.5 vs 31.0
-    (2560, 9728, 64): "w8a8",  # 16.0 vs 18.6
-    # qkv and o at M = 128 were 11.9 / 12.1 µs against bf16 cuBLAS's 11.3 / 10.6 (run 18): the
-    # FP8 kernel costs the batch-64 step's fast pass 0 about 8 µs (0.16%), and with no bf16
-    # entry left the engine holds no bf16 copy of any S2-Pro weight (8 GB freed for KV pages).
-    (6144, 2560, 128): "w8a8",
-    (2560, 4096, 128): "w8a8",
-    (19456, 2560, 128): "w8a8",  # 24.1 vs 30.1
-    (2560, 9728, 128): "w8a8",  # 17.7 vs 21.3
-    # Prefill graphs of 129-256 tokens: every projection on the FP8 kernel, 0.954x of bf16
-    # cuBLAS's replay at 256 tokens; 257-1,024 tokens on `scaled_mm`, 0.855x at 512 and 0.817x at
-    # 1,024 (run 157; it lost at 256, 1.027x). Replayed, `scaled_mm` no longer shows the per-call
-    # host cost that made an eager 300-token prompt's first frame 26-72 ms on it (run 29).
-    **{(n, k, SMALL_PREFILL_M): "w8a8" for n, k in S2_PRO_SHAPES},
-    **{(n, k, SHORT_PREFILL_M): "scaled_mm" for n, k in S2_PRO_SHAPES},
-    # Eager batched prefill (run 24, `shoal bench engine --fp8-sweep 300 2048 8192`, µs scaled_mm vs
-    # bf16 at M = 2048 / 8192): gate+up 231.6 / 876.2 vs 293.9 / 1066.2, down with SwiGLU 155.0 /
-    # 533.9 vs 243.6 / 939.5, qkv 87.7 / 320.8 vs 92.6 / 338.8; o 74.6 / 245.2 vs 61.6 / 226.6 (8%
-    # slower at 8,192 rows, about 1% of the prefill, for the bf16 copies' memory).
-    **{(n, k, LARGE_M): "scaled_mm" for n, k in S2_PRO_SHAPES},
-}
+# (N, K, M bucket) -> variant, from `kernels/tuned/fp8_variants.json` (`shoal bench engine
+# --fp8-sweep` against bf16 cuBLAS); other shapes and buckets follow `default_variant`. S2-Pro's
+# projections run the FP8 kernel up to 256 rows and `scaled_mm` above, so the engine holds no bf16
+# copy of any S2-Pro weight (their memory goes to KV pages).
+VARIANT_TABLE: Mapping[tuple[int, int, int], str] = MappingProxyType(
+    {(entry["n"], entry["k"], entry["m"]): entry["variant"] for entry in read_table(FP8_VARIANTS)}
+)
+
+
+def write_variant_table(winners: Mapping[tuple[int, int, int], str], directory: Path | None = None) -> Path:
+    """Merge sweep winners {(N, K, M bucket): variant} into `kernels/tuned/fp8_variants.json`."""
+    fields = {key: {"variant": variant} for key, variant in winners.items()}
+    return update_table(FP8_VARIANTS, lambda table: keyed_entries(table, fields, ("n", "k", "m")), directory)
 
 
 def m_bucket(m: int) -> int:
@@ -116,21 +101,17 @@ def m_bucket(m: int) -> int:
 
 
 def default_variant(bucket: int, quantize_activations: bool = DEFAULT_QUANTIZE_ACTIVATIONS) -> str:
-    """Before measurement: the FP8 kernel where it was measured to win (M <= 16 in run 6, assumed up
-    to 32), bf16 cuBLAS from M = 64 (run 2: gate+up 30.1 vs 40.3 us, down 21.4 vs 25.2 at M = 128)."""
+    """Shapes the table does not name: the FP8 kernel at decode sizes, bf16 cuBLAS from M = 64,
+    where an untuned FP8 tiling loses to it."""
     if bucket >= 64:
         return "bf16"
     return "w8a8" if quantize_activations else "w8a16"
 
 
 def variant_for(
-    n: int,
-    k: int,
-    m: int,
-    quantize_activations: bool = DEFAULT_QUANTIZE_ACTIVATIONS,
-    table: dict[tuple[int, int, int], str] | None = None,
-    forced_prefill: str | None = None,
-) -> str:
+    n: int, k: int, m: int, quantize_activations: bool = DEFAULT_QUANTIZE_ACTIVATIONS,
+    table: Mapping[tuple[int, int, int], str] | None = None, forced_prefill: str | None = None,
+) -> str:  # fmt: skip
     """The GEMM variant at this shape; `forced_prefill` (`Tuning.fp8_prefill`) for prefill buckets."""
     bucket = m_bucket(m)
     if forced_prefill is not None and bucket in PREFILL_BUCKETS:
@@ -220,13 +201,10 @@ class Fp8Projections:
     rounding in between), which checks the wiring against the model's own modules."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        backend: str = "triton",
-        table: dict[tuple[int, int, int], str] | None = None,
-        emulate_kernels: bool = True,
+        self, model: nn.Module, backend: str = "triton",
+        table: Mapping[tuple[int, int, int], str] | None = None, emulate_kernels: bool = True,
         tuning: Tuning = TUNING,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.tuning = tuning
         if backend not in ("triton", "reference"):
             raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
@@ -426,16 +404,10 @@ class Fp8Projections:
         return torch.empty(m, 2 * inter, dtype=torch.bfloat16, device=device)
 
     def _linear(
-        self,
-        w: Fp8Weight,
-        x: Tensor | tuple[Tensor, Tensor],
-        *,
-        swiglu: bool = False,
-        keep_bf16: bool = False,
-        out: Tensor | None = None,
-        out_dtype: torch.dtype | None = None,
+        self, w: Fp8Weight, x: Tensor | tuple[Tensor, Tensor], *, swiglu: bool = False,
+        keep_bf16: bool = False, out: Tensor | None = None, out_dtype: torch.dtype | None = None,
         unreduced: bool = False,
-    ) -> Tensor | SplitKPartials:
+    ) -> Tensor | SplitKPartials:  # fmt: skip
         """x [M, K] (gate | up [M, 2K] with `swiglu`) -> [M, N]: bf16 with `keep_bf16` (an
         intermediate), else the input's dtype (`out_dtype` when given). x may be an already
         quantized (e4m3, scales) pair from `fp8_input` (then the variant is W8A8 or `scaled_mm`).
@@ -514,8 +486,8 @@ class Fp8Projections:
         128, weight blocks of 128 x 128, fp32 sums), another summation order. cuBLAS's block-wise
         kernels want whole 16-row groups: the quantization pads the rows with zeros itself, and
         the product lands in `out` when it has those rows, else (no `out`) in a padded buffer
-        whose first M rows are returned as a view. Copying padded inputs and outputs instead took
-        about a tenth of an eager 3,840-row prefill chunk (docs/performance.md run 198)."""
+        whose first M rows are returned as a view (copying padded inputs and outputs would cost
+        a noticeable share of an eager prefill chunk)."""
         from shoal.kernels.quant import quantize_activations, swiglu_quantize
 
         if isinstance(x, tuple):  # quantized by the kernel that produced it (`fp8_input`): M % 16 == 0
@@ -545,13 +517,9 @@ class Fp8Projections:
             y = (a @ w.dense.t()).float()
         else:
             y = reference.fp8_linear(
-                x,
-                w.q,
-                w.scale,
-                variant in ("w8a8", "w8a8_inline", "scaled_mm"),
-                swiglu,
+                x, w.q, w.scale, variant in ("w8a8", "w8a8_inline", "scaled_mm"), swiglu,
                 out_dtype=torch.float32,
-            )
+            )  # fmt: skip
         return y + w.bias.float() if w.bias is not None else y
 
 

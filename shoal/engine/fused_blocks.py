@@ -39,18 +39,10 @@ class FusedBlockOps:
     """One forward's worth of fused ops over `tokens` rows; `pages(i)` gives layer i's KV."""
 
     def __init__(
-        self,
-        tuning: Tuning,
-        fp8: Fp8Projections | None,
-        dtype: torch.dtype,
-        positions: Tensor,
-        rope: Tensor,
-        pages: Callable[[int], LayerKV],
-        slots: Tensor,
-        attend: Attend,
-        rope_attend: RopeAttend | None = None,
+        self, tuning: Tuning, fp8: Fp8Projections | None, dtype: torch.dtype, positions: Tensor, rope: Tensor,
+        pages: Callable[[int], LayerKV], slots: Tensor, attend: Attend, rope_attend: RopeAttend | None = None,
         fast_qkv_partials: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.tuning, self.fp8 = tuning, fp8
         self.positions, self.rope, self.pages, self.slots = positions, rope, pages, slots
         self.attend, self.rope_attend, self.fast_qkv_partials = attend, rope_attend, fast_qkv_partials
@@ -123,13 +115,9 @@ class FusedBlockOps:
         target = self._fp8_target(feeds)
         if not self.slice_groups:
             normed, _ = norm_rope.rms_norm(
-                out,
-                norm.weight,
-                norm.eps,
-                residual=self.residual,
-                out_fp8=target,
+                out, norm.weight, norm.eps, residual=self.residual, out_fp8=target,
                 max_registers=self.registers,
-            )
+            )  # fmt: skip
             return normed
         normed, summed = norm_rope.rms_norm(
             out, norm.weight, norm.eps, residual=self.residual, out_fp8=target, residual_out=self.spare,

@@ -1,25 +1,13 @@
-"""CUDA graphs of the engine's fixed-shape GPU work, one per batch-size bucket.
+"""CUDA graphs of the engine's fixed-shape GPU work, one per bucket.
 
-`DecodeGraphs`: the whole decode step. All buckets share the runner's static `DecodeBuffers`
-(sized for max_running_requests) and one private memory pool. A batch of n rows replays the
-smallest bucket >= n; rows n.. of that bucket are padding (`HostBatch` points them at the KV
-cache's scratch page). A replay is one graph launch; the inputs were copied in before it
-(non-blocking, pinned) and the frames are copied out after it by the runner. Nothing inside
-needs the host.
-
-`FirstFrameGraphs`: a request's first frame, sampled at the end of its prefill
-(`DecodeStep.frames_from_hidden`: output head, main-token sampling, the fast loop). Eagerly that
-is hundreds of small launches on the time-to-first-frame path; replayed it is one. Its static
-inputs are the runner's `FirstFrameBatch` (runner.py), separate from the decode step's buffers
-because a prefill's completing rows are not the decode batch's rows. Captured after the decode
-graphs, into their pool (both run on one stream, one after the other, so their temporaries may
-share memory), with the same buckets, hence the same GEMM row counts (FP8's reserved M values).
-
-`PrefillGraphs`: a step's prefill chunk, or several requests' chunks packed
-(`prefill_batch.PrefillBatch`), padded to a token bucket: the whole slow model in one launch
-instead of hundreds of eager ones from Python (the host, not the GPU, bounded the time to first
-frame: docs/performance.md run 36).
-Its own pool: its temporaries (up to the largest bucket's activations) are not the decode step's.
+`DecodeGraphs`: the whole decode step per batch-size bucket, on the runner's static
+`DecodeBuffers`, one private memory pool. A batch of n rows replays the smallest bucket >= n; rows
+n.. are padding (`HostBatch` points them at the KV cache's scratch page). Nothing inside needs the
+host. `FirstFrameGraphs`: a request's first frame at the end of its prefill, on the runner's
+`FirstFrameBatch`, captured into the decode graphs' pool (both run on one stream, one after the
+other) with the same buckets, hence the same FP8 GEMM row counts. `PrefillGraphs`: a step's
+prefill chunks packed into a token bucket (`prefill_batch.PrefillBatch`), the whole slow model in
+one launch, with a pool of its own.
 
 All capture the same way (`BucketGraphs.capture`): warm every bucket up on a side stream, then
 capture from the largest bucket down so smaller graphs reuse the pool's memory.
@@ -43,13 +31,9 @@ class BucketGraphs:
     capture stream's)."""
 
     def __init__(
-        self,
-        buckets: tuple[int, ...],
-        body: Callable[[int], None],
-        reset: Callable[[], None],
-        pool: tuple | None = None,
-        capture_stream: torch.cuda.Stream | None = None,
-    ) -> None:
+        self, buckets: tuple[int, ...], body: Callable[[int], None], reset: Callable[[], None],
+        pool: tuple | None = None, capture_stream: torch.cuda.Stream | None = None,
+    ) -> None:  # fmt: skip
         if not buckets:
             raise ValueError("at least one graph bucket is needed")
         self.buckets = tuple(sorted(buckets))

@@ -226,10 +226,9 @@ class PagedKV:
 
     `kv_dtype=torch.float8_e4m3fn` (`EngineConfig.kv_cache_dtype="fp8"`) stores e4m3 keys and
     values with one fp32 scale per (token, kv head), `k_scales`/`v_scales` `[num_pages + 1,
-    page_size, Hkv]` per layer (`kernels.reference.quantize_kv`): 1.94x the tokens per GiB.
-    Attention then runs on the dequantized values (the kernels fold the scales into the scores
-    and probabilities); on the H200 that is not faster than the bf16 cache at batch 1 or 64
-    (docs/performance.md runs 59 and 61), so it is a capacity option.
+    page_size, Hkv]` per layer (`kernels.reference.quantize_kv`): almost twice the tokens per
+    GiB. Attention then runs on the dequantized values (the kernels fold the scales into the
+    scores and probabilities), which is not faster than the bf16 cache: a capacity option.
 
     Two modes, set before each forward:
     - varlen (`set_varlen`): any mix of sequences with any number of new tokens (prefill
@@ -239,16 +238,9 @@ class PagedKV:
     """
 
     def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        kv_dtype: torch.dtype | None = None,
-    ) -> None:
+        self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str, kv_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
         stored = dtype if kv_dtype is None else kv_dtype
         if stored not in (dtype, FP8_KV_DTYPE):
@@ -284,8 +276,7 @@ class PagedKV:
         """segments: (offset in the flat batch, new tokens, KV length after them, block table).
 
         The slots are computed with numpy, one vector op per segment: a Python loop over every
-        token (`slot_of`) took about 4 ms per 8,192-token chunk, time the GPU sat idle between
-        two prefill steps (docs/performance.md run 202)."""
+        token (`slot_of`) takes milliseconds per large chunk, while the GPU sits idle."""
         size = self.page_size
         parts = []
         for _, count, kv_len, pages in segments:
@@ -358,12 +349,9 @@ class PagedKV:
             query_pos = torch.arange(kv_len - count, kv_len, device=q.device)
             mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
             attended = F.scaled_dot_product_attention(
-                q[offset : offset + count].transpose(0, 1)[None],
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
-                attn_mask=mask[None, None],
-                enable_gqa=True,
-            )
+                q[offset : offset + count].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None], attn_mask=mask[None, None], enable_gqa=True,
+            )  # fmt: skip
             out[offset : offset + count] = attended[0].transpose(0, 1)
         return out
 
@@ -378,12 +366,9 @@ class PagedKV:
         values = values.view(batch, pages * self.page_size, *self.v.shape[-2:])
         visible = torch.arange(pages * self.page_size, device=q.device)[None, :] < self._kv_lens[:, None]
         attended = F.scaled_dot_product_attention(
-            q[:, :, None, :],
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=visible[:, None, None, :],
-            enable_gqa=True,
-        )
+            q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=visible[:, None, None, :], enable_gqa=True,
+        )  # fmt: skip
         return attended[:, :, 0, :]
 
 

@@ -1,29 +1,20 @@
 """A step's prefill chunks on static buffers, so that they can be replayed as a CUDA graph.
 
 Why: an eager prefill launches about fifteen kernels and a few dozen small torch ops per layer
-from Python. For a 300-token S2-Pro prompt the host needs 20-40 ms to launch its 36 layers while
-the GPU needs about 16 ms for the prefill and the first frame together (docs/performance.md run
-36), so the time to first frame is bound by the host and moves with its speed. Replayed, the
-whole chunk is one launch.
+from Python; for a 300-token S2-Pro prompt the host takes longer to launch its 36 layers than the
+GPU takes for the prefill and the first frame together. Replayed, the whole chunk is one launch.
 
 `PrefillBatch` holds the inputs of `DecodeStep.prefill` for up to `segments` chunks (one per
-request) of at most the largest bucket's tokens in all (tokens, positions, KV slots, each
-segment's block table, key count and varlen query bounds) plus the two outputs (last layer's
-output, final-normed), and a pinned host staging copy. `fill` writes the chunks one after the
-other and pads them to a bucket with two host-to-device copies; `compute(bucket)` runs the fused
-prefill on the static views (what `graphs.PrefillGraphs` captures; without graphs it runs eagerly
-on the same buffers, which is how the CPU tests reach the fill).
+request, `EngineConfig.prefill_graph_segments`) of at most the largest bucket's tokens in all,
+the two outputs and a pinned host staging copy. `fill` writes the chunks one after the other and
+pads them to a bucket; `compute(bucket)` runs the fused prefill on the static views (what
+`graphs.PrefillGraphs` captures; without graphs it runs eagerly, which is how the CPU tests reach
+the fill).
 
-Rows [:total] of a bucket are the chunks; rows total.. are padding: token 0 (a text token, so no
-codebook embedding is added), position 0, keys and values written into the KV cache's scratch
-page (never in a live request's block table), and past every segment's query rows, so the varlen
-attention computes no output row for them. Segments without a chunk have no query rows and no
-keys. Every other op of the prefill is row-wise (embedding, norms, GEMMs, per-token activation
-quantization), so a padding row cannot reach a live row.
-
-With `segments` 1 the metadata has exactly the shapes of one eager chunk's; more segments
-(`EngineConfig.prefill_graph_segments`, 8 by default) let a step that admits several prompts at
-once (a burst of arrivals) replay too, instead of launching its prefill eagerly (host-bound).
+Rows past the chunks are padding: token 0 (a text token), position 0, keys and values written into
+the KV cache's scratch page, and past every segment's query rows, so the varlen attention computes
+no output row for them. Every other op of the prefill is row-wise, so a padding row cannot reach a
+live row.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """The model runner: turns a step plan into tensors, runs the model, returns frames.
 
-Prefill chunks run eagerly as one varlen forward; the chunks that reach the end of their
-request's sequence sample that request's next frame. With `prefill_graphs`, a step's single chunk
-(or up to `prefill_graph_segments` chunks) of at most the largest prefill bucket in all runs
-instead on `PrefillBatch`'s static buffers, replayed as a CUDA graph (`graphs.PrefillGraphs`):
-the eager launches bound the first frame on the host.
-Decodes run the whole frame step on the static `DecodeBuffers` (`batch.py`): with
-`decode_step="fast"` (the default on CUDA) the graph-safe `DecodeStep` (`decode_step.py`),
-replayed as a CUDA graph per batch-size bucket (`graphs.py`); with `"reference"` (the default
-elsewhere) `models/reference.decode_frame`, the oracle's own code. Each row has its own
-parameters and counter-based randomness, so batching never changes a request's frames. With
-`weight_format="fp8"` the model's projections are FP8 (`engine/fp8_weights.py`): the fused step runs
-them through `Fp8Projections`, whose GEMM buffers are reserved for every captured batch size
-before the graphs are captured.
+Prefill chunks run eagerly as one varlen forward, or (`prefill_graphs`) on `PrefillBatch`'s static
+buffers replayed as a CUDA graph; the chunks that complete their request's sequence sample its
+first frame (`DecodeStep.frames_from_hidden`), on `FirstFrameBatch`'s static buffers replayed per
+bucket where the decode graphs are captured. Decodes run the whole frame step on the static
+`DecodeBuffers`: `DecodeStep` (`decode_step="fast"`, the default on CUDA) replayed per batch
+bucket, or `models/reference.decode_frame` (the oracle's own code, the default elsewhere). Each row
+has its own parameters and counter-based randomness, so batching never changes a request's frames.
 
-A request's first frame is sampled when its prefill completes (`DecodeStep.frames_from_hidden`:
-head, main-token sampling, fast loop). Where the decode graphs are captured it runs on static
-buffers (`FirstFrameBatch`) replayed as a CUDA graph per bucket (`graphs.FirstFrameGraphs`): one
-launch instead of hundreds on the time-to-first-frame path. Rows whose top_k exceeds the
-sampling kernels' bound, and more completing rows than the largest bucket, run it eagerly.
-
-A decode is split in `launch_decode` (host fill, non-blocking copies, replay, non-blocking
-copy of the frames into pinned memory, an event) and `PendingDecode.result` (wait for the
-event), so the caller can prepare other work while the GPU runs; with `overlap_steps` the
-next decode of the same rows can be launched (`ahead=1`) before that wait.
+A decode is split in `launch_decode` (host fill, non-blocking copies, replay, non-blocking copy of
+the frames into pinned memory, an event) and `PendingDecode.result` (wait for the event), so the
+caller can prepare other work while the GPU runs; with `overlap_steps` the next decode of the same
+rows can be launched (`ahead=1`) before that wait.
 """
 
 from __future__ import annotations
@@ -276,14 +264,10 @@ class ModelRunner:
     def params_for(self, requests: list[Request], device=None) -> SamplingBatch:
         p = [r.params for r in requests]
         return SamplingBatch.build(
-            self.sampler.rules,
-            temperature=[x.temperature for x in p],
-            top_p=[x.top_p for x in p],
-            top_k=[x.top_k for x in p],
-            repetition_penalty=[x.repetition_penalty for x in p],
-            seed=[x.seed for x in p],
-            device=self.device if device is None else device,
-        )
+            self.sampler.rules, temperature=[x.temperature for x in p], top_p=[x.top_p for x in p],
+            top_k=[x.top_k for x in p], repetition_penalty=[x.repetition_penalty for x in p],
+            seed=[x.seed for x in p], device=self.device if device is None else device,
+        )  # fmt: skip
 
     # Prefill ------------------------------------------------------------------------------
 
@@ -400,14 +384,9 @@ class ModelRunner:
         logits, fast_input = self.model.slow_head(hidden)
         params = self.params_for(completing)
         frames = decode_frame(
-            self.model,
-            self.sampler,
-            logits,
-            fast_input,
-            params,
-            window.to(self.device),
+            self.model, self.sampler, logits, fast_input, params, window.to(self.device),
             frame_index.to(self.device),
-        )
+        )  # fmt: skip
         return frames.to(torch.int32)
 
     def fresh_first_frame_buffers(self, requests: list[Request]) -> DecodeBuffers:
@@ -454,14 +433,9 @@ class ModelRunner:
         hidden = self.model.forward_slow(buffers.tokens.long(), buffers.positions, self.kv)
         logits, fast_input = self.model.slow_head(hidden)
         frames = decode_frame(
-            self.model,
-            self.sampler,
-            logits,
-            fast_input,
-            buffers.params(),
-            buffers.window,
+            self.model, self.sampler, logits, fast_input, buffers.params(), buffers.window,
             buffers.frame_index,
-        )
+        )  # fmt: skip
         push_frames(buffers.window, frames, buffers.frame_index)
         buffers.frames.copy_(frames)
         buffers.tokens.copy_(frames)

@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import triton
@@ -57,6 +59,7 @@ from shoal.kernels.quant import (
     check_kv_scales,
     round_to_bf16,
 )
+from shoal.kernels.tuned import ATTENTION_DECODE, config_fields, read_table, update_table
 
 PAGE_SIZE = 16
 _LOG2E = 1.4426950408889634
@@ -87,55 +90,35 @@ class AttentionConfig:
 
 
 DEFAULT_CONFIG = AttentionConfig()
-# Measured winners for `paged_decode_attention` per batch bucket (the smallest key >= batch),
-# filled from `shoal bench attention --sweep` and `shoal bench ab` on the H200; batches above every
-# key use the largest (the measurements: docs/performance.md).
-# Short rows stay split too: attending a row of <= 512 keys in one program per kv head (no
-# partials, no merge) was slower at batch 1 and 16 in the engine's 32k-key tables and in the step.
-_FUSED_SMALL_BATCH = AttentionConfig(num_stages=3, target_programs=264, fused_merge=True)
-# 128-key blocks; rows split from 64 keys on, in 64-key blocks (batches 2-4 and 9-16, below).
-_SPLIT_SHORT_ROWS = replace(_FUSED_SMALL_BATCH, block_n=128, min_split_tokens=64, split_block_n=64)
-TUNED_DECODE_CONFIGS: dict[int, AttentionConfig] = {
-    # min_split_tokens 64: rows of 332 keys in tables sized for them (the engine bench, the gate)
-    # split in 3 pieces, as they do in 32k tables. 32-key blocks double-buffered at 3 stages fit
-    # in about one 64-key buffer's shared memory (64-key blocks double-buffered lost in the step).
-    1: replace(_FUSED_SMALL_BATCH, block_n=32, min_split_tokens=64),
-    # Batches 2-4 split 332-key rows in the engine bench's tables (the batch-16 entry's config);
-    # batches 5-8 keep one split (`min_split_tokens` 256: the split was slower at batch 8). Both
-    # at 3 stages, double-buffered.
-    4: _SPLIT_SHORT_ROWS,
-    8: replace(_SPLIT_SHORT_ROWS, min_split_tokens=256),
-    # 128-key blocks for unsplit rows (tables of a few hundred keys, one split per row); split
-    # rows (tables of 512 keys and more, `shoal serve`'s 32k) take 32-key blocks, double-buffered
-    # at 3 stages in about one 64-key buffer's shared memory: faster alone from 332 keys to 8k,
-    # while one split of 332 keys is slower with small blocks. min_split_tokens 64: 332-key rows
-    # in the engine bench's tables split in 3 as in `shoal serve`'s (latency-bound at one 4-warp
-    # program per SM).
-    16: replace(_SPLIT_SHORT_ROWS, split_block_n=32),
-    # 32-key blocks at 3 stages: double-buffered in about one 64-key buffer's shared memory.
-    # 64-key blocks at 3 stages double-buffer in 72 KB: three programs per SM instead of four,
-    # 512 programs in two waves, and the step was 5% slower.
-    64: AttentionConfig(block_n=32, num_stages=3, target_programs=264, min_split_tokens=256),
-}
 
 
-# An e4m3 KV cache (`KV_FP8`): half the bytes per key, more work per key, so other winners
-# (`scripts/probe_fp8_kv_attention.py` against the bf16 cache's tuned kernel): batch 1 and 64 with
-# 128-key blocks, batch 16 as bf16's but unsplit at short rows.
-TUNED_DECODE_CONFIGS_FP8_KV: dict[int, AttentionConfig] = {
-    1: replace(TUNED_DECODE_CONFIGS[1], block_n=128, num_stages=2),
-    # 64-key blocks and the split of 332-key rows (the bf16 entry's) not measured on e4m3. 2
-    # stages, one key/value buffer (3 stages, double-buffered in 76 KB, were no faster alone).
-    # That build holds 181 registers unbounded: two programs per SM instead of three, 1.2-1.5x
-    # slower at 1k-8k keys; capped at 168 it does not spill (`scripts/inspect_attention_sm90.py`).
-    16: replace(
-        TUNED_DECODE_CONFIGS[16], split_block_n=0, min_split_tokens=256, num_stages=2, max_registers=168
-    ),
-    # 3 stages: double-buffered 128-key blocks (76 KB, three programs per SM, two waves at batch
-    # 64) are faster alone at 1k-8k keys and in the step at 2k keys in 32k tables, slightly slower
-    # at 332: an e4m3 cache is chosen for long contexts.
-    64: replace(TUNED_DECODE_CONFIGS[64], block_n=128, num_stages=3),
-}
+def _decode_tables() -> tuple[Mapping[int, AttentionConfig], Mapping[int, AttentionConfig]]:
+    raw = read_table(ATTENTION_DECODE)
+    return tuple(
+        MappingProxyType({int(bucket): AttentionConfig(**fields) for bucket, fields in raw[kind].items()})
+        for kind in ("bf16", "fp8_kv")
+    )
+
+
+# `paged_decode_attention`'s configs per batch bucket (the smallest key >= batch; larger batches
+# take the largest), for a bf16 and an e4m3 KV cache (`kernels/tuned/attention_decode.json`). Short
+# rows stay split, and split rows take small key blocks that double-buffer in about one 64-key
+# buffer's shared memory; an e4m3 cache, half the bytes and more work per key, prefers 128-key blocks.
+TUNED_DECODE_CONFIGS, TUNED_DECODE_CONFIGS_FP8_KV = _decode_tables()
+
+
+def write_decode_table(
+    winners: Mapping[int, AttentionConfig], kv_fp8: bool = False, directory: Path | None = None
+) -> Path:
+    """Merge sweep winners {batch bucket: config} into the decode table (other buckets kept)."""
+
+    def change(table: dict) -> dict:
+        entries = {int(bucket): fields for bucket, fields in table["fp8_kv" if kv_fp8 else "bf16"].items()}
+        entries.update({bucket: config_fields(config) for bucket, config in winners.items()})
+        table["fp8_kv" if kv_fp8 else "bf16"] = {str(bucket): entries[bucket] for bucket in sorted(entries)}
+        return table
+
+    return update_table(ATTENTION_DECODE, change, directory)
 
 
 def decode_config(
@@ -170,19 +153,15 @@ def _attend_key_range(
     """Online-softmax accumulation of q tile rows over keys [lo, hi) of one page table row.
 
     KV_FP8 (an e4m3 cache): the tiles widen to f16 (exact, one `cvt` per two values on sm90) and
-    both MMAs take f16 operands, q and the probabilities rounded to f16 (q exactly, while above
-    f16's subnormal range: bf16's 8 significant bits fit f16's 11; the probabilities to 11 bits
-    instead of 8). Widening to bf16 instead (e4m3 -> fp32 -> bf16, exact, three conversions per
-    two values and an fp32 tile in registers) was 3-10% slower per kernel and held 187 registers
-    per thread. Each key's scale multiplies its score
-    column and each value's scale its probability column (l_i sums the unscaled probabilities).
+    both MMAs take f16 operands, q and the probabilities rounded to f16 (q exactly above f16's
+    subnormal range; the probabilities to 11 bits instead of 8). Widening to bf16 would take three
+    conversions per two values and an fp32 tile in registers. Each key's scale multiplies its
+    score column and each value's scale its probability column (l_i sums the unscaled ones).
 
-    The page numbers of the next block are loaded while this one is computed and carried into the
-    next iteration. Loaded in the iteration that uses them, they made the key and value loads an
-    indirection level deeper, and Triton's pipeliner then gave those one buffer below 5 stages;
-    now their addresses come from a loop-carried value and they are pipelined as direct loads:
-    at 3 stages two buffers each (the next block is in flight while this one is computed), at 2
-    stages one, at 4 three (which pays depends on the batch: `TUNED_DECODE_CONFIGS`)."""
+    The page numbers of the next block are loaded one iteration ahead and carried in the loop: the
+    key and value addresses then come from a loop-carried value, so Triton's pipeliner treats
+    them as direct loads and buffers them by `num_stages` (at 3 stages, the next block is in
+    flight while this one is computed)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FP8:
         q_op = q.to(tl.float16)
@@ -572,19 +551,11 @@ def _merge(
 
 
 def paged_decode_attention(
-    q: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float | None = None,
-    num_splits: int | None = None,
-    config: AttentionConfig | None = None,
-    out: Tensor | None = None,
-    out_fp8: tuple[Tensor, Tensor] | None = None,
-    k_scales: Tensor | None = None,
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    scale: float | None = None, num_splits: int | None = None, config: AttentionConfig | None = None,
+    out: Tensor | None = None, out_fp8: tuple[Tensor, Tensor] | None = None, k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """One query per sequence: q [bs, Hq, D] -> [bs, Hq, D]. With `num_splits` > 1 (default:
     `choose_num_splits` over the block table's capacity) the partials are merged, by a second
     launch or (`config.fused_merge`) by the last split program. `config` defaults to the tuned
@@ -630,20 +601,12 @@ def paged_decode_attention(
 
 
 def paged_prefill_attention(
-    q: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    max_query_len: int,
-    scale: float | None = None,
-    config: AttentionConfig = DEFAULT_CONFIG,
-    out: Tensor | None = None,
-    out_fp8: tuple[Tensor, Tensor] | None = None,
-    k_scales: Tensor | None = None,
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    query_start_loc: Tensor, max_query_len: int, scale: float | None = None,
+    config: AttentionConfig = DEFAULT_CONFIG, out: Tensor | None = None,
+    out_fp8: tuple[Tensor, Tensor] | None = None, k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """Varlen causal attention for (chunked) prefill: sequence b's queries are
     q[query_start_loc[b]:query_start_loc[b+1]] [T, Hq, D], its last positions; earlier chunks
     and cached prefix pages are visible through the block table. Returns [T, Hq, D], or with

@@ -61,19 +61,16 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 # With QK-norm, one warp: the norm's 1-D reductions then run in the order of
 # `qk_norm_rope_kv_write`'s launch (also one warp), which keeps normalized keys and queries
-# bit-identical. Without it every value is elementwise and any warp count gives the same bits;
-# one warp measured 1 µs slower per layer than the two launches it replaces (performance.md run
-# 19), so the [16, D] tiles get four; on split-K partials eight: at four the build (196
-# registers with a reduced qkv, 255 with three partials) issued the partials' loads in 9
-# dependent rounds after the PDL wait, at eight in 3 (run 178: batch-1 step 0.986x, batch 16
-# 0.988x of four).
+# bit-identical. Without it every value is elementwise and any warp count gives the same bits:
+# the [16, D] tiles get four (one warp is slower than the two launches it replaces), and reading
+# split-K partials eight, whose smaller per-thread share lets the partials' loads go out in fewer
+# dependent rounds after the PDL wait.
 NORM_WARPS = 1
 PLAIN_WARPS = 4
 PARTIALS_WARPS = 8
 # bf16 qkv (or partials) and RoPE table read as 32-bit (even, odd) words (`_load_pairs`) from
-# WORDS_MIN_ROWS rows up. Against [..., 2] tiles (steps): batch 8 0.996x, 16 0.998x, 64 0.997x
-# (run 189), but batch 1 1.009x and 4 1.006x (run 187; docs/performance.md runs 185-189).
-# False: tiles everywhere (`shoal bench ab --variant kernel:packed_pairs=false`; `kernel:words_min_rows=N`).
+# WORDS_MIN_ROWS rows up: faster than [..., 2] tiles from batch 8, slower below (`Tuning.packed_pairs`,
+# `Tuning.words_min_rows`).
 PACKED_PAIRS = True
 WORDS_MIN_ROWS = 8
 
@@ -127,7 +124,7 @@ def _load_pairs(
 
     PACKED (bf16 storage; `base`, the split stride and ptr 4-byte aligned: `_reads_words`): each
     pair is one 32-bit word, split by shifts after loading, not a [..., 2] tile split after a
-    layout conversion through shared memory (docs/performance.md runs 185-189)."""
+    layout conversion through shared memory."""
     if PACKED:
         words = _pair_words(ptr, base, lane)
         if PARTS > 0:
@@ -233,9 +230,8 @@ def _fast_rope_attention_kernel(
     wait_for_inputs(USE_PDL)  # qkv comes from the GEMM just before
     # The qkv loads before any use: each new token's k (as (even, odd) pairs, split in registers:
     # 4-byte loads, not two strided 2-byte ones) and v, then the query rows. Loaded where they
-    # were used, each came after the layout changes of the one before: the sm_90 build of one
-    # token per row went to memory in 3 dependent rounds, of two tokens in 7; here in 2 and 3
-    # (each load's own layout change still follows it; docs/performance.md run 135).
+    # are used, each would wait for the layout changes of the one before, and the build would go
+    # to memory in more dependent rounds.
     k_halves = ()
     v_rows = ()
     for t in tl.static_range(TOKENS):
@@ -309,17 +305,10 @@ def _fast_rope_attention_kernel(
 
 
 def _check_inputs(
-    qkv: Tensor,
-    qkv_dtype: torch.dtype,
-    positions: Tensor,
-    rope_table: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    tokens_per_row: int,
-    n_q_heads: int,
-    n_kv_heads: int,
+    qkv: Tensor, qkv_dtype: torch.dtype, positions: Tensor, rope_table: Tensor, k_pages: Tensor,
+    v_pages: Tensor, tokens_per_row: int, n_q_heads: int, n_kv_heads: int,
     norm_weights: tuple[Tensor | None, Tensor | None],
-) -> int:
+) -> int:  # fmt: skip
     """Raise ValueError on anything the kernel cannot take; returns head_dim."""
     if tokens_per_row not in (1, 2):
         raise ValueError(f"tokens_per_row must be 1 or 2 (pass 0), got {tokens_per_row}")
@@ -368,22 +357,12 @@ def _reads_words(tensor: Tensor, *strides: int, packed_pairs: bool = PACKED_PAIR
 
 
 def fast_rope_attention(
-    qkv: Tensor | SplitKPartials,
-    positions: Tensor,
-    rope_table: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    tokens_per_row: int,
-    n_q_heads: int,
-    n_kv_heads: int,
-    q_norm_weight: Tensor | None = None,
-    k_norm_weight: Tensor | None = None,
-    eps: float = 1e-6,
-    out: Tensor | None = None,
-    out_fp8: tuple[Tensor, Tensor] | None = None,
-    packed_pairs: bool = PACKED_PAIRS,
+    qkv: Tensor | SplitKPartials, positions: Tensor, rope_table: Tensor, k_pages: Tensor, v_pages: Tensor,
+    tokens_per_row: int, n_q_heads: int, n_kv_heads: int, q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None, eps: float = 1e-6, out: Tensor | None = None,
+    out_fp8: tuple[Tensor, Tensor] | None = None, packed_pairs: bool = PACKED_PAIRS,
     words_min_rows: int = WORDS_MIN_ROWS,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """One fast-transformer attention layer: `qk_norm_rope_kv_write` + paged attention, one launch.
 
     qkv [T, (Hq+2Hkv)*D], T = batch * tokens_per_row, grouped by row (pass 0: tokens_per_row 2,
@@ -391,16 +370,13 @@ def fast_rope_attention(
     rope_table as `models.layers.rope_table`; k_pages/v_pages [num_pages >= batch, page_size,
     Hkv, D], row b in page b: its tokens' k/v land at slot b * page_size + position (where
     `qk_norm_rope_kv_write` puts them) and it attends causally over its keys 0..position.
-    qkv may be the qkv GEMM's `SplitKPartials` (bf16 pages): each value is summed from them while
-    loading, with the bits the GEMM's own reduction would store, so the GEMM skips its arrival
-    atomic, fence and last-program reduction on its tail.
-    Norm weights: QK-norm (S1/S2 models that have it; None skips). Returns the attention output
-    [T, Hq, D] (`out`, or new), or with `out_fp8` = (e4m3 [T, Hq*D], scales from
-    `quant.new_activation_scales(T, Hq*D)`), D == 128, that pair filled for the FP8 o-projection.
+    qkv may be the qkv GEMM's `SplitKPartials` (bf16 pages, summed while loading). Norm weights:
+    QK-norm (None skips). Returns the attention output [T, Hq, D] (`out`, or new), or with
+    `out_fp8` (as `attention.paged_decode_attention`'s) that pair filled for the FP8 o-projection.
 
-    Positions are range-checked here only when they live on the CPU: reading a CUDA tensor would
-    sync the stream, which the graph-captured step must not. On the GPU a position outside
-    [0, min(page_size, len(rope_table))) writes nothing and reads only its own row's page.
+    Positions are range-checked here only on the CPU (reading a CUDA tensor would sync the
+    captured step); on the GPU a position outside [0, min(page_size, len(rope_table))) writes
+    nothing and reads only its own row's page.
 
     Under PDL (`kernels/pdl.py`) `positions` and the table are read before the wait for the
     previous kernel: no kernel of the same graph or chain may write them (the engine's pass
@@ -439,8 +415,7 @@ def fast_rope_attention(
     block_g = triton.next_power_of_2(group)
     plain_warps = PARTIALS_WARPS if parts else PLAIN_WARPS
     # With QK-norm the halves must keep the layout of `qk_norm_rope_kv_write`'s, whose norm
-    # reductions they repeat bit for bit: words reach them in another one (run 185: S2 shapes with
-    # QK-norm at batch 64 wrote keys an ulp apart).
+    # reductions they repeat bit for bit: words reach them in another layout (keys an ulp apart).
     with_norm = q_norm_weight is not None or k_norm_weight is not None
     rows = tokens // tokens_per_row
     packed = (

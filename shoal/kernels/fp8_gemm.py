@@ -27,8 +27,10 @@ import dataclasses
 import functools
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import triton
@@ -45,6 +47,7 @@ from shoal.kernels.quant import (
     round_to_bf16,
     silu_times,
 )
+from shoal.kernels.tuned import FP8_GEMM, config_fields, keyed_entries, read_table, update_table
 
 ACT_BF16 = 0
 ACT_FP8 = 1
@@ -75,14 +78,12 @@ class GemmConfig:
     # per-thread pointer loads. W8A8 only; needs K % 16 == 0 (16-byte aligned rows).
     tma: bool = False
     # Split-K partials stored as bf16 (each rounded once, summed in fp32 in split order) instead
-    # of fp32: half the partial bytes written and read back (10.3 MB per layer at M = 64 with
-    # today's tables). The output's bits change, so only with the correctness gate's consent.
+    # of fp32: half the partial bytes written and read back. The output's bits change, so only
+    # with the correctness gate's consent.
     bf16_partials: bool = False
     # Pre-quantized activations: each K step's two scales are loaded one step ahead (carried
-    # through the loop) instead of picked out of vectors preloaded for the whole split. The pick
-    # is a cross-warp reduction (shuffles, shared memory, CTA barriers): the sm_90 build of the
-    # M = 1 down projection's loop has 7 barriers per 128-column step with it and 4 without.
-    # Same scales, same arithmetic: the same bits either way.
+    # through the loop) instead of picked out of vectors preloaded for the whole split, a
+    # cross-warp reduction with CTA barriers every step. The same bits either way.
     scales_ahead: bool = False
     # Pre-quantized activations on Hopper: the Gluon kernel (`kernels/fp8_gemm_gluon.py`), swapped
     # tiles or not as `swap_ab` says, always TMA (`tma` unused); the same bits as this config with
@@ -103,141 +104,39 @@ class GemmConfig:
     vector_stores: bool = False
 
 
-# Measured winners per (N, K, M bucket), filled from `shoal bench gemm --sweep` on the H200, for
-# the W8A16 path; `TUNED_CONFIGS_FP8` for pre-quantized (and inline-quantized) activations.
-# Shapes absent here use `default_config`.
-# H200 sweep 2026-11-30 (`shoal bench gemm --sweep --m 1 4 16`): M = 1, 4, 16 measured; buckets
-# 2 and 8 reuse the M = 4 and M = 16 winners (the winners barely move between M = 1 and 16).
-# Inline quantization uses the FP8 table (not swept separately).
-_G = GemmConfig
-TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
-    (6144, 2560, 1): _G(16, 64, 6, 4, 4, swap_ab=True),  # qkv 15.3 us (default 23.3)
-    (6144, 2560, 2): _G(16, 64, 6, 4, 4, swap_ab=True),
-    (6144, 2560, 4): _G(16, 64, 6, 4, 4, swap_ab=True),  # 15.4 us
-    (6144, 2560, 8): _G(16, 64, 3, 4, 4, swap_ab=True),
-    (6144, 2560, 16): _G(16, 64, 3, 4, 4, swap_ab=True),  # 15.7 us
-    (2560, 4096, 1): _G(16, 64, 14, 4, 4, swap_ab=True),  # o 12.0 us (default 17.8)
-    (2560, 4096, 2): _G(16, 64, 14, 4, 4, swap_ab=True),
-    (2560, 4096, 4): _G(16, 64, 14, 4, 4, swap_ab=True),  # 12.2 us
-    (2560, 4096, 8): _G(16, 64, 14, 4, 4, swap_ab=True),
-    (2560, 4096, 16): _G(16, 64, 14, 4, 4, swap_ab=True),  # 13.4 us
-    (19456, 2560, 1): _G(16, 64, 2, 4, 4, swap_ab=True),  # gate_up 30.8 us (default 41.4)
-    (19456, 2560, 2): _G(16, 64, 2, 4, 4, swap_ab=True),
-    (19456, 2560, 4): _G(16, 64, 2, 4, 4, swap_ab=True),  # 30.8 us
-    (19456, 2560, 8): _G(16, 64, 2, 4, 4, swap_ab=True),
-    (19456, 2560, 16): _G(16, 64, 2, 4, 4, swap_ab=True),  # 31.2 us
-    (2560, 9728, 1): _G(16, 64, 14, 4, 4, swap_ab=True),  # down 20.5 us (default 33.6)
-    (2560, 9728, 2): _G(16, 64, 14, 4, 4, swap_ab=True),
-    (2560, 9728, 4): _G(16, 64, 14, 4, 4, swap_ab=True),  # 20.7 us
-    (2560, 9728, 8): _G(16, 64, 14, 4, 4, swap_ab=True),
-    (2560, 9728, 16): _G(16, 64, 14, 4, 4, swap_ab=True),  # 21.8 us
-}
+GemmKey = tuple[int, int, int]  # (N, K, M bucket)
 
 
-def _GS(  # noqa: N802
-    block_m: int, block_n: int, split_k: int, num_stages: int, tiles_before_wait: int = 1, **fields
-) -> GemmConfig:
-    """A table entry on the Gluon kernel with swapped tiles (one weight tile before the wait unless
-    told otherwise), storing 16 bytes at a time and split-K partials in bf16 unless told otherwise."""
-    fields.setdefault("vector_stores", True)
-    fields.setdefault("bf16_partials", True)
-    return GemmConfig(
-        block_m, block_n, split_k, 4, num_stages, swap_ab=True, gluon=True,
-        tiles_before_wait=tiles_before_wait, **fields,
-    )  # fmt: skip
+def _tuned_tables() -> tuple[Mapping[GemmKey, GemmConfig], Mapping[GemmKey, GemmConfig]]:
+    raw = read_table(FP8_GEMM)
+
+    def table(kind: str) -> Mapping[GemmKey, GemmConfig]:
+        return MappingProxyType({
+            (entry.pop("n"), entry.pop("k"), entry.pop("m")): GemmConfig(**entry) for entry in raw[kind]
+        })  # fmt: skip
+
+    return table("w8a16"), table("w8a8")
 
 
-def _GU(block_n: int, split_k: int, num_stages: int = 4, **fields) -> GemmConfig:  # noqa: N802
-    """A table entry on the Gluon kernel with unswapped tiles of 64 activation rows (the wgmma's M
-    side), two weight tiles before the wait, the scale copies and 16-byte stores."""
-    return GemmConfig(
-        64, block_n, split_k, 4, num_stages, gluon=True, tiles_before_wait=2, tma_scales=True,
-        vector_stores=True, **fields,
-    )  # fmt: skip
+# Configs per (N, K, M bucket) from `kernels/tuned/fp8_gemm.json`, for bf16 activations
+# (`TUNED_CONFIGS`) and for pre-quantized or inline-quantized ones (`TUNED_CONFIGS_FP8`); other
+# shapes take `default_config`. Small M runs swapped tiles (the weight rows fill the MMA's M side)
+# split over K until every SM streams weights; M = 64 runs unswapped 64-row activation tiles.
+TUNED_CONFIGS, TUNED_CONFIGS_FP8 = _tuned_tables()
 
 
-# Every Gluon entry but M = 1's stores its tile through a 16-byte store layout (`vector_stores`):
-# batch-16 step 0.969x, batch 32 0.967x; M = 64 moved onto the Gluon kernel with it and the scale
-# copies, batch 64 0.971x (the copies without it: 1.022x), then two tiles before the wait 0.992x;
-# at M = 1-8 no gain (1.002x at batch 1, 0.998-0.999x at 4 and 8 either way; runs 120-121).
-# With them every larger split lost at M = 16-64 (1.003-1.077x, run 122) and every smaller one
-# but down's 5 at M = 16 (batch 16 0.993x; the others 1.001-1.012x, run 123). Two tiles before
-# the wait at M = 2-4 (batch 4 0.992x) and M = 32 (batch 32 0.996x, every sample below the base's;
-# three there 1.010x; run 129).
-# M = 16 and 32 (batches 9-32, and the fast transformer's pass 0 at batch 5-16): the activation
-# scales ride the TMA ring and the next weight scale is loaded before the refill (`tma_scales`;
-# M % 4 == 0 only): batch-16 step 0.974x, batch 32 0.991x, while batch 4 (M = 4 and 8) lost 2.5%
-# and batch 1 is unchanged (docs/performance.md runs 116-117).
-TUNED_CONFIGS_FP8: dict[tuple[int, int, int], GemmConfig] = {
-    # M <= 16: the Gluon kernel (`gluon`), swapped 64-row weight tiles through TMA, one weight tile
-    # per program copied before the PDL wait (docs/performance.md runs 66-68, `shoal bench ab`):
-    # batch-1 step 0.959x at 3 stages (4 stages 0.980x; every tile of the ring ahead 0.978x, since
-    # the copies slow the norm and attention they overlap), batch 8 0.907x, batch 16 0.970x.
-    # M = 1 kept each shape's split (the same bits as before: swapped tiles, scales ahead), but
-    # qkv's: on the Gluon kernel split 3 beats 6 (batch 1 0.989x, batch 16 0.984x at M = 16, run
-    # 72; batch 4 0.985x at M = 2-4, run 74; on the Triton kernel it had lost in the step, run 19).
-    # Other splits +-1 step: 1.001-1.022x; qkv at M = 8 split 6 instead of 3: 1.025x. Two tiles
-    # ahead at M = 1 once the norms issued their loads in one round: 0.995x (run 80; one shape at a
-    # time 0.997-1.001x, three for o 1.001x).
-    (6144, 2560, 1): _GS(16, 64, 3, 3, tiles_before_wait=2, vector_stores=False),  # qkv (split 3: run 72)
-    # bf16 partials (`_GS`'s default) at M = 1: o and down, batch-1 step 0.994x once the norm
-    # loads them in one round (its register limit, run 133; they lost 2.7% before, runs 89 and
-    # 132), qkv 0.998x more; at M = 2-8 batch 4 0.991x, batch 8 0.984x (run 134).
-    (2560, 4096, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # o
-    (19456, 2560, 1): _GS(16, 64, 1, 3, tiles_before_wait=2, vector_stores=False),  # gate_up
-    (2560, 9728, 1): _GS(16, 64, 7, 3, tiles_before_wait=2, vector_stores=False),  # down
-    # M = 2-4: 3 stages (batch 4: 0.946x with the whole ring ahead at 4 stages, run 67; then 0.980x
-    # of that with 3 stages and one tile ahead, run 70). M = 8-16: 4 stages (3 lost at 16: 1.012x);
-    # M = 8 with 2 tiles ahead: batch 8 0.996x (run 78); M = 16 with 2, then 3: batch 16 0.995x
-    # (run 76), then 0.986x of that (run 82).
-    (6144, 2560, 2): _GS(16, 64, 3, 3, tiles_before_wait=2),
-    (6144, 2560, 4): _GS(16, 64, 3, 3, tiles_before_wait=2),
-    (6144, 2560, 8): _GS(16, 64, 3, 4, tiles_before_wait=2),
-    (6144, 2560, 16): _GS(16, 64, 3, 4, tiles_before_wait=3, tma_scales=True),
-    (2560, 4096, 2): _GS(16, 64, 7, 3, tiles_before_wait=2),
-    (2560, 4096, 4): _GS(16, 64, 7, 3, tiles_before_wait=2),
-    (2560, 4096, 8): _GS(16, 64, 4, 4, tiles_before_wait=2),
-    (2560, 4096, 16): _GS(16, 64, 4, 4, tiles_before_wait=3, tma_scales=True),
-    (19456, 2560, 2): _GS(16, 64, 1, 3, tiles_before_wait=2),
-    (19456, 2560, 4): _GS(16, 64, 1, 3, tiles_before_wait=2),
-    (19456, 2560, 8): _GS(16, 64, 1, 4, tiles_before_wait=2),
-    (19456, 2560, 16): _GS(16, 64, 1, 4, tiles_before_wait=3, tma_scales=True),
-    (2560, 9728, 2): _GS(16, 64, 7, 3, tiles_before_wait=2),
-    (2560, 9728, 4): _GS(16, 64, 7, 3, tiles_before_wait=2),
-    (2560, 9728, 8): _GS(16, 64, 7, 4, tiles_before_wait=2),
-    (2560, 9728, 16): _GS(16, 64, 5, 4, tiles_before_wait=3, tma_scales=True),  # run 123
-    # Before the Gluon kernel (runs 19-55), for the record: M = 1 used these splits with pointer
-    # loads for qkv and o and TMA for gate_up and down, all with `scales_ahead` (batch-1 step
-    # 0.978x, run 55); M = 2-16 used unswapped tiles for qkv at 2-4 and o at 8-16 (32 columns).
-    # M = 32 (batches 17-32, and the fast transformer's first pass at batch 9-16): `default_config`'s
-    # splits on the Gluon kernel, 32 x 64 tiles, 3 stages, one tile ahead: batch-32 step 0.842x,
-    # batch 16 0.990x (run 70; the heuristic's unswapped pointer-load tiles before).
-    # bf16 partials (half the bytes of fp32's): batch-32 step 0.948x, batch 16 0.997x; the
-    # correctness gate passes with bf16 partials everywhere (run 126).
-    (6144, 2560, 32): _GS(32, 64, 3, 3, tma_scales=True, tiles_before_wait=2),
-    (2560, 4096, 32): _GS(32, 64, 7, 3, tma_scales=True, tiles_before_wait=2),
-    (19456, 2560, 32): _GS(32, 64, 2, 3, tma_scales=True, tiles_before_wait=2),
-    (2560, 9728, 32): _GS(32, 64, 7, 3, tma_scales=True, tiles_before_wait=2),
-    # H200 sweeps 2026-11-30 (`shoal bench gemm --sweep --m 1 64 128 --modes w8a8`: run 11 without,
-    # run 18 with TMA candidates).
-    # M = 64 split-K entries store bf16 partials: the batch-64 FP8 step 0.984x, the correctness
-    # gate passes with them (run 50). M = 128 (the fast transformer's pass 0 at batch 33-64) takes
-    # `scales_ahead` as M = 64 does: batch-64 step 0.997x, every sample below the base's (run 106).
-    # M = 64 runs these sweeps' tiles and splits on the Gluon kernel (`_GU`, run 120); the times
-    # quoted are the Triton kernel's.
-    # qkv 10.2 us (run 11: 11.3; bf16 cuBLAS 11.2)
-    (6144, 2560, 64): _GU(32, 2, bf16_partials=True),
-    (6144, 2560, 128): _G(64, 64, 2, 4, 4, tma=True, scales_ahead=True),  # qkv 11.9 us (bf16 11.3)
-    # o 9.8 us (run 11: 10.8; bf16 9.8)
-    (2560, 4096, 64): _GU(32, 4, bf16_partials=True),
-    (2560, 4096, 128): _G(64, 64, 4, 4, 4, tma=True, scales_ahead=True),  # o 12.1 us (bf16 10.6)
-    # gate_up 16.5 us (run 11: 18.2; bf16 31.0)
-    (19456, 2560, 64): _GU(64, 1),
-    (19456, 2560, 128): _G(64, 64, 1, 4, 4, tma=True, scales_ahead=True),  # gate_up 24.1 us (bf16 30.1)
-    # down 16.0 us (TMA no faster alone; bf16 18.6); through TMA the batch-64 step 0.985x (run 99)
-    (2560, 9728, 64): _GU(64, 7, bf16_partials=True),
-    (2560, 9728, 128): _G(64, 64, 4, 4, 4, tma=True, scales_ahead=True),  # down 17.7 us (bf16 21.3)
-}
+def write_tuned_table(
+    winners: Mapping[GemmKey, GemmConfig], fp8_activations: bool, directory: Path | None = None
+) -> Path:
+    """Merge sweep winners into `kernels/tuned/fp8_gemm.json` (other entries kept)."""
+    kind = "w8a8" if fp8_activations else "w8a16"
+    fields = {key: config_fields(config) for key, config in winners.items()}
+
+    def change(table: dict) -> dict:
+        table[kind] = keyed_entries(table[kind], fields, ("n", "k", "m"))
+        return table
+
+    return update_table(FP8_GEMM, change, directory)
 
 
 def m_bucket(m: int) -> int:
@@ -329,12 +228,10 @@ class SplitKWorkspace:
 class SplitKPartials:
     """A split-K GEMM's output left unreduced (`unreduced=True`): the partials [splits, M, N]
     (fp32, or bf16 with `GemmConfig.bf16_partials`) in the split-K workspace. The GEMM's result is
-    their sum in fp32 in split order, rounded to bf16,
-    exactly what the reducing epilogue would store; a consumer kernel that sums them while loading
-    its input (`kernels/norm_rope.rms_norm`) saves the GEMM its arrival atomic, fence and
-    last-program reduction (1.4-1.5 µs of a 6-11 µs GEMM at M = 1, 2.5-4.3 µs at M = 64 on the
-    H200, docs/performance.md run 27). They live in the shared workspace: valid only until the next
-    split-K launch on it, so the consumer must run before any other GEMM."""
+    their fp32 sum in split order, rounded to bf16, exactly what the reducing epilogue would
+    store; a consumer kernel that sums them while loading its input (`kernels/norm_rope.rms_norm`)
+    saves the GEMM its arrival atomic, fence and last-program reduction. They live in the shared
+    workspace: valid only until the next split-K launch on it."""
 
     parts: torch.Tensor
 
@@ -388,45 +285,14 @@ def _load_activation_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, K, S
 # config) serves every M of a bucket, which keeps the benchmark's sweep affordable.
 @triton.jit(do_not_specialize=["M", "stride_asg"])
 def _fp8_gemm_kernel(
-    a_ptr,
-    a_scale_ptr,
-    w_ptr,
-    a_desc,
-    w_desc,
-    w_scale_ptr,
-    out_ptr,
-    partial_ptr,
-    counter_ptr,
-    M,
-    N,
-    K,
-    k_blocks,
-    stride_am,
-    stride_asm,
-    stride_asg,
-    stride_wn,
-    stride_wsn,
-    stride_wsk,
-    stride_om,
-    ACT_MODE: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K_: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    LEAVE_PARTIALS: tl.constexpr,
-    BF16_PARTIALS: tl.constexpr,
-    STEPS_PER_SPLIT: tl.constexpr,
-    STEPS_P2: tl.constexpr,
-    PRELOAD_A_SCALES: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
-    FP8_MAX_: tl.constexpr,
-    MIN_SCALE_: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    a_ptr, a_scale_ptr, w_ptr, a_desc, w_desc, w_scale_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
+    k_blocks, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
+    ACT_MODE: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K_: tl.constexpr, SPLIT_K: tl.constexpr, LEAVE_PARTIALS: tl.constexpr, BF16_PARTIALS: tl.constexpr,
+    STEPS_PER_SPLIT: tl.constexpr, STEPS_P2: tl.constexpr, PRELOAD_A_SCALES: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, SWAP_AB: tl.constexpr, DOT_IN_FP32: tl.constexpr, FP8_MAX_: tl.constexpr,
+    MIN_SCALE_: tl.constexpr, USE_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     # Grid (m tiles, n tiles, splits): the M tiles of one weight tile run back to back (L2 reuse).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -499,10 +365,9 @@ def _fp8_gemm_kernel(
             else:
                 acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale)
             if SCALES_AHEAD:
-                # Issued after this step's scales were last used, so the loads can land in the
-                # registers that carry them and need to arrive only at the next step's multiply:
-                # loaded before it, the loop copied them at its back edge and waited out the
-                # load there (the M = 64 down GEMM's top stall under Nsight Compute, run 57).
+                # Issued after this step's scales were last used, so the loads land in the
+                # registers that carry them and need to arrive only at the next step's multiply
+                # (issued earlier, the loop copied them at its back edge and waited there).
                 following = kb + 1
                 w_scale_next = tl.load(
                     w_scale_row + following * stride_wsk, mask=following < k_blocks, other=0.0
@@ -583,38 +448,21 @@ def kernel_constants(mode: int, swiglu: bool, k: int, config: GemmConfig, leave_
     steps = triton.cdiv(triton.cdiv(k, BLOCK_K), config.split_k)
     steps_p2 = max(2, triton.next_power_of_2(steps))
     return {
-        "ACT_MODE": mode,
-        "SWIGLU": swiglu,
-        "BLOCK_M": config.block_m,
-        "BLOCK_N": config.block_n,
-        "BLOCK_K_": BLOCK_K,
-        "SPLIT_K": config.split_k,
-        "LEAVE_PARTIALS": leave_partials,
-        "BF16_PARTIALS": config.bf16_partials and config.split_k > 1,
-        "STEPS_PER_SPLIT": steps,
+        "ACT_MODE": mode, "SWIGLU": swiglu, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+        "BLOCK_K_": BLOCK_K, "SPLIT_K": config.split_k, "LEAVE_PARTIALS": leave_partials,
+        "BF16_PARTIALS": config.bf16_partials and config.split_k > 1, "STEPS_PER_SPLIT": steps,
         "STEPS_P2": steps_p2,
         "PRELOAD_A_SCALES": config.block_m * steps_p2 <= PRELOAD_A_SCALES_LIMIT and not config.scales_ahead,
-        "SCALES_AHEAD": config.scales_ahead,
-        "SWAP_AB": config.swap_ab,
-        "DOT_IN_FP32": _INTERPRETED,
-        "FP8_MAX_": FP8_MAX,
-        "MIN_SCALE_": MIN_SCALE,
-        "USE_TMA": config.tma and mode == ACT_FP8,
-    }
+        "SCALES_AHEAD": config.scales_ahead, "SWAP_AB": config.swap_ab, "DOT_IN_FP32": _INTERPRETED,
+        "FP8_MAX_": FP8_MAX, "MIN_SCALE_": MIN_SCALE, "USE_TMA": config.tma and mode == ACT_FP8,
+    }  # fmt: skip
 
 
 def _launch(
-    mode: int,
-    a: torch.Tensor,
-    a_scale: torch.Tensor | None,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    swiglu: bool,
-    out: torch.Tensor | None,
-    workspace: SplitKWorkspace | None,
-    config: GemmConfig | None,
+    mode: int, a: torch.Tensor, a_scale: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
+    swiglu: bool, out: torch.Tensor | None, workspace: SplitKWorkspace | None, config: GemmConfig | None,
     unreduced: bool = False,
-) -> torch.Tensor | SplitKPartials:
+) -> torch.Tensor | SplitKPartials:  # fmt: skip
     check_weight_layout(w_q, w_scale)
     n, k = w_q.shape
     if a.dim() != 2 or a.stride(1) != 1:
@@ -670,31 +518,11 @@ def _launch(
     else:
         a_desc, w_desc = a, w_q  # unused pointers
     _fp8_gemm_kernel[grid](
-        a,
-        a_scale_arg,
-        w_q,
-        a_desc,
-        w_desc,
-        w_scale,
-        out,
-        workspace.partials_for(config),
-        workspace.counters,
-        m,
-        n,
-        k,
-        k_blocks,
-        a.stride(0),
-        stride_asm,
-        stride_asg,
-        w_q.stride(0),
-        w_scale.stride(0),
-        w_scale.stride(1),
-        out.stride(0),
-        **kernel_constants(mode, swiglu, k, config, leave_partials),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **pdl_launch(),
-    )
+        a, a_scale_arg, w_q, a_desc, w_desc, w_scale, out, workspace.partials_for(config), workspace.counters,
+        m, n, k, k_blocks, a.stride(0), stride_asm, stride_asg, w_q.stride(0), w_scale.stride(0),
+        w_scale.stride(1), out.stride(0), **kernel_constants(mode, swiglu, k, config, leave_partials),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(),
+    )  # fmt: skip
     return _result(out, workspace, config, m, n, leave_partials)
 
 
@@ -735,15 +563,10 @@ def _gluon_imports() -> bool:
 
 
 def fp8_gemm(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    out: torch.Tensor | None = None,
-    workspace: SplitKWorkspace | None = None,
-    config: GemmConfig | None = None,
-    unreduced: bool = False,
-) -> torch.Tensor | SplitKPartials:
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    out: torch.Tensor | None = None, workspace: SplitKWorkspace | None = None,
+    config: GemmConfig | None = None, unreduced: bool = False,
+) -> torch.Tensor | SplitKPartials:  # fmt: skip
     """W8A8 with pre-quantized activations (`kernels.quant`): [M, K] e4m3 x [N, K] e4m3 -> bf16 [M, N].
     `unreduced`: a split-K launch returns its `SplitKPartials` instead (`out` is then not written);
     a launch without split returns `out` as usual."""
@@ -753,16 +576,10 @@ def fp8_gemm(
 
 
 def fp8_linear(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    quantize_input: bool,
-    swiglu_input: bool = False,
-    out: torch.Tensor | None = None,
-    workspace: SplitKWorkspace | None = None,
-    config: GemmConfig | None = None,
-    unreduced: bool = False,
-) -> torch.Tensor | SplitKPartials:
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, quantize_input: bool,
+    swiglu_input: bool = False, out: torch.Tensor | None = None, workspace: SplitKWorkspace | None = None,
+    config: GemmConfig | None = None, unreduced: bool = False,
+) -> torch.Tensor | SplitKPartials:  # fmt: skip
     """bf16 x [M, K] (or gate|up [M, 2K] with `swiglu_input`) times FP8 W [N, K] -> bf16 [M, N].
 
     `quantize_input=True` rounds activations to e4m3 per token per 128 columns inside the GEMM

@@ -1,37 +1,26 @@
 """The FP8 block-scaled split-K GEMM written in Gluon, so that weights can stream before the PDL wait.
 
-At batch 1 every FP8 GEMM of the decode step pays about 3-4 µs that move no weights: the
-pipeline's ramp (the first tiles' DRAM latency) and the drain (docs/performance.md, runs 23 and
-52). Under programmatic dependent launch (`kernels/pdl.py`) a GEMM's programs become resident
-while the kernel before it (a norm, RoPE, attention, SwiGLU quantization) still runs, and then sit
-at `griddepcontrol.wait`. The weights do not depend on that kernel. Triton's software pipeline
-issues its first copies only after the wait (moving loads above it by hand broke the pipeline,
-run 17), but in Gluon the pipeline is written out: here each program issues the TMA copies of its
-first `tiles_before_wait` weight tiles (and loads the first block scale) *before* the wait, so that
-part of the weight stream overlaps the previous kernel; the rest of the ring, the activation tiles
-and their scales come after it.
-
-How many is a trade, measured in the decode step (docs/performance.md runs 66-68): copies issued
-ahead shorten the GEMM, but they fill the memory system while the kernel before it runs, and
-those kernels (the norm, attention) are chains of dependent loads whose latency then grows.
+At batch 1 every FP8 GEMM of the decode step pays a few µs that move no weights: the pipeline's
+ramp (the first tiles' DRAM latency) and its drain. Under programmatic dependent launch
+(`kernels/pdl.py`) a GEMM's programs become resident while the kernel before it still runs, and
+then sit at `griddepcontrol.wait`; the weights do not depend on that kernel. Triton's software
+pipeline issues its first copies only after the wait, but in Gluon the pipeline is written out:
+each program issues the TMA copies of its first `tiles_before_wait` weight tiles (and loads the
+first block scale) before the wait, so that part of the weight stream overlaps the previous kernel.
+How many is a trade: copies issued ahead shorten the GEMM, but they fill the memory system while
+the kernel before (a norm, attention: chains of dependent loads) runs, and slow it.
 
 With `TMA_SCALES` each step's activation scales ride the ring too: one more copy per stage, of the
 step's group out of the group-major scale buffer read as a flat vector (group kb of row r at
-kb * M + r), so they arrive `STAGES` steps ahead instead of one pointer load ahead; the multiply
-of a step's scales waiting on those loads is the GEMMs' top stall under Nsight Compute
-(docs/performance.md runs 102, 110, 115). A copy is at least 32 floats (128-byte aligned stages)
-and must start on 16 bytes, so only M % 4 == 0 with at least one copy of scales takes them
-(`flat_scales`); a tile's rows past M read the next group's scales, which are never stored. The
-tuned table uses them at M = 16-64 (batch-16 step 0.974x, runs 116-117; batch 64 0.8%, run 121);
-at M = 4 and 8 they lost 2.5%.
+kb * M + r), so they arrive `STAGES` steps ahead instead of one pointer load ahead (the multiply
+waiting on those loads is otherwise the top stall). A copy is at least 32 floats (128-byte aligned
+stages) and must start on 16 bytes, so only M % 4 == 0 with at least one copy of scales takes them
+(`flat_scales`); a tile's rows past M read the next group's scales, which are never stored.
 
 With `VECTOR_STORES` the finished tile (or split-K partial) goes through shared memory into a
 blocked layout of 16 contiguous output bytes per thread before it is stored. Straight from the
 wgmma layout a store instruction writes 2 bytes per thread (swapped tiles: consecutive output
-columns sit in different lanes) or 4 (unswapped bf16 pairs), each 32-byte sector in pieces; that
-epilogue, not the K loop, was what kept this kernel behind the Triton one at M = 64 (run 115's
-9.7-11.6% alone). With it the batch-16 step took 0.969x and batch 64, once M = 64 moved here,
-0.971x (docs/performance.md run 120).
+columns sit in different lanes) or 4 (unswapped bf16 pairs), each 32-byte sector in pieces.
 
 Same tiles and arithmetic as the Triton kernel with `swap_ab=True, tma=True, scales_ahead=True`
 (weight rows are the wgmma's M side, each K step's product scaled by a_scale * w_scale and added
@@ -182,9 +171,8 @@ def _fp8_gemm_prefetch_kernel(
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if SCALES_FIRST:
             # The next step's scales (this step's product is taken), then the refill: the order
-            # of Triton's sm_90 loop, whose scale loads so leave a refill earlier
-            # (docs/performance.md run 115). Taken with the scale copies (requested: also where a
-            # launch falls back to loads); on its own it lost (run 116).
+            # of Triton's sm_90 loop, which issues the scale loads a refill earlier. Paired with
+            # the scale copies (also where a launch falls back to loads).
             w_scale, a_scale = _next_scales(
                 w_scale_row, a_scale_ptr, offs_m, m_mask, kb0 + step + 1, k_blocks, stride_asm,
                 stride_asg, a_scale, TMA_SCALES,
@@ -208,7 +196,7 @@ def _fp8_gemm_prefetch_kernel(
 
     if VECTOR_STORES:
         # Through shared memory into a layout whose threads hold 16 contiguous output bytes; the
-        # accumulator's own layout stores 2-4 bytes per instruction (docs/performance.md).
+        # accumulator's own layout stores 2-4 bytes per instruction.
         store_layout: gl.constexpr = _row_contiguous(acc_shape, SWAPPED, STORE_BYTES, num_warps)
         acc = gl.convert_layout(acc, store_layout)
     else:
@@ -311,9 +299,7 @@ _SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, 
 
 def scale_box(block_m: int) -> int:
     """Floats per scale copy: the tile's rows, at least 32, so that each stage's copy lands
-    128-byte aligned in shared memory; the rows past the tile's are not read. (Run 110's faults
-    were first put down to the 16-row tile's 64-byte stages; run 117 found unaligned copy starts
-    instead. The wider box is what was measured, so it stays.)"""
+    128-byte aligned in shared memory; the rows past the tile's are not read."""
     return max(block_m, 32)
 
 
@@ -321,8 +307,8 @@ def flat_scales(a_scale: torch.Tensor, block_m: int) -> torch.Tensor | None:
     """The group-major activation scales [M, groups] as the flat vector the kernel's scale copies
     read (group kb of row r at kb * M + r), or None where a copy could not be made: a buffer not
     laid out so or not 16-byte aligned, M not a multiple of 4 (a copy's start, kb * M + the tile's
-    first row, must fall on 16 bytes: M = 1, 5 and 9 faulted in runs 116-117, 16 and 64 did not),
-    or fewer scales than one copy. Such launches load their scales by pointer."""
+    first row, must fall on 16 bytes), or fewer scales than one copy. Such launches load their
+    scales by pointer."""
     m, groups = a_scale.shape
     if (
         m % 4
@@ -342,27 +328,11 @@ def _scale_descriptor(flat: torch.Tensor, block_m: int):
 
 
 def launch_prefetch_gemm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    out: torch.Tensor,
-    partials: torch.Tensor,
-    counters: torch.Tensor,
-    *,
-    block_m: int,
-    block_n: int,
-    split_k: int,
-    swapped: bool,
-    num_stages: int,
-    tiles_before_wait: int,
-    num_warps: int,
-    bf16_partials: bool,
-    leave_partials: bool,
-    launch: dict,
-    tma_scales: bool = False,
-    vector_stores: bool = False,
-) -> None:
+    a: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+    partials: torch.Tensor, counters: torch.Tensor, *, block_m: int, block_n: int, split_k: int,
+    swapped: bool, num_stages: int, tiles_before_wait: int, num_warps: int, bf16_partials: bool,
+    leave_partials: bool, launch: dict, tma_scales: bool = False, vector_stores: bool = False,
+) -> None:  # fmt: skip
     """One launch; the caller (`fp8_gemm._launch`) has checked shapes, scales and the workspace."""
     check_tile(block_m, block_n, swapped, num_warps)
     (m, k), n = a.shape, w_q.shape[0]

@@ -3,7 +3,7 @@
 Each fast-transformer pass k >= 2 starts from the embedding of the code the sampler drew for
 codebook k (`frames[:, k]`, int32). In torch that is a cast to int64 and an `nn.Embedding`
 gather: two kernels launched without programmatic dependent launch, so the decode graph drains
-the GPU before each (docs/performance.md run 81: 2-3 µs each at batch 1). Instead the pass's
+the GPU before each. Instead the pass's
 first RMSNorm (`kernels.norm_rope.rms_norm`) reads the ids in place, any integer dtype and
 stride, and gathers the rows while loading: the same bits as `F.embedding`, no launch of its own.
 """

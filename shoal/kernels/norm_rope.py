@@ -183,21 +183,11 @@ BLOCK_KERNEL_FROM_TOKENS = PREFILL_FROM_ROWS
 
 
 def qk_norm_rope_kv_write(
-    qkv: Tensor | SplitKPartials,
-    positions: Tensor,
-    rope_table: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    slot_mapping: Tensor,
-    n_q_heads: int,
-    n_kv_heads: int,
-    q_norm_weight: Tensor | None = None,
-    k_norm_weight: Tensor | None = None,
-    eps: float = 1e-6,
-    q_out: Tensor | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-) -> Tensor:
+    qkv: Tensor | SplitKPartials, positions: Tensor, rope_table: Tensor, k_pages: Tensor, v_pages: Tensor,
+    slot_mapping: Tensor, n_q_heads: int, n_kv_heads: int, q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None, eps: float = 1e-6, q_out: Tensor | None = None,
+    k_scales: Tensor | None = None, v_scales: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """qkv [T, (Hq+2Hkv)*D] (rows contiguous) -> rotated q [T, Hq, D]; k (normed, rotated) and
     v go into the page pools at `slot_mapping` [T]. Norm weights: S1/S2 only (None skips).
     qkv may be the qkv GEMM's `SplitKPartials` (summed while loading; q then comes out bf16).
@@ -313,27 +303,21 @@ def _rms_norm_kernel(
     """Program (row, slice): optional residual add (stored into `residual_out`), then RMSNorm of
     the row's 128-column groups [slice * SLICE_GROUPS, ...); with QUANT_OUT the bf16 result is
     quantized per 128 columns (e4m3 + fp32 scales) instead of stored, exactly as
-    `kernels/quant.py` would quantize the stored bf16 row. The row is held as [groups, 128]
-    tiles from the start, so the quantization's per-group reductions need no change of register
-    layout (a reshape there cost more than the launch it saved).
+    `kernels/quant.py` would quantize the stored bf16 row. The row is held as [groups, 128] tiles
+    from the start, so the quantization's per-group reductions need no change of register layout.
 
-    The whole row is two tiles: MAIN_GROUPS (a power of two) groups and the TAIL_GROUPS after
-    them (0: none). S2-Pro's 2,560 columns are 16 + 4 groups, where one tile of 32 groups (the
-    next power of two) spent 37.5% of the row's instructions on masked lanes. The mean square
+    The whole row is two tiles, MAIN_GROUPS (a power of two) groups and the TAIL_GROUPS after them
+    (0: none), so no lanes are masked at S2-Pro's 2,560 columns (16 + 4 groups). The mean square
     sums the main tile, then the tail (one order for every build, split or not: the same bits).
 
-    With SLICE_GROUPS < GROUPS (GROUPS: the groups rounded up to a power of two) several
-    programs share a row: each reads the whole row for the mean square and normalizes only its
-    slice. Then `residual_out` must not alias `residual`: a slice written in place could be read
-    back by another program of the row as its input.
-
+    With SLICE_GROUPS < GROUPS (GROUPS: the groups rounded up to a power of two) several programs
+    share a row: each reads the whole row for the mean square and normalizes only its slice; then
+    `residual_out` must not alias `residual` (another program of the row could read a slice back).
     With GATHER, row r of x is row `ids[r]` of the table x_ptr points to (a zero row for an id
-    outside [0, table_rows)), stored into `residual_out` as it is (the residual stream it starts).
+    outside [0, table_rows)), stored into `residual_out` (the residual stream it starts).
 
-    Latency, not bytes, is this kernel's cost at decode sizes (3.5 µs per call at batch 1, run
-    70), so every load is issued as early as it may be: the weight (a constant of the step)
-    before the PDL wait, and a slice's own tile together with the whole row, not after the mean
-    square's reduction: one dependent round trip to memory instead of three."""
+    Latency, not bytes, is this kernel's cost at decode sizes, so every load is issued as early
+    as it may be: the weight before the PDL wait, a slice's own tile together with the whole row."""
     row = tl.program_id(0).to(tl.int64)
     SPLIT: tl.constexpr = SLICE_GROUPS < GROUPS
     first_group = tl.program_id(1) * SLICE_GROUPS
@@ -395,35 +379,25 @@ def _rms_norm_kernel(
 
 def row_tiles(dim: int) -> tuple[int, int]:
     """(main, tail) groups of a `dim`-wide row: the largest power of two of its 128-column groups,
-    then the rest rounded up to a power of two (0 when none): no masked lanes at S2-Pro's width
-    (one masked tile of 32 groups was 1.5x slower in the prefill)."""
+    then the rest rounded up to a power of two (0 when none): no masked lanes at S2-Pro's width."""
     groups = triton.cdiv(dim, GROUP)
     main = 1 << (groups.bit_length() - 1)
     return main, (triton.next_power_of_2(groups - main) if groups > main else 0)
 
 
-# Decode-sized norms build with a register limit: without one, ptxas keeps the build under about 100
-# registers and interleaves the loads of the split-K partials with the sums that consume them, so
-# the loads issued after the first sum wait for its data; the sm_90 build of the batch-1 norm
-# (7 fp32 partials) went to memory in 3 dependent rounds, with bf16 partials in 7, the batch-16
-# one (5 bf16 partials) in 7. With the limit stated (255: at most one program per SM at 8 warps,
-# and these launches have 5 to 128 programs) every load is issued before the first use: one round
-# (`scripts/inspect_norm_sm90.py` reads the rounds off the sm_90 build).
+# Decode-sized norms build with a register limit: without one, ptxas keeps the build small and
+# interleaves the loads of the split-K partials with the sums that consume them, so later loads
+# wait for earlier data (several dependent rounds to memory). With the limit stated (255: at most
+# one program per SM at 8 warps, and these launches have 5 to 128 programs) every load is issued
+# before the first use (`scripts/inspect_norm_sm90.py` counts the rounds).
 NORM_MAX_REGISTERS = 255
 
 
 def rms_norm(
-    x: Tensor | SplitKPartials | GatheredRows,
-    weight: Tensor,
-    eps: float,
-    residual: Tensor | None = None,
-    out: Tensor | None = None,
-    num_warps: int = 8,
-    out_fp8: tuple[Tensor, Tensor] | None = None,
-    residual_out: Tensor | None = None,
-    slice_groups: int | None = None,
-    max_registers: int | None = None,
-) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | None]:
+    x: Tensor | SplitKPartials | GatheredRows, weight: Tensor, eps: float, residual: Tensor | None = None,
+    out: Tensor | None = None, num_warps: int = 8, out_fp8: tuple[Tensor, Tensor] | None = None,
+    residual_out: Tensor | None = None, slice_groups: int | None = None, max_registers: int | None = None,
+) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | None]:  # fmt: skip
     """RMSNorm over the last dim of x [M, dim]. With `residual`, computes h = x + residual,
     stores h into `residual_out` (default: `residual`, in place; the next block's residual
     stream) and normalizes h. Returns (normed, the residual written or None); normed has dtype
@@ -435,18 +409,13 @@ def rms_norm(
     `normed` is that (q, scales) pair and no bf16 output is written.
 
     `slice_groups` (a power of two): each program normalizes that many 128-column groups of a
-    row, so a few rows still spread over several SMs (one program per row leaves a batch-1 step
-    on one SM); every program reads the whole row for its mean square. With a residual this
-    needs a distinct `residual_out`. Same bits as one program per row.
+    row, so a few rows still spread over several SMs; with a residual this needs a distinct
+    `residual_out`. Same bits as one program per row.
 
-    x may be a split-K FP8 GEMM's `SplitKPartials`: the norm sums them while loading (bf16
-    result, the same bits as normalizing the GEMM's reduced output), so the GEMM skips its own
-    reduction.
-
-    x may be a `GatheredRows` (ids, table, out): the norm reads row `ids[r]` of the table as row
-    r, stores it into `out` (the residual stream it starts; returned as the second value) and
-    normalizes it: the same bits as `F.embedding` then this norm, one launch fewer. No residual
-    add then.
+    x may be a split-K FP8 GEMM's `SplitKPartials` (summed while loading: the same bits as the
+    GEMM's reduced output), or a `GatheredRows` (ids, table, out): row `ids[r]` of the table is
+    row r, stored into `out` (the residual stream it starts; returned as the second value) and
+    normalized, the same bits as `F.embedding` then this norm. No residual add then.
 
     `max_registers`: the build's register limit (None: ptxas's own choice); decode-sized launches
     want `NORM_MAX_REGISTERS`. Same bits either way."""

@@ -3,10 +3,8 @@
 `norm_rope._qk_norm_rope_kv_kernel` gives each (token, head) one single-warp program: at decode
 sizes (a few hundred programs) latency is the cost, and that build is tuned for it. A prefill
 chunk of thousands of tokens makes it hundreds of thousands of tiny programs whose scheduling, not
-their bytes, sets the time: a concurrency-64 wave's 3,840-token chunks took 188 µs each against
-about 24 µs of traffic (14% of the wave; this build: 30 µs).
-Here a program takes `BLOCK_T` tokens of one head as [BLOCK_T, D] tiles read and written in whole
-contiguous rows (the even/odd halves split and joined in registers).
+their bytes, sets the time. Here a program takes `BLOCK_T` tokens of one head as [BLOCK_T, D]
+tiles read and written in whole contiguous rows (the even/odd halves split and joined in registers).
 
 The arithmetic is the per-head kernel's (`_rms_scale`'s formula, the same rotation and rounding);
 only the order of each head's mean-square sum follows the tile's layout, so q and k may differ from

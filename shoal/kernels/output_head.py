@@ -1,31 +1,22 @@
 """The decode step's output heads at batch 1: one PDL launch with the weights loaded before the wait.
 
 Every frame runs ten output heads (S2's restricted main head, 4,097 x 2,560, and nine codebook
-heads, 4,096 x 2,560, all bf16: the logits are not quantized). On cuBLAS each took 8.2 µs at
-batch 1 against a 4.9 µs read floor (21 MB at 4.3 TB/s; docs/performance.md run 82), and, being
-launched without programmatic dependent launch, it drained the GPU before it and kept the
-sampler after it from starting early.
+heads, 4,096 x 2,560, all bf16: the logits are not quantized). cuBLAS stays well above the read
+floor at batch 1 and, launched without programmatic dependent launch, drains the GPU before it.
 
 Here each program owns `rows_per_program` rows of the weight and streams their K columns in
-chunks of 512 (five at S2's 2,560). The weights are a constant of the step, so every program
-loads its first `ahead` chunks *before* `wait_for_inputs`: with all programs resident at once
-(257 programs of 256 threads, 115 registers each: two per SM) 40% of the head streams while the
-final norm before it still runs; after the wait the activation row comes in chunk by chunk beside
-the remaining weight chunks, `ahead` chunks in flight. Holding a program's whole rows in registers
-instead (194 registers at 16 rows: one program per SM, two waves) made the head slower than
-cuBLAS alone (11.1 against 9.9 µs, docs/performance.md run 87). Each activation row is its own
-program column (`grid = (row blocks, M)`), so a batch re-reads the weight from L2 per row: the
-engine uses the kernel at batch 1 only (`DecodeStep`'s `head_kernel_max_rows`).
+chunks of 512. The weights are a constant of the step, so every program loads its first `ahead`
+chunks before `wait_for_inputs`: with all programs resident at once (two per SM) a good part of
+the head streams while the final norm before it still runs; after the wait the activation row
+comes in chunk by chunk beside the remaining weight chunks. Each activation row is its own program
+column (`grid = (row blocks, M)`), so a batch re-reads the weight from L2 per row: the engine uses
+the kernel at batch 1 only (`Tuning.head_kernel_max_rows`).
 
-Arithmetic: fp32 products summed in fp32 (per chunk in Triton's reduction order, chunks in
-order), rounded once to the output dtype, which is what a bf16 `F.linear` does up to its
-summation order.
-
-An e4m3 weight with fp32 scales per 128 x 128 block (`scales`, `quant/fp8_head.py`'s rounded
-fast head) halves the bytes: each activation column is multiplied by its block's scale before the
-products. With power-of-two scales that multiplication is exact, so every product equals the one
-of the dequantized weight (`q * scale`, exact in bf16) with the activation: the logits are those
-of the bf16 head holding the dequantized weight, up to the summation order.
+Arithmetic: fp32 products summed in fp32 (per chunk in Triton's reduction order, chunks in order),
+rounded once to the output dtype: a bf16 `F.linear` up to its summation order. An e4m3 weight with
+power-of-two fp32 scales per 128 x 128 block (`scales`, `quant/fp8_head.py`'s rounded fast head)
+halves the bytes: each activation column is multiplied by its block's scale (exact) before the
+products, so the logits are those of the bf16 head holding the dequantized weight.
 """
 
 from __future__ import annotations
@@ -40,8 +31,7 @@ from shoal.kernels.out_buffer import out_buffer
 from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 
 ROWS_PER_PROGRAM = 16
-# An e4m3 weight's rows per program: 32 keeps a program's chunk at the bf16 chunk's 16 KB (batch-1
-# step 0.996x of 16 rows with the FP8 fast head, docs/performance.md run 191).
+# An e4m3 weight's rows per program: 32 keeps a program's chunk at the bf16 chunk's 16 KB.
 FP8_ROWS_PER_PROGRAM = 32
 NUM_WARPS = 8
 CHUNK = 512  # K columns per load round: [16, 512] bf16 is 32 values per thread at 8 warps
@@ -112,16 +102,10 @@ def _head_kernel(
 
 
 def output_head(
-    x: Tensor,
-    weight: Tensor,
-    rows: int | None = None,
-    out: Tensor | None = None,
-    rows_per_program: int | None = None,
-    num_warps: int = NUM_WARPS,
-    ahead: int = AHEAD,
-    scales: Tensor | None = None,
-    chunk: int | None = None,
-) -> Tensor:
+    x: Tensor, weight: Tensor, rows: int | None = None, out: Tensor | None = None,
+    rows_per_program: int | None = None, num_warps: int = NUM_WARPS, ahead: int = AHEAD,
+    scales: Tensor | None = None, chunk: int | None = None,
+) -> Tensor:  # fmt: skip
     """`F.linear(x, weight[:rows])` for x [M, K] and weight [N, K] (both with contiguous rows,
     the same dtype): logits [M, rows] in that dtype (`out`, if given, with contiguous rows). No
     allocation with `out`, no host sync: safe in a CUDA graph. Meant for M = 1 (see the module

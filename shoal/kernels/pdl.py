@@ -2,7 +2,7 @@
 
 The decode step is about a thousand small kernels per frame at batch 1, replayed as a CUDA graph;
 between two kernels the GPU drains the first and only then schedules the second's blocks, a fixed
-gap of a few microseconds each time (docs/performance.md: most of the distance to the floor).
+gap of a few microseconds each time: most of the distance to the floor at batch 1.
 On Hopper a kernel launched with the PDL attribute (`launch_pdl=True`; graph capture keeps it as a
 programmatic edge) may be scheduled while its predecessor is still running. The contract:
 
@@ -38,12 +38,6 @@ def _enabled() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-def pdl_enabled() -> bool:
-    """Whether kernels are compiled with the PDL instructions and launched with the attribute
-    (Hopper or newer, not interpreted, `Tuning.pdl`; read once per process)."""
-    return _enabled()
 
 
 def pdl_launch(family: str | None = None) -> dict:

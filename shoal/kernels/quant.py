@@ -29,8 +29,7 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 # Under Triton's CPU interpreter the fp32 -> e4m3 cast mis-rounds values just below a power of
 # two, so the kernels round on the bits there (fixed when this module is imported). On the GPU the
-# cast rounds in one instruction (the bit rounding there gives the same codes with more
-# instructions: docs/performance.md run 212).
+# cast rounds in one instruction (the bit rounding gives the same codes with more instructions).
 _ROUND_E4M3_ON_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -143,23 +142,10 @@ def _quantize_groups(x, fp8_max: tl.constexpr, min_scale: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    M,
-    K,
-    stride_xm,
-    stride_qm,
-    stride_sm,
-    stride_sg,
-    GROUPS_PER_PROGRAM: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    FP8_MAX_: tl.constexpr,
-    MIN_SCALE_: tl.constexpr,
-    PADDED: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg, GROUPS_PER_PROGRAM: tl.constexpr,
+    SWIGLU: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
+    PADDED: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """Program (row, slice of GROUPS_PER_PROGRAM groups). PADDED: the grid has rows past the M
     rows of x, which quantize zeros (zero codes, the minimum scale)."""
     wait_for_inputs(USE_PDL)
@@ -186,11 +172,8 @@ def _quantize_kernel(
 
 # 128-column groups per program of the quantization launch: 4 (512 columns, 4 elements per thread)
 # at decode sizes, where a row's few programs start at once; 8 from more rows than any decode
-# batch on (prefill), where a 3,840-row chunk's SwiGLU quantization was 73,000 programs of 1 KB
-# each, scheduled rather than streamed (docs/performance.md run 198: the quantization launches
-# were 14% of a concurrency-64 wave). At 3,840 rows (run 199) 8 groups took 0.73x of 4's time on
-# 2,560 columns and 0.74x on SwiGLU's 2 x 9,728; 16 tied 4 on 2,560 columns (20 groups: a second
-# program a quarter full) and took 0.71x on SwiGLU. The bits do not depend on it.
+# batch on (prefill), where small programs get scheduled rather than streamed. The bits do not
+# depend on it.
 GROUPS_PER_PROGRAM = 4
 WIDE_GROUPS_PER_PROGRAM = 8
 # More rows than any decode batch (`EngineConfig.graph_max_batch` <= 256): prefill. The row kernels
@@ -203,15 +186,9 @@ def groups_per_program_for(rows: int) -> int:
 
 
 def _launch(
-    x: torch.Tensor,
-    k: int,
-    swiglu: bool,
-    out: torch.Tensor | None,
-    scales: torch.Tensor | None,
-    groups_per_program: int | None,
-    num_warps: int,
-    pad_rows_to: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, k: int, swiglu: bool, out: torch.Tensor | None, scales: torch.Tensor | None,
+    groups_per_program: int | None, num_warps: int, pad_rows_to: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("activations must be a 2-D tensor with unit column stride")
     m = x.shape[0]
@@ -230,35 +207,17 @@ def _launch(
     groups = triton.cdiv(k, GROUP)
     grid = (rows, triton.cdiv(groups, groups_per_program))
     _quantize_kernel[grid](
-        x,
-        out,
-        scales,
-        m,
-        k,
-        x.stride(0),
-        out.stride(0),
-        scales.stride(0),
-        scales.stride(1),
-        GROUPS_PER_PROGRAM=groups_per_program,
-        SWIGLU=swiglu,
-        GROUP_SIZE=GROUP,
-        FP8_MAX_=FP8_MAX,
-        MIN_SCALE_=MIN_SCALE,
-        PADDED=rows != m,
-        num_warps=num_warps,
-        **pdl_launch(),
-    )
+        x, out, scales, m, k, x.stride(0), out.stride(0), scales.stride(0), scales.stride(1),
+        GROUPS_PER_PROGRAM=groups_per_program, SWIGLU=swiglu, GROUP_SIZE=GROUP, FP8_MAX_=FP8_MAX,
+        MIN_SCALE_=MIN_SCALE, PADDED=rows != m, num_warps=num_warps, **pdl_launch(),
+    )  # fmt: skip
     return out, scales
 
 
 def quantize_activations(
-    x: torch.Tensor,
-    out: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
-    groups_per_program: int | None = None,
-    num_warps: int = 4,
-    pad_rows_to: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, out: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+    groups_per_program: int | None = None, num_warps: int = 4, pad_rows_to: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x bf16/fp32 [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)] group-major), one launch.
 
     Pass `out` and `scales` (from `new_activation_scales`) to allocate nothing (CUDA graphs).
@@ -269,13 +228,9 @@ def quantize_activations(
 
 
 def swiglu_quantize(
-    gate_up: torch.Tensor,
-    out: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
-    groups_per_program: int | None = None,
-    num_warps: int = 4,
-    pad_rows_to: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+    groups_per_program: int | None = None, num_warps: int = 4, pad_rows_to: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """gate_up [M, 2*I] (gate | up) -> quantized silu(gate) * up: (e4m3 [M, I], scales [M, I/128]);
     `pad_rows_to` as `quantize_activations`'."""
     if gate_up.shape[-1] % 2:

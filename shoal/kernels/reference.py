@@ -1,8 +1,7 @@
-"""Plain-torch versions of every Triton kernel: the CPU path and the oracle the kernels are tested against.
+"""Plain-torch versions of the FP8 kernels: the CPU path and the oracle the kernels are tested against.
 
-FP8 ops live here; attention, norm, RoPE and window shift references live in
-`kernels/reference_attention.py` and are re-exported at the bottom (the sampling kernel's is
-`models.sampling.sample_reference`). Layouts:
+(The attention, norm, RoPE and window references are test oracles: `tests/kernel_references.py`;
+the sampling kernel's is `models.sampling.sample_reference`.) Layouts:
 
 - weights: e4m3 [N, K] (nn.Linear layout) with fp32 scales [ceil(N/128), ceil(K/128)], one per
   128x128 block, row-major contiguous: `scale[n // 128, k // 128]`;
@@ -106,12 +105,9 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_gemm(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """W8A8: dequant(x) @ dequant(w).T in fp32, rounded once to `out_dtype`. [M, K] x [N, K] -> [M, N]."""
     return (dequantize_activations(x_q, x_scale) @ dequantize_weight(w_q, w_scale).t()).to(out_dtype)
 
@@ -124,13 +120,9 @@ def fp8_weight_gemm(
 
 
 def fp8_linear(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    quantize_input: bool,
-    swiglu_input: bool = False,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, quantize_input: bool,
+    swiglu_input: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # fmt: skip
     """What `kernels.fp8_gemm.fp8_linear` computes, for any mode: optional SwiGLU on the input
     (x is then gate | up), optional per-token activation quantization, then the block-scaled GEMM."""
     a = swiglu(x) if swiglu_input else x.float()
@@ -139,7 +131,3 @@ def fp8_linear(
     if swiglu_input:  # the kernel feeds the SwiGLU product to the tensor cores as bf16
         a = a.to(torch.bfloat16)
     return fp8_weight_gemm(a, w_q, w_scale, out_dtype)
-
-
-# Attention, norm, RoPE and window references, written beside this file.
-from shoal.kernels.reference_attention import *  # noqa: E402,F401,F403

@@ -1,11 +1,11 @@
 """Fused sampling: top-p / top-k / temperature / exponential race (+ S2's RAS) in one launch.
 
-Rules (research/model.md 6.1, `models/sampling.py` is the definition): sort descending; drop
-ranks whose cumulative *untempered* probability exceeds top_p or whose rank is >= top_k, always
-keeping rank 0; divide by max(temperature, 1e-5); softmax; draw `argmax(probs / -log U)` with U
-from `models.sampling.counter_uniform` (reproduced here bit for bit: `counter_uniform`).
-Parameters arrive already rounded as the family rounds them (`SamplingBatch`); the RAS
-parameters (T=1.0, top_p=0.9) are rounded to bf16 here as the reference does.
+Rules (`models/sampling.py` is the definition): sort descending; drop ranks whose cumulative
+*untempered* probability exceeds top_p or whose rank is >= top_k, always keeping rank 0; divide by
+max(temperature, 1e-5); softmax; draw `argmax(probs / -log U)` with U from
+`models.sampling.counter_uniform` (reproduced here bit for bit: `counter_uniform`). Parameters
+arrive already rounded as the family rounds them (`SamplingBatch`); the RAS parameters (T=1.0,
+top_p=0.9) are rounded to bf16 here as the reference does.
 
 One program per row holds the whole row (V <= `MAX_COLUMNS`): S2's restricted logits (the
 semantic slice + `<|im_end|>`, with `token_ids` giving each column's vocabulary id so the draw
@@ -16,32 +16,21 @@ into one 64-bit key, so ties break toward the lower vocabulary id as a stable so
 The top k keys of a row wider than k come from `_select_top_keys`, a radix select that finds
 where the k-th largest key lies with a few 32-bin histograms instead of sorting the row,
 compacts the fewer than 2k keys above that through a [rows, 2k] global scratch buffer and
-extracts the top k of those 2k; its cost hardly depends on the tile width. (`tl.topk`, Triton's
-bitonic networks, costs per stage over the whole power-of-two tile: on the H200 4,096 columns
-took 20.4 µs against the radix select's 16.8, S2's main row 30.1 against 19.3, and the FP8 step
-4.25 against 4.05 ms at batch 1: docs/performance.md run 25. It still sorts a row whose k is its
-whole tile, and the chunked kernel's runs.) A row of 2^n + 1 columns (S2's main row: 4,096
-semantic ids + `<|im_end|>`) extracts the top k of its first 2^n and inserts the last column's
-key into that sorted list (`_insert_key`, `split_last_column`, on by default) instead of taking
-a tile twice as wide (run 22).
+extracts the top k of those 2k; its cost hardly depends on the tile width, where `tl.topk`'s
+bitonic networks pay per stage over the whole power-of-two tile. A row of 2^n + 1 columns (S2's
+main row: 4,096 semantic ids + `<|im_end|>`) extracts the top k of its first 2^n and inserts the
+last column's key into that sorted list (`_insert_key`, `split_last_column`) instead of taking a
+tile twice as wide.
 
-Chunked rows (`chunks`, `_sample_chunked_kernel`): the one program per row is one SM issuing a
-chain of block-wide steps (run 102: 4,280 instructions per warp at 4.9 cycles each, 10.6 µs in
-the step, 64% of it the top-k extraction over the 4,096-wide tile), which batch 1-16 runs
-10 times per step with the other 131 SMs idle. With chunks, P programs per row each take the top
-k of their BLOCK_V / P columns (`tl.topk`: over 512 keys cheaper than the radix select) and the
-last to arrive (a per-row counter) merges the P sorted runs (`_merge_sorted_runs`), re-reads the
-row for its max and normalizer (the one-program kernel's tile and reductions: the same bits) and
-draws: the same draws. Measured on the H200 (graphs of 20 calls, `max_top_k` 64, 8 warps): a
-codebook row 10.6 -> 5.8 µs with 8 chunks (4 chunks 7.2, 16 chunks 6.9), S2's main row 13.1 ->
-8.1; the same at batch 16 (10.7 -> 5.9, 13.3 -> 8.5); at batch 64 (512 programs) 10.8 -> 9.8.
-With the radix select in the chunks it was 8.0 / 10.6, and merging with `tl.topk` over the P * k
-candidates (sorting runs that arrive sorted) 8.5 / 11.4. `DEFAULT_CHUNKS` at batch <= 64 on a GPU
-for rows wider than k (the one-program kernel otherwise); `Tuning.sample_chunks` overrides. In the FP8
-decode step (10 sampling calls) 8 chunks made the step 0.993x / 0.988x / 0.996x at batch 1 / 16 /
-64, 4 chunks 0.997x / 0.991x / 0.997x (docs/performance.md run 137). The candidate count is
-most of the chunked kernel's cost: with `max_top_k` 32 instead of 64 (the engine's default since
-run 191) a call takes about 3.8 µs less in the batch-1 step (8.9 -> 6.0 µs).
+Chunked rows (`chunks`, `_sample_chunked_kernel`): one program per row is one SM issuing a long
+chain of block-wide steps, mostly the top-k extraction, while at small batches the other SMs
+idle. With chunks, P programs per row each take the top k of their BLOCK_V / P columns
+(`tl.topk`: over a few hundred keys cheaper than the radix select) and the last to arrive (a
+per-row counter) merges the P sorted runs (`_merge_sorted_runs`), re-reads the row for its max
+and normalizer (the one-program kernel's tile and reductions: the same bits) and draws: the same
+draws. `DEFAULT_CHUNKS` at batch <= 64 on a GPU for rows wider than k (the one-program kernel
+otherwise); `Tuning.sample_chunks` overrides. The candidate count (`max_top_k`) is most of the
+chunked kernel's cost.
 
 RAS (S2 main token): both draws come from the same sorted row; if the normal draw is semantic,
 the row's frame index is >= 1 and it occurs among the window's main tokens `window[b, :, 0]`,
@@ -60,13 +49,12 @@ from shoal.kernels.pdl import pdl_launch, wait_for_inputs
 MAX_COLUMNS = 16384
 RAS_TEMPERATURE = 1.0  # exactly representable in bf16
 RAS_TOP_P = float(torch.tensor(0.9).to(torch.bfloat16).float())  # 0.8984375, the reference's bf16
-# The radix select's digit: 5 bits, 32 bins. On the H200 a 32-bin histogram costs less than a
-# 256-bin one by more than the extra passes cost (measured with 16 to 256 bins).
+# The radix select's digit: 5 bits, 32 bins: a 32-bin histogram costs less than a 256-bin one by
+# more than the extra passes cost.
 RADIX_BITS = tl.constexpr(5)
 RADIX_BINS = tl.constexpr(32)  # 2 ** RADIX_BITS
 # Chunked rows (`chunks`): the default for the radix path with `max_top_k` at small batches, and
 # the rows the per-device counters serve (a fixed buffer, never reallocated: graphs point at it).
-# 8 chunks measured best alone and in the decode step at batch 1, 16 and 64 (module docstring).
 DEFAULT_CHUNKS = 8
 # Warps per program when the caller does not say (read at each call: `shoal bench ab`'s
 # `kernel:sample_warps`).
@@ -163,9 +151,7 @@ def _select_top_keys(keys, scratch_ptr, BLOCK_V: tl.constexpr, K: tl.constexpr, 
     every member is needed, or all members are equal.
     The keys above the members' minimum (fewer than W) go to this row's `scratch_ptr` [W] at their
     exclusive-cumsum positions (Triton cannot scatter in registers), are read back, the rest
-    filled with copies of that minimum (several are taken only when keys repeat: padding with
-    `token_ids`), and `tl.topk` extracts the K largest of these W (measured cheaper than ranking
-    them by a [W, W] comparison)."""
+    filled with copies of that minimum, and `tl.topk` extracts the K largest of these W."""
     lo, hi = tl.reduce((keys, keys), 0, _minmax)
     member = keys == keys
     need = tl.full([], K, tl.int32)
@@ -432,43 +418,23 @@ def _sample_chunked_kernel(
 
 
 def sample_tokens(
-    logits: Tensor,
-    temperature: Tensor,
-    top_p: Tensor,
-    top_k: Tensor,
-    seed: Tensor,
-    frame: Tensor,
-    slot: int,
-    token_ids: Tensor | None = None,
-    window: Tensor | None = None,
-    semantic_range: tuple[int, int] | None = None,
-    max_top_k: int | None = None,
-    out: Tensor | None = None,
-    num_warps: int | None = None,
-    split_last_column: bool = True,
-    chunks: int | None = None,
+    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor, frame: Tensor, slot: int,
+    token_ids: Tensor | None = None, window: Tensor | None = None,
+    semantic_range: tuple[int, int] | None = None, max_top_k: int | None = None, out: Tensor | None = None,
+    num_warps: int | None = None, split_last_column: bool = True, chunks: int | None = None,
     preferred_chunks: int | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Draw one id per row of logits [B, V] (rows contiguous): int `out` [B] (any int dtype
     and stride, e.g. `frames[:, 0]`), default int64. `token_ids` int32 [V] maps columns to ids.
     RAS when `window` int32 [B, W, N+1] and `semantic_range` (inclusive) are given (slot 0).
     `max_top_k`: a bound on every row's top_k that lets the kernel extract only that many
     candidates; rows with a larger top_k are then treated as top_k = that bound.
-    `split_last_column` (with `max_top_k`): a row of 2^n + 1 columns runs the 2^n-wide tile and inserts
-    the last column after, instead of the 2^(n+1)-wide tile (same draws; docs/performance.md run 22).
-    With `max_top_k` below the tile width the top keys come from the radix select, which allocates its
-    [B, 2k] int64 scratch with `torch.empty` per call: inside a capture that block comes from the
-    graph's private pool and is reused in stream order like any temporary, so nothing is allocated at
-    replay, and no cached workspace can be freed or regrown under a graph that still uses it.
-    `chunks`: programs per row (a power of two; chunks of at least k columns, so with `max_top_k`;
-    at most `CHUNKED_MAX_ROWS` rows), the same draws as 1 (the one-program kernel, `_sample_kernel`)
-    at the same `num_warps`. None takes `preferred_chunks` (where the shape allows; 1: one program), else
-    `DEFAULT_CHUNKS` for at most `DEFAULT_CHUNKS_MAX_ROWS` rows on a GPU when the radix select
-    runs, else 1;
-    those fall back to 1 where the shape cannot take them, an explicit value raises a ValueError.
-    The chunked kernel's [B, chunks * k] int64 candidates come from `torch.empty` per call as the
-    radix scratch does; its per-row counters are one buffer per device (`chunk_counters`): chunked
-    launches on a device must not overlap, and the first may not be inside a graph capture.
+    `split_last_column`: see the module docstring (same draws either way).
+    Scratch (the radix select's [B, 2k], the chunked kernel's [B, chunks * k] candidates) comes
+    from `torch.empty` per call: inside a capture it is the graph's private pool, reused in stream
+    order, so nothing is allocated at replay and no cached workspace is regrown under a graph.
+    `chunks`: programs per row (`_resolve_chunks`), the same draws as 1 at the same `num_warps`;
+    their per-row counters are one buffer per device (`chunk_counters`).
 
     Under PDL (`kernels/pdl.py`) everything but the logits is read before the wait for the
     previous kernel: no kernel of the same graph or chain before this one may write `token_ids`,
@@ -523,10 +489,9 @@ def sample_tokens(
 def chunk_counters(device: torch.device) -> Tensor:
     """The chunked kernel's per-row arrival counters on `device`: int32 [CHUNKED_MAX_ROWS], zero
     between launches (each launch's merging programs set their rows' back to 0). Allocated once per
-    device and kept: CUDA graphs captured earlier keep pointing at it, so it is never reallocated,
-    and no launch clears it (a memset would be one more kernel in the step). Chunked launches on a
-    device must therefore not overlap (one stream, or streams ordered one after the other, as the
-    engine's step runs); and the first one may not happen inside a CUDA-graph capture."""
+    device and never cleared (a memset would be one more kernel in the step) nor reallocated
+    (graphs point at it): chunked launches on a device must not overlap, and the first one may not
+    happen inside a CUDA-graph capture."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

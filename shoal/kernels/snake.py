@@ -68,11 +68,10 @@ def snake(
 if triton is not None:
 
     def _snake_kernel(
-        x_ptr, res_ptr, alpha_ptr, bias_ptr, sum_ptr, out_ptr,
-        rows, inner, cols,
-        xs0, xs1, xs2, rs0, rs1, rs2, os0, os1,
-        CHANNELS_LAST: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-        WRITE_SUM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    x_ptr, res_ptr, alpha_ptr, bias_ptr, sum_ptr, out_ptr, rows, inner, cols,
+    xs0, xs1, xs2, rs0, rs1, rs2, os0, os1,
+    CHANNELS_LAST: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WRITE_SUM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     ):  # fmt: skip
         # Logical [B, D1, D2] as rows (B * D1) x cols (D2); the output is contiguous in that order.
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -104,9 +103,8 @@ if triton is not None:
         tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     def _snake_flat_kernel(
-        x_ptr, res_ptr, alpha_ptr, bias_ptr, sum_ptr, out_ptr,
-        per_batch, channels, xs0, rs0, os0,
-        HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, res_ptr, alpha_ptr, bias_ptr, sum_ptr, out_ptr, per_batch, channels, xs0, rs0, os0,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Time-major tensors whose [T, C] block per batch row is contiguous, as flat runs of
         # `per_batch` elements: no lanes padded up to a power-of-two channel count (C = 96

@@ -1,28 +1,22 @@
 """The inputs of the decode step's slow pass and fast pass 0, each in one PDL launch.
 
-In torch, the slow pass starts from `DualARTransformer.embed` (a cast, two gathers, a sum, a
-`where`, an add, a division: about eight kernels) and fast pass 0 from a cast, a clamp, a copy
-into `frames[:, 1]`, a gather and a stack. Each plain torch kernel in the decode graph drains the
-GPU and breaks the programmatic-dependent-launch chain (kernels/pdl.py), so here each input is one
-kernel that reads the ids where the sampler wrote them, waits for it, and writes the bits torch
-writes.
+In torch, the slow pass starts from `DualARTransformer.embed` (about eight kernels) and fast pass
+0 from a cast, a clamp, a copy into `frames[:, 1]`, a gather and a stack. Each plain torch kernel
+in the decode graph drains the GPU and breaks the PDL chain (kernels/pdl.py), so here each input
+is one kernel that reads the ids where the sampler wrote them, waits for it, and writes the bits
+torch writes.
 
 Rounding, as torch does it: the N codebook rows are summed in fp32 and rounded once to the table
 dtype, the token row is added in fp32 and rounded, and the semantic rows are scaled in fp32 and
-rounded. Torch's `x / float` divides on the CPU but multiplies by the fp32 reciprocal on CUDA (a
-CPU-scalar divisor, BinaryDivTrueKernel.cu), so the kernel does the same as torch on its device.
+rounded. Torch's `x / float` divides on the CPU but multiplies by the fp32 reciprocal on CUDA, so
+the kernel does the same as torch on its device.
 
-Summation order: the kernel adds the N codebook rows one after the other from +0.0. Torch's CPU
-sum (SumKernel.cpp, outer reduction) does the same for N <= 16 on every full block of 4 vectors of
-columns (32 columns with 8 fp32 lanes; the engine's dims, 64 and 2560, are whole blocks). The
-columns after the last full block go through its `row_sum`, which interleaves: p_k = sum of rows
-4i+k, the last N mod 4 rows added to p_0, then ((p_0 + p_1) + p_2) + p_3 (the same as sequential
-for N <= 4); for N > 16 it sums blocks of 16 rows. The orders agree whenever every partial sum is
-exact in fp32, which a bf16 table's sums are unless a column's N values span more than about
-16 - log2(N) binades. Otherwise the two fp32 sums differ by a few fp32 ulps of the largest
-partial sum: for terms of one sign that moves the bf16 sum by at most one bf16 ulp (the add and
-the scaling after it may round that ulp on); with cancellation the rounded sum can differ by more
-(bf16 rows 1, 2^-24, 2^-24, 0, -1: 0 in order, 2^-23 in `row_sum`'s order).
+Summation order: the kernel adds the N codebook rows one after the other from +0.0, as torch's
+CPU sum does for N <= 16 on whole blocks of 32 columns (the engine's dims are whole blocks); its
+tail columns and N > 16 sum in other orders. The orders agree whenever every partial sum is exact
+in fp32, which a bf16 table's sums are unless a column's N values span more than about
+16 - log2(N) binades; otherwise one sign's sums move by at most one bf16 ulp, and cancellation
+can move them more.
 """
 
 from __future__ import annotations
@@ -85,15 +79,9 @@ def _check_table(name: str, table: Tensor) -> None:
 
 
 def embed_tokens(
-    tokens: Tensor,
-    embeddings: Tensor,
-    codebook_embeddings: Tensor,
-    codebook_size: int,
-    semantic_begin: int,
-    semantic_end: int,
-    scale_codebooks: bool,
-    out: Tensor | None = None,
-) -> Tensor:
+    tokens: Tensor, embeddings: Tensor, codebook_embeddings: Tensor, codebook_size: int, semantic_begin: int,
+    semantic_end: int, scale_codebooks: bool, out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """`DualARTransformer.embed(tokens.long())` in one launch, for the slow pass: tokens int32 or
     int64 [T, N+1] (any strides), embeddings [V, D], codebook_embeddings [N * codebook_size, D] ->
     [T, D] (`out` if given, no allocation then). No host sync: safe inside a CUDA graph. Ids out
@@ -145,13 +133,9 @@ def _fast_pass0_kernel(
 
 
 def fast_pass0_input(
-    frames: Tensor,
-    hidden: Tensor,
-    fast_embeddings: Tensor,
-    semantic_begin: int,
-    codebook_size: int,
+    frames: Tensor, hidden: Tensor, fast_embeddings: Tensor, semantic_begin: int, codebook_size: int,
     out: Tensor | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Fast pass 0's input in one launch: code0 = clamp(frames[:, 0] - semantic_begin, 0,
     codebook_size - 1) is written to frames[:, 1] (int32 [B, N+1], any strides) and
     out [2B, D] (given: no allocation) gets rows 2b = hidden[b], 2b+1 = fast_embeddings[code0[b]]:

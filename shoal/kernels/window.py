@@ -2,27 +2,19 @@
 
 Contract (docs/contracts.md): window int32 `[bs, W, N+1]` (oldest frame first), next frames int32
 `[bs, N+1]`; after the call `window[:, :-1]` holds the old `window[:, 1:]` and `window[:, -1]` the
-new frames. No allocation, no host sync, no dtype promotion: the engine replays it inside the
-decode graph. Each program owns one batch row and reads its whole [W, N+1] tile into registers
-before writing, so the overlapping in-place move is safe.
-
-`frame_index` (optional, int [bs]) keeps the window of rows whose frame index is 0 unchanged, as
-`models.sampling.push_frames` does (the reference keeps the prefill frame out of its window).
-
-`tokens` (optional, int32 [bs, N+1] like frames) also gets the new frames, every row whatever its
-frame index: the next step's input, stored here instead of by a separate plain `copy_` kernel
-that would break the step's PDL chain (kernels/pdl.py).
+new frames. Each program owns one batch row and reads its whole [W, N+1] tile into registers
+before writing, so the overlapping in-place move is safe. `frame_index` (optional) keeps the
+window of rows at frame 0 unchanged, as `models.sampling.push_frames` does. `tokens` (optional)
+also gets the new frames (the next step's input) instead of a separate `copy_` kernel that would
+break the step's PDL chain.
 
 `advance` (optional, a `StepAdvance`): as the decode step's last kernel, it also makes the step's
-metadata the next step's, for every row with a frame index >= 1 (padding rows have 0): position,
-KV length and frame index one up, the KV slot looked up in the row's block table (a row whose
-next position is past the table's width keeps its metadata), and stores the new frame into
-`ring[frame_index % R, row]`, host memory the GPU writes directly (pinned, mapped). Steady
-decoding then needs no copy between two steps' graphs: the host uploads the metadata only when
-a row's block table changed (a new page) or the rows changed, and reads the frames from the ring
-once the step's event has completed. Every other kernel of the step has finished when this one
-passes its wait (each waits for the one before), so none reads the metadata after it changes
-(kernels/pdl.py).
+metadata the next step's for every row with a frame index >= 1 (padding rows have 0): position,
+KV length and frame index one up, the KV slot looked up in the row's block table (a row whose next
+position is past the table's width keeps its metadata), and stores the new frame into
+`ring[frame_index % R, row]`, pinned host memory the GPU writes directly. Steady decoding then
+needs no copy between two steps' graphs. Every other kernel of the step has finished when this
+one passes its wait, so none reads the metadata after it changes (kernels/pdl.py).
 """
 
 from __future__ import annotations
@@ -108,12 +100,9 @@ def _window_shift_kernel(
 
 
 def window_shift(
-    window: Tensor,
-    frames: Tensor,
-    frame_index: Tensor | None = None,
-    tokens: Tensor | None = None,
+    window: Tensor, frames: Tensor, frame_index: Tensor | None = None, tokens: Tensor | None = None,
     advance: StepAdvance | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Shift `frames` [bs, N+1] into `window` [bs, W, N+1] in place, copy them into `tokens` if
     given, and with `advance` (which needs `frame_index`) advance the step's metadata (see the
     module docstring)."""

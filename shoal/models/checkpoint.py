@@ -260,14 +260,12 @@ def load_model(
     if config.family == "s2" and config.semantic_begin_id not in (-1, tokenizer.semantic_begin_id):
         logger.warning(
             "config semantic_start_token_id %d differs from the tokenizer's %d; using the tokenizer's",
-            config.semantic_begin_id,
-            tokenizer.semantic_begin_id,
-        )
+            config.semantic_begin_id, tokenizer.semantic_begin_id,
+        )  # fmt: skip
     config = config.replace(
-        semantic_begin_id=tokenizer.semantic_begin_id,
-        semantic_end_id=tokenizer.semantic_end_id,
+        semantic_begin_id=tokenizer.semantic_begin_id, semantic_end_id=tokenizer.semantic_end_id,
         im_end_id=tokenizer.im_end_id,
-    )
+    )  # fmt: skip
     if config.semantic_end_id >= config.vocab_size:
         raise CheckpointError(
             f"{directory}: semantic token ids reach {config.semantic_end_id}, "

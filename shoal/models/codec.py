@@ -45,21 +45,10 @@ from shoal.models.codec_stream import CodecStreamPool, decode_step, stream_state
 
 # Re-exported: callers import the shared checkpoint helpers and the error from here.
 __all__ = [
-    "RANDOM_WEIGHT_GAIN",
-    "AudioTooShortError",
-    "Codec",
-    "CodecConfig",
-    "codec_file",
-    "fold_state_dict",
-    "load_codec",
-    "official_layout",
-    "random_codec",
-    "random_state_dict",
-    "random_weights",
-    "read_codec_state_dict",
-    "save_random_codec",
-    "weight_normed",
-]
+    "RANDOM_WEIGHT_GAIN", "AudioTooShortError", "Codec", "CodecConfig", "codec_file", "fold_state_dict",
+    "load_codec", "official_layout", "random_codec", "random_state_dict", "random_weights",
+    "read_codec_state_dict", "save_random_codec", "weight_normed",
+]  # fmt: skip
 
 
 class EncoderBlock(nn.Module):
@@ -103,10 +92,9 @@ class DecoderBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
         self.block = nn.Sequential(
-            Snake1d(cin),
-            CausalConvTranspose1d(cin, cout, 2 * stride, stride),
+            Snake1d(cin), CausalConvTranspose1d(cin, cout, 2 * stride, stride),
             *(ResidualUnit(cout, d) for d in (1, 3, 9)),
-        )
+        )  # fmt: skip
 
 
 class Decoder(nn.Module):

@@ -264,11 +264,9 @@ class ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int):
         super().__init__()
         self.block = nn.Sequential(
-            Snake1d(dim),
-            CausalConv1d(dim, dim, 7, dilation=dilation),
-            Snake1d(dim),
+            Snake1d(dim), CausalConv1d(dim, dim, 7, dilation=dilation), Snake1d(dim),
             CausalConv1d(dim, dim, 1),
-        )
+        )  # fmt: skip
 
     def forward(self, x: Tensor, pending: Tensor | None) -> tuple[Tensor, Tensor]:
         """(x, pending) stand for x + pending; returns the same pair after this unit."""
@@ -365,10 +363,9 @@ class Attention(nn.Module):
         """Returns q, k, v as [B, H, T, D], RoPE applied to q and k."""
         q, k, v = self.wqkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).unbind(2)
         return (
-            apply_rope(q, cos, sin).transpose(1, 2),
-            apply_rope(k, cos, sin).transpose(1, 2),
+            apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2),
             v.transpose(1, 2),
-        )
+        )  # fmt: skip
 
     def out(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -99,13 +99,9 @@ _FIELD_NAMES = {f.name for f in dataclasses.fields(ModelConfig)}
 # Flat-config keys the reference accepts but that mean nothing for inference, plus the
 # "quantization" section an FP8 checkpoint (shoal/quant/fp8.py) adds to the source config.
 _IGNORED_FLAT_KEYS = {
-    "dropout",
-    "use_gradient_checkpointing",
-    "is_reward_model",
-    "share_codebook_embeddings",
-    "lora_config",
+    "dropout", "use_gradient_checkpointing", "is_reward_model", "share_codebook_embeddings", "lora_config",
     "quantization",
-}
+}  # fmt: skip
 
 
 def detect_family(raw: dict[str, Any], directory: Path | None = None) -> Family:
@@ -152,14 +148,9 @@ def _from_nested(raw: dict[str, Any]) -> ModelConfig:
 
     defaults = ModelConfig()
     return ModelConfig(
-        model_type=S2_MODEL_TYPE,
-        vocab_size=text["vocab_size"],
-        n_layer=text["n_layer"],
-        n_head=text["n_head"],
-        dim=text["dim"],
-        intermediate_size=pick(text, "intermediate_size", None),
-        n_local_heads=pick(text, "n_local_heads", -1),
-        head_dim=pick(text, "head_dim", defaults.head_dim),
+        model_type=S2_MODEL_TYPE, vocab_size=text["vocab_size"], n_layer=text["n_layer"],
+        n_head=text["n_head"], dim=text["dim"], intermediate_size=pick(text, "intermediate_size", None),
+        n_local_heads=pick(text, "n_local_heads", -1), head_dim=pick(text, "head_dim", defaults.head_dim),
         rope_base=pick(text, "rope_base", defaults.rope_base),
         norm_eps=pick(text, "norm_eps", defaults.norm_eps),
         max_seq_len=pick(text, "max_seq_len", defaults.max_seq_len),
@@ -168,24 +159,17 @@ def _from_nested(raw: dict[str, Any]) -> ModelConfig:
         attention_o_bias=pick(text, "attention_o_bias", False),
         attention_qk_norm=pick(text, "attention_qk_norm", False),
         initializer_range=pick(text, "initializer_range", defaults.initializer_range),
-        codebook_size=audio["vocab_size"],
-        num_codebooks=audio["num_codebooks"],
-        n_fast_layer=audio["n_layer"],
-        fast_dim=pick(audio, "dim", None),
-        fast_n_head=pick(audio, "n_head", None),
-        fast_n_local_heads=pick(audio, "n_local_heads", None),
+        codebook_size=audio["vocab_size"], num_codebooks=audio["num_codebooks"],
+        n_fast_layer=audio["n_layer"], fast_dim=pick(audio, "dim", None),
+        fast_n_head=pick(audio, "n_head", None), fast_n_local_heads=pick(audio, "n_local_heads", None),
         fast_head_dim=pick(audio, "head_dim", None),
         fast_intermediate_size=pick(audio, "intermediate_size", None),
         fast_attention_qkv_bias=pick(audio, "attention_qkv_bias", None),
         fast_attention_qk_norm=pick(audio, "attention_qk_norm", None),
-        fast_attention_o_bias=pick(audio, "attention_o_bias", None),
-        scale_codebook_embeddings=True,
-        norm_fastlayer_input=True,
-        family="s2",
-        semantic_begin_id=raw.get("semantic_start_token_id", -1),
-        semantic_end_id=raw.get("semantic_end_token_id", -1),
-        im_end_id=raw.get("eos_token_id", -1),
-    )
+        fast_attention_o_bias=pick(audio, "attention_o_bias", None), scale_codebook_embeddings=True,
+        norm_fastlayer_input=True, family="s2", semantic_begin_id=raw.get("semantic_start_token_id", -1),
+        semantic_end_id=raw.get("semantic_end_token_id", -1), im_end_id=raw.get("eos_token_id", -1),
+    )  # fmt: skip
 
 
 def parse_config(raw: dict[str, Any], directory: Path | None = None) -> ModelConfig:
@@ -225,49 +209,29 @@ def to_official_dict(config: ModelConfig, extra_ids: dict[str, int] | None = Non
                 flat.pop(key)
         return dict(sorted(flat.items()))
     text_config = {
-        "model_type": "fish_qwen3",
-        "dim": config.dim,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_local_heads": config.n_local_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
-        "max_seq_len": config.max_seq_len,
-        "rope_base": config.rope_base,
-        "norm_eps": config.norm_eps,
-        "vocab_size": config.vocab_size,
-        "attention_qk_norm": config.attention_qk_norm,
-        "attention_qkv_bias": config.attention_qkv_bias,
-        "attention_o_bias": config.attention_o_bias,
-        "tie_word_embeddings": config.tie_word_embeddings,
+        "model_type": "fish_qwen3", "dim": config.dim, "n_layer": config.n_layer, "n_head": config.n_head,
+        "n_local_heads": config.n_local_heads, "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size, "max_seq_len": config.max_seq_len,
+        "rope_base": config.rope_base, "norm_eps": config.norm_eps, "vocab_size": config.vocab_size,
+        "attention_qk_norm": config.attention_qk_norm, "attention_qkv_bias": config.attention_qkv_bias,
+        "attention_o_bias": config.attention_o_bias, "tie_word_embeddings": config.tie_word_embeddings,
         "initializer_range": config.initializer_range,
-    }
+    }  # fmt: skip
     audio_decoder_config = {
-        "model_type": "fish_qwen3_audio_decoder",
-        "dim": config.fast_dim,
-        "text_dim": config.dim,
-        "n_layer": config.n_fast_layer,
-        "n_head": config.fast_n_head,
-        "n_local_heads": config.fast_n_local_heads,
-        "head_dim": config.fast_head_dim,
-        "intermediate_size": config.fast_intermediate_size,
-        "max_seq_len": config.num_codebooks + 1,
-        "num_codebooks": config.num_codebooks,
-        "vocab_size": config.codebook_size,
-        "rope_base": config.rope_base,
-        "norm_eps": config.norm_eps,
+        "model_type": "fish_qwen3_audio_decoder", "dim": config.fast_dim, "text_dim": config.dim,
+        "n_layer": config.n_fast_layer, "n_head": config.fast_n_head,
+        "n_local_heads": config.fast_n_local_heads, "head_dim": config.fast_head_dim,
+        "intermediate_size": config.fast_intermediate_size, "max_seq_len": config.num_codebooks + 1,
+        "num_codebooks": config.num_codebooks, "vocab_size": config.codebook_size,
+        "rope_base": config.rope_base, "norm_eps": config.norm_eps,
         "attention_qk_norm": config.fast_attention_qk_norm,
         "attention_qkv_bias": config.fast_attention_qkv_bias,
-        "attention_o_bias": config.fast_attention_o_bias,
-        "tie_word_embeddings": False,
-    }
+        "attention_o_bias": config.fast_attention_o_bias, "tie_word_embeddings": False,
+    }  # fmt: skip
     nested: dict[str, Any] = {
-        "model_type": S2_MODEL_TYPE,
-        "dtype": "bfloat16",
-        "eos_token_id": config.im_end_id,
-        "semantic_start_token_id": config.semantic_begin_id,
-        "semantic_end_token_id": config.semantic_end_id,
-    }
+        "model_type": S2_MODEL_TYPE, "dtype": "bfloat16", "eos_token_id": config.im_end_id,
+        "semantic_start_token_id": config.semantic_begin_id, "semantic_end_token_id": config.semantic_end_id,
+    }  # fmt: skip
     nested.update(extra_ids or {})
     nested["text_config"] = text_config
     nested["audio_decoder_config"] = audio_decoder_config

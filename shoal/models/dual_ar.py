@@ -182,11 +182,6 @@ class DualARTransformer(nn.Module):
         c = self.config
         weight = self.fast_embeddings.weight
         return FastKVCache(
-            c.n_fast_layer,
-            batch,
-            c.fast_n_local_heads,
-            c.num_codebooks,
-            c.fast_head_dim,
-            weight.dtype,
+            c.n_fast_layer, batch, c.fast_n_local_heads, c.num_codebooks, c.fast_head_dim, weight.dtype,
             weight.device,
-        )
+        )  # fmt: skip

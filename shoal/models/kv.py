@@ -61,15 +61,9 @@ class ContiguousKVCache:
     `forward_slow(tokens, positions, cache)` (tokens ordered slot by slot as planned)."""
 
     def __init__(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        max_seq_len: int,
-        num_slots: int = 1,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
+        self, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int, num_slots: int = 1,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> None:  # fmt: skip
         shape = (num_slots, max_seq_len, n_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -131,15 +125,9 @@ class FastKVCache:
     never needs clearing between frames."""
 
     def __init__(
-        self,
-        n_layers: int,
-        batch: int,
-        n_kv_heads: int,
-        num_positions: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
+        self, n_layers: int, batch: int, n_kv_heads: int, num_positions: int, head_dim: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> None:  # fmt: skip
         shape = (batch, n_kv_heads, num_positions, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]

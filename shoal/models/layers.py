@@ -78,17 +78,9 @@ class Attention(nn.Module):
     """Fused-QKV grouped-query attention; the cache and masking live in the backend."""
 
     def __init__(
-        self,
-        layer_index: int,
-        dim: int,
-        n_head: int,
-        n_local_heads: int,
-        head_dim: int,
-        norm_eps: float,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        qk_norm: bool = False,
-    ) -> None:
+        self, layer_index: int, dim: int, n_head: int, n_local_heads: int, head_dim: int, norm_eps: float,
+        qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.layer_index = layer_index
         self.n_head = n_head
@@ -135,18 +127,10 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h)), run by `run_blocks`."""
 
     def __init__(
-        self,
-        layer_index: int,
-        dim: int,
-        n_head: int,
-        n_local_heads: int,
-        head_dim: int,
-        intermediate_size: int,
-        norm_eps: float,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
+        self, layer_index: int, dim: int, n_head: int, n_local_heads: int, head_dim: int,
+        intermediate_size: int, norm_eps: float, qkv_bias: bool = False, o_bias: bool = False,
         qk_norm: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         self.attention = Attention(
             layer_index, dim, n_head, n_local_heads, head_dim, norm_eps, qkv_bias, o_bias, qk_norm
@@ -216,8 +200,3 @@ class ReferenceOps:
     def add_norm(self, out: Tensor, norm: RMSNorm | None, feeds: Feeds) -> Tensor | None:
         self.residual = self.residual + out
         return None if norm is None else norm(self.residual)
-
-
-def repeat_kv_heads(x: Tensor, groups: int, head_dim_axis: int) -> Tensor:
-    """GQA expansion: kv head j serves q heads j*groups .. j*groups+groups-1."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=head_dim_axis)

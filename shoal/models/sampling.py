@@ -235,16 +235,10 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls,
-        rules: FamilyRules,
-        *,
-        temperature: Sequence[float],
-        top_p: Sequence[float],
-        seed: Sequence[int],
-        top_k: Sequence[int] | None = None,
-        repetition_penalty: Sequence[float] | None = None,
+        cls, rules: FamilyRules, *, temperature: Sequence[float], top_p: Sequence[float], seed: Sequence[int],
+        top_k: Sequence[int] | None = None, repetition_penalty: Sequence[float] | None = None,
         device: torch.device | str = "cpu",
-    ) -> SamplingBatch:
+    ) -> SamplingBatch:  # fmt: skip
         rows = len(temperature)
         temperature_t = torch.tensor(list(temperature), dtype=torch.float32, device=device)
         top_p_t = torch.tensor(list(top_p), dtype=torch.float32, device=device)
@@ -263,12 +257,10 @@ class SamplingBatch:
             # `logits_to_probs` would clamp to.
             temperature_t = round_to_bf16(torch.clamp(temperature_t, min=TEMPERATURE_FLOOR))
         return cls(
-            temperature=temperature_t,
-            top_p=top_p_t,
-            top_k=torch.tensor(top_k_list, dtype=torch.int64, device=device),
-            repetition_penalty=penalty_t,
+            temperature=temperature_t, top_p=top_p_t,
+            top_k=torch.tensor(top_k_list, dtype=torch.int64, device=device), repetition_penalty=penalty_t,
             seed=torch.tensor(list(seed), dtype=torch.int64, device=device),
-        )
+        )  # fmt: skip
 
 
 def new_window(batch: int, window: int, num_codebooks: int, device: torch.device | str = "cpu") -> Tensor:
@@ -332,15 +324,9 @@ def sample_codebook_values(
         logits = apply_repetition_penalty(logits, previous, active_penalty(params.repetition_penalty, frame))
     columns = torch.arange(logits.shape[-1], device=logits.device)
     return draw(
-        logits,
-        params.temperature,
-        params.top_p,
-        params.top_k,
-        params.seed,
-        frame,
-        codebook_slot(codebook),
+        logits, params.temperature, params.top_p, params.top_k, params.seed, frame, codebook_slot(codebook),
         columns,
-    )
+    )  # fmt: skip
 
 
 class Sampler:
@@ -389,19 +375,10 @@ class Sampler:
 
 
 def sample_reference(
-    logits: Tensor,
-    temperature: Tensor,
-    top_p: Tensor,
-    top_k: Tensor,
-    seed: Tensor,
-    frame: Tensor,
-    slot: int,
-    token_ids: Tensor | None = None,
-    window: Tensor | None = None,
-    semantic_range: tuple[int, int] | None = None,
-    ras_temperature: float = 1.0,
-    ras_top_p: float = 0.9,
-) -> Tensor:
+    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor, frame: Tensor, slot: int,
+    token_ids: Tensor | None = None, window: Tensor | None = None,
+    semantic_range: tuple[int, int] | None = None, ras_temperature: float = 1.0, ras_top_p: float = 0.9,
+) -> Tensor:  # fmt: skip
     """Token ids int64 [B] drawn from logits [B, V] by these rules: the definition
     `kernels/sample.py` is tested against.
 

@@ -41,33 +41,14 @@ def semantic_token(code: int) -> str:
 
 # Special-token lists in the order the S1 and 1.5 code assign ids.
 S1_SPECIAL_TOKENS = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|pad|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|phoneme_start|>",
-    "<|phoneme_end|>",
-    "<|tool_call_start|>",
-    "<|tool_call_end|>",
-    "<|text|>",
-    "<|voice|>",
-    "<|interleave|>",
-    "<|audio_start|>",
-    "<|audio_end|>",
-    "<|audio|>",
-]
+    "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<|phoneme_start|>",
+    "<|phoneme_end|>", "<|tool_call_start|>", "<|tool_call_end|>", "<|text|>", "<|voice|>", "<|interleave|>",
+    "<|audio_start|>", "<|audio_end|>", "<|audio|>",
+]  # fmt: skip
 V15_SPECIAL_TOKENS = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|pad|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    *(f"<|placeholder:{i}|>" for i in range(4)),
-    "<|text|>",
-    "<|voice|>",
-    "<|interleave|>",
-]
+    "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>",
+    *(f"<|placeholder:{i}|>" for i in range(4)), "<|text|>", "<|voice|>", "<|interleave|>",
+]  # fmt: skip
 # Without special_tokens.json the S1 code (and always the 1.5 code) has 1024 semantic tokens.
 DEFAULT_SEMANTIC_TOKENS = 1024
 
@@ -163,11 +144,9 @@ class TiktokenTokenizer(Tokenizer):
         first_special = len(ranks)
         special_ids = {token: first_special + i for i, token in enumerate(special_tokens)}
         self._encoding = tiktoken.Encoding(
-            name=ranks_path.stem,
-            pat_str=FISH_TIKTOKEN_PATTERN,
-            mergeable_ranks=ranks,
+            name=ranks_path.stem, pat_str=FISH_TIKTOKEN_PATTERN, mergeable_ranks=ranks,
             special_tokens=special_ids,
-        )
+        )  # fmt: skip
         super().__init__(special_ids)
 
     def encode(self, text: str) -> list[int]:

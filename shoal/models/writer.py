@@ -15,67 +15,32 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from shoal.models.checkpoint import (
-    PTH_FILE,
-    S2_INDEX_FILE,
-    build_model,
-    native_to_file_key,
-)
+from shoal.models.checkpoint import PTH_FILE, S2_INDEX_FILE, build_model, native_to_file_key
 from shoal.models.config import Family, ModelConfig, to_official_dict
 from shoal.models.layers import RMSNorm
 from shoal.models.tokenizer import S1_SPECIAL_TOKENS, semantic_token, v15_special_tokens
 
 # S2's Fish/Qwen specials, written before the semantic tokens.
 S2_SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|pad|>",
-    "<|phoneme_start|>",
-    "<|phoneme_end|>",
-    "<|text|>",
-    "<|voice|>",
-    "<|interleave|>",
-    "<|audio_start|>",
-    "<|audio_end|>",
-    "<|audio_pad|>",
-]
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|phoneme_start|>", "<|phoneme_end|>",
+    "<|text|>", "<|voice|>", "<|interleave|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
+]  # fmt: skip
 
 
 def tiny_config(family: Family) -> ModelConfig:
     """A few-hundred-kB model of the given family, for tests and demos."""
     common = dict(
-        dim=64,
-        n_layer=2,
-        n_head=4,
-        n_local_heads=2,
-        intermediate_size=160,
-        max_seq_len=256,
-        rope_base=1000000,
-        norm_eps=1e-6,
-        num_codebooks=4,
-        n_fast_layer=2,
-        fast_intermediate_size=96,
-        initializer_range=0.1,
-        family=family,
-    )
+        dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=160, max_seq_len=256,
+        rope_base=1000000, norm_eps=1e-6, num_codebooks=4, n_fast_layer=2, fast_intermediate_size=96,
+        initializer_range=0.1, family=family,
+    )  # fmt: skip
     if family == "s2":
         return ModelConfig(
-            model_type="fish_qwen3_omni",
-            vocab_size=512,
-            head_dim=32,
-            codebook_size=64,
-            fast_head_dim=16,
-            attention_qk_norm=True,
-            fast_attention_qk_norm=False,
-            scale_codebook_embeddings=True,
-            norm_fastlayer_input=True,
-            tie_word_embeddings=True,
-            semantic_begin_id=400,
-            semantic_end_id=463,
-            im_end_id=7,
-            **common,
-        )
+            model_type="fish_qwen3_omni", vocab_size=512, head_dim=32, codebook_size=64, fast_head_dim=16,
+            attention_qk_norm=True, fast_attention_qk_norm=False, scale_codebook_embeddings=True,
+            norm_fastlayer_input=True, tie_word_embeddings=True, semantic_begin_id=400, semantic_end_id=463,
+            im_end_id=7, **common,
+        )  # fmt: skip
     if family == "s1":
         return ModelConfig(
             vocab_size=352,  # 256 bytes + 15 specials + 64 semantic, padded
@@ -92,21 +57,29 @@ def tiny_config(family: Family) -> ModelConfig:
     return ModelConfig(vocab_size=1296, codebook_size=64, tie_word_embeddings=False, **common)
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
-    """Native-named fp32 weights: N(0, initializer_range) matrices, zero biases, unit norms."""
-    model = build_model(config)
-    generator = torch.Generator().manual_seed(seed)
-    norm_weights = {
+def tensor_plan(config: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """(native name, shape, init) for every tensor the loader expects; init is "ones" (norm
+    weights), "zeros" (biases) or "normal" (N(0, initializer_range))."""
+    model = build_model(config)  # meta device: shapes only
+    norms = {
         f"{name}.weight" for name, module in model.named_modules() if isinstance(module, RMSNorm | nn.RMSNorm)
     }
-    state = {}
+    plan = []
     for name, param in model.state_dict().items():
-        if name in norm_weights:
-            state[name] = torch.ones(param.shape)
-        elif name.endswith(".bias"):
-            state[name] = torch.zeros(param.shape)
+        init = "ones" if name in norms else "zeros" if name.endswith(".bias") else "normal"
+        plan.append((name, tuple(param.shape), init))
+    return plan
+
+
+def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
+    """Native-named fp32 weights: N(0, initializer_range) matrices, zero biases, unit norms."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape, init in tensor_plan(config):
+        if init == "normal":
+            state[name] = torch.empty(shape).normal_(0.0, config.initializer_range, generator=generator)
         else:
-            state[name] = torch.empty(param.shape).normal_(0.0, config.initializer_range, generator=generator)
+            state[name] = torch.ones(shape) if init == "ones" else torch.zeros(shape)
     return state
 
 
@@ -116,10 +89,8 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
 def _byte_level_alphabet() -> list[str]:
     """The printable character GPT-2-style byte-level BPE uses for each byte value 0..255."""
     printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
+        *range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1),
+    ]  # fmt: skip
     chars = {}
     extra = 0
     for byte in range(256):
@@ -157,10 +128,8 @@ def write_s2_tokenizer(directory: Path, config: ModelConfig, extra_ids: dict[str
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in specials])
     tokenizer.save(str(directory / "tokenizer.json"))
     tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|pad|>",
-    }
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
+    }  # fmt: skip
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
 
 
@@ -206,15 +175,9 @@ def _write_s2_weights(directory: Path, state: dict[str, Tensor], num_shards: int
 
 
 def write_checkpoint(
-    directory: str | Path,
-    config: ModelConfig,
-    state_dict: dict[str, Tensor] | None = None,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    num_shards: int = 2,
-    lightning_wrapped: bool = False,
-) -> ModelConfig:
+    directory: str | Path, config: ModelConfig, state_dict: dict[str, Tensor] | None = None, *, seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16, num_shards: int = 2, lightning_wrapped: bool = False,
+) -> ModelConfig:  # fmt: skip
     """Write `config` + weights (native names; random with `seed` when None) + tokenizer files
     as the official layout of `config.family`. Returns the config `load_model` will produce
     (special ids as the written tokenizer assigns them). `lightning_wrapped` writes a flat
@@ -239,10 +202,9 @@ def write_checkpoint(
         begin = 256 + specials.index(semantic_token(0))
         semantic_count = sum(1 for t in specials if t.startswith("<|semantic:"))
         result = config.replace(
-            semantic_begin_id=begin,
-            semantic_end_id=begin + semantic_count - 1,
+            semantic_begin_id=begin, semantic_end_id=begin + semantic_count - 1,
             im_end_id=256 + specials.index("<|im_end|>"),
-        )
+        )  # fmt: skip
         if result.semantic_end_id >= config.vocab_size:
             raise ValueError(f"vocab_size {config.vocab_size} cannot hold the {config.family} tokenizer")
         official = to_official_dict(config)

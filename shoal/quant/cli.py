@@ -12,11 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="source checkpoint directory or Hugging Face repo id")
     parser.add_argument("out", help="output directory for the FP8 checkpoint")
     parser.add_argument(
-        "--quantize-activations",
-        action=argparse.BooleanOptionalAction,
-        default=DEFAULT_QUANTIZE_INPUT,
+        "--quantize-activations", action=argparse.BooleanOptionalAction, default=DEFAULT_QUANTIZE_INPUT,
         help="also quantize activations per token per 128 columns at run time (W8A8 instead of W8A16)",
-    )
+    )  # fmt: skip
     parser.add_argument("--no-verify", action="store_true", help="skip reloading and checking the output")
 
 

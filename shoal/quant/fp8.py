@@ -61,16 +61,11 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def quantization_section(modules: list[str], quantize_input: bool) -> dict[str, Any]:
     """The `"quantization"` entry of config.json."""
     return {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "weight_dtype": "float8_e4m3fn",
-        "weight_block": list(WEIGHT_BLOCK),
-        "scale_dtype": "float32",
-        "scale_layout": "row_major[ceil(out/128), ceil(in/128)]",
-        "activation_group": ACTIVATION_GROUP,
-        "quantize_activations": quantize_input,
-        "modules": modules,
-    }
+        "format": FORMAT, "version": FORMAT_VERSION, "weight_dtype": "float8_e4m3fn",
+        "weight_block": list(WEIGHT_BLOCK), "scale_dtype": "float32",
+        "scale_layout": "row_major[ceil(out/128), ceil(in/128)]", "activation_group": ACTIVATION_GROUP,
+        "quantize_activations": quantize_input, "modules": modules,
+    }  # fmt: skip
 
 
 def read_quantization_section(directory: str | Path) -> dict[str, Any]:
@@ -93,12 +88,8 @@ def read_quantization_section(directory: str | Path) -> dict[str, Any]:
 
 
 def write_quantized_checkpoint(
-    source: str | Path,
-    out: str | Path,
-    state: dict[str, Tensor],
-    modules: list[str],
-    quantize_input: bool,
-) -> Path:
+    source: str | Path, out: str | Path, state: dict[str, Tensor], modules: list[str], quantize_input: bool,
+) -> Path:  # fmt: skip
     """Write `state` (native names) + config with a quantization section + the source's other files."""
     from safetensors.torch import save_file
 

@@ -1,8 +1,8 @@
 """The fast transformer's output head, rounded to FP8 so that batch 1 reads half its bytes.
 
 Every frame runs the fast head (codebook_size x fast_dim, S2: 4,096 x 2,560) nine times, and at
-batch 1 the head is a read of its weight: 21 MB in bf16 per pass, about 4.9 µs at the H200's read
-rate. An FP8 engine (`EngineConfig.fp8_fast_head`, on by default) rounds it once when it starts:
+batch 1 the head is a read of its weight: 21 MB in bf16 per pass. An FP8 engine
+(`EngineConfig.fp8_fast_head`, on by default) rounds it once when it starts:
 - every 128 x 128 block gets a power-of-two scale, the smallest with |w| / scale <= 448
   (`round_to_e4m3_blocks`), and each weight becomes the nearest e4m3 value times that scale;
 - the module keeps those rounded values as its (bf16) weight, which every path multiplies with

@@ -1,4 +1,4 @@
-"""Plain-torch references for the attention-side kernels: the CPU path and the test oracle.
+"""Plain-torch references for the attention-side kernels: the oracles the tests hold them to.
 
 Each function here is the definition the matching Triton kernel is tested against:
 
@@ -36,14 +36,9 @@ def gather_sequence_kv(
 
 
 def paged_attention_reference(
-    q: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor | None = None,
-    scale: float | None = None,
-) -> Tensor:
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    query_start_loc: Tensor | None = None, scale: float | None = None,
+) -> Tensor:  # fmt: skip
     """Causal attention of each query token over its sequence's paged keys, in fp32.
 
     q [T, Hq, D]; seq_lens [bs] total keys per sequence, new tokens included (their k/v already
@@ -96,18 +91,10 @@ def apply_rope_reference(x: Tensor, table: Tensor) -> Tensor:
 
 
 def qk_norm_rope_reference(
-    qkv: Tensor,
-    positions: Tensor,
-    rope_table: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    slot_mapping: Tensor,
-    n_q_heads: int,
-    n_kv_heads: int,
-    q_norm_weight: Tensor | None = None,
-    k_norm_weight: Tensor | None = None,
-    eps: float = 1e-6,
-) -> Tensor:
+    qkv: Tensor, positions: Tensor, rope_table: Tensor, k_pages: Tensor, v_pages: Tensor,
+    slot_mapping: Tensor, n_q_heads: int, n_kv_heads: int, q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None, eps: float = 1e-6,
+) -> Tensor:  # fmt: skip
     """Split qkv [T, (Hq+2Hkv)*D], QK-norm (torch's per-head RMSNorm) if weights are given, RoPE
     q and k, write k/v into the pools at `slot_mapping` (page*page_size+offset; < 0 skips the
     token). Returns q [T, Hq, D]; the pools are updated in place."""
