@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# `shoal bench serve` on the lent H200 in one call (about 4 minutes): carried web-stack wheels are
-# installed, a random-weight S2-Pro-size checkpoint (bf16 model drawn on the GPU + full-size codec)
-# is written to /tmp/ckpt, `shoal serve --no-auth` starts on it, and the HTTP + WebSocket load
-# generator sweeps concurrency (TTFA p50/p95, audio seconds per second, errors), then the server
-# is stopped. Logs and the JSON results go to $OUT.
+# The API under open-loop load on the lent H200 in one call (about 8 minutes): carried web-stack
+# wheels are installed, a random-weight S2-Pro-size checkpoint (bf16 model drawn on the GPU +
+# full-size codec) is written to /tmp/ckpt, `shoal serve` starts on it (FP8 weights by default),
+# `shoal bench serve --arrivals poisson` offers Poisson arrivals (a seeded mix of lengths, stored
+# voices, pcm/wav/mp3/opus, HTTP and WebSocket) and searches for the highest sustainable rate
+# (p95 first audio <= 200 ms, <= 1% underruns, <= 1% failures); then the server is stopped and
+# `python -m shoal.bench.capacity` measures the engine + codec alone in process (closed loop,
+# same engine options), and one table prints both and their ratio. Logs and JSON go to $OUT.
+# First run (FP8): server ready after 172 s, the search's 6 rates 138 s, the capacity 80 s (its
+# engine loads in 64 s on the server's compile caches): 394 s in all.
 #
 # GPU (device tool; carry .whl):   bash scripts/gpu_serve_bench.sh
 # CPU rehearsal (local venv):      SIZE=demo DEVICE=cpu PY=.venv/bin/python bash scripts/gpu_serve_bench.sh
-# Knobs (environment): SIZE s2-pro|demo, DEVICE cuda|cpu, PY, OUT, CKPT, PORT, BUDGET_S (whole run,
-# default 200), INSTALL_WHEELS (default 1 on cuda), HTTP_LEVELS, WS_LEVELS, EXTRA_HTTP_LEVELS,
-# EXTRA_WS_LEVELS (run only while time is left), MAX_NEW_TOKENS, REQUESTS, ROUNDS, TEXT,
-# SERVE_ARGS (more `shoal serve` options, e.g. --weight-format fp8), PYSPY_S (seconds of py-spy
-# sampling of the server during the extra levels, 0 = none: which thread holds the GIL, and where
-# every thread is; needs a py-spy wheel among the carried ones).
+# Knobs (environment; CPU defaults in brackets): SIZE s2-pro|demo, DEVICE cuda|cpu, PY, OUT, CKPT,
+# PORT, BUDGET_S (whole run, 480 [240]), INSTALL_WHEELS (1 on cuda), SERVE_ARGS (more `shoal serve`
+# options, also given to the capacity run; "--weight-format fp8" on cuda), RATES (requests/s to
+# start from, "4 8" ["0.5"]), DURATION (s of arrivals per rate, 20 [5]), FRAMES (64-384 [8-32]),
+# FORMATS (pcm,wav,mp3,opus), WS_SHARE (0.25), VOICE_SHARE (0.5), VOICES (2), MAX_P95_MS (200
+# [1500]), MAX_UNDERRUN_SHARE (0.01 [1]), CAPACITY_CONCURRENCY (64 [4]), CAPACITY_S (window, 10
+# [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]),
+# HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default), PYSPY_S
+# (seconds of py-spy sampling of the server 15 s into the open-loop sweep, 0 = none; needs a
+# py-spy wheel among the carried ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${SIZE:-s2-pro}
@@ -21,25 +30,36 @@ PY=${PY:-python3}
 OUT=${OUT:-/tmp/shoal-serve-bench}
 CKPT=${CKPT:-/tmp/ckpt}
 PORT=${PORT:-8080}
-BUDGET_S=${BUDGET_S:-200}
+if [ "$DEVICE" = cuda ]; then
+  BUDGET_S=${BUDGET_S:-480} RATES=${RATES:-4 8} DURATION=${DURATION:-20} FRAMES=${FRAMES:-64-384}
+  CAPACITY_CONCURRENCY=${CAPACITY_CONCURRENCY:-64} CAPACITY_S=${CAPACITY_S:-10}
+  CAPACITY_RESERVE_S=${CAPACITY_RESERVE_S:-120} SERVE_ARGS=${SERVE_ARGS---weight-format fp8}
+  MAX_P95_MS=${MAX_P95_MS:-200} MAX_UNDERRUN_SHARE=${MAX_UNDERRUN_SHARE:-0.01}
+else  # the demo model on a laptop CPU makes about one second of audio per second: a rehearsal of
+  # the steps, with criteria loose enough that the search has something to find
+  BUDGET_S=${BUDGET_S:-240} RATES=${RATES:-0.5} DURATION=${DURATION:-5} FRAMES=${FRAMES:-8-32}
+  CAPACITY_CONCURRENCY=${CAPACITY_CONCURRENCY:-4} CAPACITY_S=${CAPACITY_S:-4}
+  CAPACITY_RESERVE_S=${CAPACITY_RESERVE_S:-40} SERVE_ARGS=${SERVE_ARGS-}
+  MAX_P95_MS=${MAX_P95_MS:-1500} MAX_UNDERRUN_SHARE=${MAX_UNDERRUN_SHARE:-1}
+fi
 INSTALL_WHEELS=${INSTALL_WHEELS:-$([ "$DEVICE" = cuda ] && echo 1 || echo 0)}
-HTTP_LEVELS=${HTTP_LEVELS-1,8,32}
-WS_LEVELS=${WS_LEVELS-1,8}
-EXTRA_HTTP_LEVELS=${EXTRA_HTTP_LEVELS-64}
-EXTRA_WS_LEVELS=${EXTRA_WS_LEVELS-32}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
-REQUESTS=${REQUESTS:-4}
-ROUNDS=${ROUNDS:-2}
-TEXT=${TEXT:-Shoal streams speech while it is generated, one frame at a time.}
+FORMATS=${FORMATS:-pcm,wav,mp3,opus}
+WS_SHARE=${WS_SHARE:-0.25}
+VOICE_SHARE=${VOICE_SHARE:-0.5}
+VOICES=${VOICES:-2}
+HTTP_LEVELS=${HTTP_LEVELS-}
+WS_LEVELS=${WS_LEVELS-}
 URL=http://127.0.0.1:$PORT
 DATA_DIR=/tmp/shoal-serve-bench-data
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 mkdir -p "$OUT"
+rm -f "$OUT/open_loop.json" "$OUT/capacity.json"
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*"; }
 left() { echo $((BUDGET_S - (SECONDS - T0))); }
 
-say "size=$SIZE device=$DEVICE budget=${BUDGET_S}s out=$OUT commit=$(git rev-parse --short HEAD 2>/dev/null || echo -)"
+say "size=$SIZE device=$DEVICE budget=${BUDGET_S}s out=$OUT serve args: ${SERVE_ARGS:-none}" \
+  "commit=$(git rev-parse --short HEAD 2>/dev/null || echo -)"
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 # (1) the web stack's wheels, in the background while the checkpoint is written (the writer needs
@@ -73,8 +93,9 @@ print('web stack ok: fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version
 # (3) the server
 rm -rf "$DATA_DIR"
 say "starting shoal serve"
+# shellcheck disable=SC2086  # SERVE_ARGS is a list of options
 "$PY" -m shoal.cli serve --checkpoint "$CKPT" --no-auth --host 127.0.0.1 --port "$PORT" --device "$DEVICE" \
-  --data-dir "$DATA_DIR" --max-streams-per-key 1024 ${SERVE_ARGS:-} >"$OUT/server.log" 2>&1 &
+  --data-dir "$DATA_DIR" --max-streams-per-key 1024 $SERVE_ARGS >"$OUT/server.log" 2>&1 &
 server_pid=$!
 stop_server() {
   [ -n "${server_pid:-}" ] || return 0
@@ -87,7 +108,7 @@ stop_server() {
 trap stop_server EXIT
 
 # Ready once /v1/health answers 200; gives up when the server exits or too little time is left.
-wait_limit=$(($(left) - 60))
+wait_limit=$(($(left) - CAPACITY_RESERVE_S - 60))
 "$PY" - "$server_pid" "$URL/v1/health" "$wait_limit" <<'EOF'
 import os, sys, time, urllib.request
 
@@ -120,33 +141,37 @@ if [ "$ready" != 0 ]; then
 fi
 say "server ready"
 
-# (4) the load: the main sweep, then the extra levels while time is left.
-bench() {  # bench JSON_NAME HTTP_LEVELS WS_LEVELS WARMUP_REQUESTS
-  local budget=$(($(left) - 30)) mode=both
-  [ "$budget" -gt 5 ] || { say "no time left for $2 / $3"; return 0; }
-  [ -z "$2" ] && mode=ws
-  [ -z "$3" ] && mode=http
-  say "bench serve: http ${2:--} ws ${3:--} (time budget ${budget}s)"
-  timeout $((budget + 25)) "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
-    --concurrency "${2:-1}" --ws-concurrency "${3:-1}" --requests-per-level "$REQUESTS" --rounds "$ROUNDS" \
-    --warmup "$4" --max-new-tokens "$MAX_NEW_TOKENS" --text "$TEXT" --time-budget "$budget" \
-    --timeout 120 --json "$OUT/$1" 2>&1 | tee -a "$OUT/bench.log"
-  say "bench exit ${PIPESTATUS[0]}"
-}
-bench serve_bench.json "$HTTP_LEVELS" "$WS_LEVELS" 2
-if [ -n "$EXTRA_HTTP_LEVELS$EXTRA_WS_LEVELS" ]; then
-  if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
-    # After 15 s of load; --nonblocking reads the server without pausing it.
-    for mode in gil idle; do
-      (sleep 15; /tmp/site/bin/py-spy record --pid "$server_pid" --duration "$PYSPY_S" --rate 200 \
-        --format raw --threads --nonblocking "--$mode" -o "$OUT/pyspy_$mode.txt" \
-        >"$OUT/pyspy_$mode.log" 2>&1) &
-    done
-  fi
-  bench serve_bench_extra.json "$EXTRA_HTTP_LEVELS" "$EXTRA_WS_LEVELS" 0
+# (4) the load: an optional closed-loop sweep, then the open-loop search for the sustainable rate.
+closed_limit=$(($(left) - CAPACITY_RESERVE_S - 60))
+if [ -n "$HTTP_LEVELS$WS_LEVELS" ] && [ "$closed_limit" -gt 10 ]; then
+  mode=both
+  [ -z "$HTTP_LEVELS" ] && mode=ws
+  [ -z "$WS_LEVELS" ] && mode=http
+  say "closed loop: http ${HTTP_LEVELS:--} ws ${WS_LEVELS:--}"
+  timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
+    --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
+    --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop.json" 2>&1 | tee -a "$OUT/bench.log"
 fi
+if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
+  # 15 s into the load; --nonblocking reads the server without pausing it.
+  for mode in gil idle; do
+    (sleep 15; /tmp/site/bin/py-spy record --pid "$server_pid" --duration "$PYSPY_S" --rate 200 \
+      --format raw --threads --nonblocking "--$mode" -o "$OUT/pyspy_$mode.txt" \
+      >"$OUT/pyspy_$mode.log" 2>&1) &
+  done
+fi
+budget=$(($(left) - CAPACITY_RESERVE_S - 15))
+say "open loop: rates $RATES, ${DURATION} s each, frames $FRAMES, $FORMATS, ws share $WS_SHARE," \
+  "voice share $VOICE_SHARE; sustainable-rate search within ${budget} s"
+# shellcheck disable=SC2086  # RATES is a list
+timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
+  --duration "$DURATION" --frames "$FRAMES" --formats "$FORMATS" --ws-share "$WS_SHARE" \
+  --voice-share "$VOICE_SHARE" --voices "$VOICES" --find-sustainable --max-p95-ms "$MAX_P95_MS" \
+  --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$budget" --drain-timeout 15 --timeout 60 \
+  --json "$OUT/open_loop.json" --traces "$OUT/open_loop_traces.jsonl" 2>&1 | tee -a "$OUT/bench.log"
+say "open loop exit ${PIPESTATUS[0]}"
 
-# (5) what the server saw, then stop it
+# (5) what the server saw, then stop it (the capacity run needs the GPU to itself)
 "$PY" - "$URL" >"$OUT/after.txt" 2>&1 <<'EOF'
 import sys, urllib.request
 
@@ -162,4 +187,26 @@ EOF
 grep -E "^shoal_(time_to_first_audio_seconds_(sum|count)|audio_seconds_total|requests_total)" "$OUT/after.txt" \
   | head -n 12 | sed 's/^/    /'
 stop_server
+
+# (6) the in-process capacity: the same engine options, the same mix of lengths and voices
+capacity_limit=$(($(left) - 10))
+if [ "$capacity_limit" -gt 20 ]; then
+  say "in-process capacity: $CAPACITY_CONCURRENCY in flight, ${CAPACITY_S} s window (limit ${capacity_limit} s)"
+  # shellcheck disable=SC2086
+  timeout "$capacity_limit" "$PY" -m shoal.bench.capacity --checkpoint "$CKPT" --device "$DEVICE" $SERVE_ARGS \
+    --concurrency "$CAPACITY_CONCURRENCY" --frames "$FRAMES" --voice-share "$VOICE_SHARE" --voices "$VOICES" \
+    --seconds "$CAPACITY_S" --warmup-seconds 3 --json "$OUT/capacity.json" 2>&1 | tee "$OUT/capacity.log" \
+    | grep -vE "^\s*$" | tail -n 5
+  say "capacity exit ${PIPESTATUS[0]}"
+else
+  say "no time left for the in-process capacity (${capacity_limit} s)"
+fi
+
+# (7) one table
+echo
+if [ -s "$OUT/open_loop.json" ]; then
+  "$PY" -m shoal.bench.capacity --summary "$OUT/open_loop.json" "$OUT/capacity.json"
+else
+  say "no open-loop results"
+fi
 say "done; logs in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,11 +1,16 @@
 """`shoal bench serve`: HTTP and WebSocket load against a running Shoal (or any Fish-compatible)
-server. For each concurrency level it keeps that many requests in flight and reports time to
-first audio byte (p50/p95), audio seconds delivered per wall second, and errors.
+server, in one of two modes.
+
+`--arrivals closed` (the default): for each concurrency level it keeps that many requests in
+flight and reports time to first audio byte (p50/p95), audio seconds delivered per wall second,
+and errors. `--arrivals poisson --rate R [R ...]`: open-loop load from a mix of lengths, stored
+voices, formats and transports, with underruns and the highest sustainable rate
+(`shoal.bench.open_loop`, which documents it).
 
 Time to first audio (TTFA): HTTP, from sending `POST /v1/tts` to the first audio bytes of the
 reply; WebSocket (`/v1/tts/live`), from sending the first `text` event to the first `audio`
 event (the server's `shoal_time_to_first_audio_seconds{route="live"}` starts at the same event).
-Audio is requested as pcm so its duration is exact: bytes / 2 / sample_rate. Each level runs
+Closed loop requests pcm so its duration is exact: bytes / 2 / sample_rate. Each level runs
 max(--requests-per-level, --rounds x concurrency) requests; `--warmup` requests per mode run
 first and are not counted (the first requests compile kernels and fill caches).
 """
@@ -277,12 +282,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=environment("API_KEY") or os.environ.get("FISH_API_KEY") or "local",
         help="bearer key (environment API_KEY, or FISH_API_KEY)",
     )
-    parser.add_argument("--mode", choices=("http", "ws", "both"), default="both")
+    parser.add_argument(
+        "--arrivals",
+        choices=("closed", "poisson"),
+        default="closed",
+        help="closed: fixed concurrency levels; poisson: open-loop arrivals at --rate (see below)",
+    )
+    parser.add_argument("--mode", choices=("http", "ws", "both"), default="both", help="closed loop")
     parser.add_argument(
         "--concurrency",
         type=concurrency_list,
         default=[1, 2, 4, 8],
-        help="comma-separated levels (default 1,2,4,8)",
+        help="closed loop: comma-separated levels (default 1,2,4,8)",
     )
     parser.add_argument(
         "--ws-concurrency",
@@ -292,21 +303,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--requests-per-level", type=int, default=16, help="at least this many per level")
     parser.add_argument("--rounds", type=int, default=1, help="and at least rounds x concurrency per level")
-    parser.add_argument("--warmup", type=int, default=1, help="uncounted requests per mode before its sweep")
     parser.add_argument(
-        "--time-budget", type=float, default=0.0, help="seconds; later levels are skipped once past it"
+        "--warmup",
+        type=int,
+        default=1,
+        help="uncounted requests per mode before its sweep (poisson: rounds of one short request per "
+        "format, transport and stored voice)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds; later levels (rates) are skipped once past it",
     )
     parser.add_argument("--text", default=DEFAULT_TEXT)
     parser.add_argument("--reference-id", help="a stored voice to speak with")
     parser.add_argument("--model", default="s2-pro", help="the `model` header")
-    parser.add_argument("--sample-rate", type=int, default=44100)
+    parser.add_argument("--sample-rate", type=int, default=44100, help="poisson: opus asks for 48000")
     parser.add_argument("--chunk-length", type=int, default=200)
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="closed loop (poisson: --frames)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     parser.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    from shoal.bench import open_loop
+
+    open_loop.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.arrivals == "poisson":
+        from shoal.bench import open_loop
+
+        return open_loop.run(args)
     results = asyncio.run(sweep(args))
     requests = sum(r.requests for r in results)
     errors = sum(r.errors for r in results)
