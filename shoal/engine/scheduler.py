@@ -194,7 +194,8 @@ class Scheduler:
                 plan.decodes.append(request)
         # 2. Prefill chunks: running requests mid-prefill, then admissions.
         budget = self.config.max_prefill_tokens
-        for request in sorted(self.running, key=lambda r: self._urgency(r, now)):
+        prefilling = [r for r in self.running if not r.is_decoding]
+        for request in sorted(prefilling, key=lambda r: self._urgency(r, now)):
             if budget <= 0:
                 break
             if request not in self.running or request.is_decoding:
