@@ -1,6 +1,7 @@
 """A small in-test implementation of the `shoal.engine.api.Engine` ABC (a test double, not the
 engine): it turns text into a tone whose length follows the text, in chunks, with a page
-counter so tests can check that aborted requests give their pages back."""
+counter so tests can check that aborted requests give their pages back. `unavailable` makes
+it answer as a `RemoteEngine` does while its engine process is down."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from shoal.engine.api import (
     Engine,
     EngineOverloaded,
     EngineStats,
+    EngineUnavailable,
     FinishReason,
     InvalidRequest,
     RequestHandle,
@@ -51,6 +53,9 @@ class ToneHandle(RequestHandle):
             if self._finish is not None:
                 return
             await asyncio.sleep(self.engine.chunk_delay)
+            if self.engine.unavailable:  # the engine process died mid-stream
+                self._release(FinishReason.ERROR)
+                raise EngineUnavailable("the engine has not answered for 3.0 s")
             yield AudioChunk(samples=0.3 * np.sin(2 * np.pi * 220 * (t + index * 0.1)), sample_rate=rate)
         self._release(FinishReason.STOP)
 
@@ -82,6 +87,7 @@ class ToneEngine(Engine):
         self.encoded = 0
         self._ids = itertools.count()
         self.started = False
+        self.unavailable = False
 
     async def start(self) -> None:
         self.started = True
@@ -89,7 +95,12 @@ class ToneEngine(Engine):
     async def stop(self) -> None:
         self.started = False
 
+    def _check_available(self) -> None:
+        if self.unavailable:
+            raise EngineUnavailable("the engine is not answering")
+
     def submit(self, request: SynthesisRequest) -> RequestHandle:
+        self._check_available()
         if len(self.running) >= self.max_waiting:
             raise EngineOverloaded("queue full")
         if "INVALID" in request.text:
@@ -103,6 +114,7 @@ class ToneEngine(Engine):
         self.running.discard(request_id)
 
     async def prefill_voice(self, references: tuple[VoiceReference, ...]) -> None:
+        self._check_available()
         self.prefilled.append(references)
 
     def check_voice(self, references: tuple[VoiceReference, ...]) -> None:
@@ -116,6 +128,7 @@ class ToneEngine(Engine):
         return np.zeros((10, frames), dtype=np.int64)
 
     def stats(self) -> EngineStats:
+        self._check_available()
         return EngineStats(
             running=len(self.running),
             waiting={"realtime": 0, "standard": 0, "batch": 0},

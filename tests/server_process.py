@@ -1,5 +1,7 @@
 """Start a real `shoal serve` subprocess on 127.0.0.1 (a free port, the demo checkpoint, a fresh
-data directory and three API keys) for the client-compatibility tests."""
+data directory and three API keys) for the client-compatibility tests: in one process
+(`api_workers=0`) or split into an engine process and API processes (`api_workers=N`), whose
+process ids the helpers find under /proc (to kill one)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,20 @@ def demo_checkpoint(root: Path) -> Path:
     return directory
 
 
+def child_processes(parent: int) -> dict[int, str]:
+    """pid -> command line of the live children of `parent` (Linux /proc)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent and fields[0] != "Z":  # ppid; not a zombie
+                command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                children[int(stat.parent.name)] = command
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while being read
+    return children
+
+
 @dataclass
 class ShoalServer:
     url: str
@@ -65,12 +81,14 @@ class ShoalServer:
     key_b: str
     key_limited: str
     key_batch: str  # a key whose requests run at batch priority
+    api_workers: int = 0  # 0: one process; N: an engine process and N API processes
+    data_dir: Path | None = None
     max_body_bytes: int = MAX_BODY_MB * 1024 * 1024
     max_upload_bytes: int = MAX_UPLOAD_MB * 1024 * 1024
 
     @classmethod
     @contextmanager
-    def start(cls, workdir: Path, *extra_args: str):
+    def start(cls, workdir: Path, *extra_args: str, api_workers: int = 0):
         data_dir = workdir / "data"
         keys = [create_key(data_dir, "tenant-a"), create_key(data_dir, "tenant-b")]
         keys.append(create_key(data_dir, "tenant-c", "--max-streams", "1"))
@@ -83,10 +101,10 @@ class ShoalServer:
         command += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)]
         command += ["--max-new-frames", str(MAX_NEW_FRAMES), "--max-body-mb", str(MAX_BODY_MB)]
         command += ["--max-upload-mb", str(MAX_UPLOAD_MB), "--queue-limit", f"batch={BATCH_QUEUE_LIMIT}"]
-        command += extra_args
+        command += ["--api-workers", str(api_workers), *extra_args]
         log = (workdir / "server.log").open("w")
         process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        server = cls(f"http://127.0.0.1:{port}", process, *keys)
+        server = cls(f"http://127.0.0.1:{port}", process, *keys, api_workers=api_workers, data_dir=data_dir)
         try:
             server.wait_ready(workdir / "server.log")
             yield server
@@ -95,6 +113,8 @@ class ShoalServer:
             try:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
+                for child in child_processes(process.pid):  # API processes outlive a killed parent
+                    os.kill(child, signal.SIGKILL)
                 process.kill()
                 process.wait()
             log.close()
@@ -106,8 +126,66 @@ class ShoalServer:
                 raise RuntimeError(f"shoal serve exited:\n{log_path.read_text()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200:
-                    return
+                    if self.api_workers < 2 or len(self.api_pids()) >= self.api_workers:
+                        return
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
         raise RuntimeError(f"shoal serve not ready after {timeout:.0f} s:\n{log_path.read_text()[-4000:]}")
+
+    def wait_healthy(self, timeout: float = 120.0) -> dict:
+        """/v1/health's answer once it is 200 (after an engine restart, say) and the engine idle."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            response = httpx.get(f"{self.url}/v1/health", timeout=5)
+            health = response.json()
+            if response.status_code == 200 and health["running"] == health["active_streams"] == 0:
+                if health["pages_used"] == health["prefix_cache_pages"]:
+                    return health
+            time.sleep(0.1)
+        raise AssertionError(f"the server is not healthy and idle after {timeout:.0f} s: {health}")
+
+    def job_runner_pid(self) -> int | None:
+        """The process holding the data directory's jobs.lock (/proc/locks), if any."""
+        assert self.data_dir is not None
+        inode = (self.data_dir / "jobs.lock").stat().st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                return int(fields[4])
+        return None
+
+    def engine_pid(self) -> int:
+        """The engine process of a server started with api_workers >= 1."""
+        pids = [
+            pid
+            for pid, command in child_processes(self.process.pid).items()
+            if "shoal.engine.process" in command
+        ]
+        assert len(pids) == 1, child_processes(self.process.pid)
+        return pids[0]
+
+    def api_pids(self) -> set[int]:
+        """The API processes uvicorn runs for a server started with api_workers >= 2 (with 1, the
+        main process serves the API itself)."""
+        children = child_processes(self.process.pid).items()
+        return {pid for pid, command in children if "spawn_main" in command}
+
+    def connections_to_each_api_process(self, attempts: int = 200) -> dict[int, httpx.Client]:
+        """One kept-alive connection per API process (pid -> client): the kernel hands each new
+        connection to one process, and a connection stays with it."""
+        clients: dict[int, httpx.Client] = {}
+        for _ in range(attempts):
+            if len(clients) == max(1, self.api_workers):
+                return clients
+            client = httpx.Client(base_url=self.url, timeout=60)
+            pid = client.get("/v1/health").json()["api_process"]
+            if pid in clients:
+                client.close()
+            else:
+                clients[pid] = client
+        for client in clients.values():
+            client.close()
+        raise AssertionError(
+            f"reached {len(clients)} of {self.api_workers} API processes in {attempts} connections"
+        )

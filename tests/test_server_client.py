@@ -1,5 +1,7 @@
 """The official `fish-audio-sdk` 1.3.0 clients (new `fishaudio` and legacy `fish_audio_sdk`),
-unchanged, against a real `shoal serve` process on 127.0.0.1 serving the demo checkpoint."""
+unchanged, against a real `shoal serve` on 127.0.0.1 serving the demo checkpoint: every test
+runs against the server in one process and split into an engine process and two API processes
+(`--api-workers 2`)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
     )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> ShoalServer:
-    with ShoalServer.start(tmp_path_factory.mktemp("shoal-client")) as running:
+@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "api-workers-2"])
+def server(request, tmp_path_factory) -> ShoalServer:
+    with ShoalServer.start(tmp_path_factory.mktemp("shoal-client"), api_workers=request.param) as running:
         yield running
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from shoal.engine.api import EngineOverloaded, InvalidRequest, Priority
+from shoal.engine.api import EngineOverloaded, EngineUnavailable, FinishReason, InvalidRequest, Priority
 from shoal.server import audio
 from shoal.server.app import create_app
 from shoal.server.auth import hash_api_key
@@ -44,10 +44,31 @@ def engine(checkpoint):
     return load(checkpoint)  # shared by the tests: each app starts and stops it
 
 
+class DiesAfterFirstChunk:
+    """A request whose engine process dies after its first chunk, as a RemoteEngine's handle
+    sees it: the chunk, then EngineUnavailable (the request is aborted on the engine)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.finish_reason = None
+
+    async def __aiter__(self):
+        async for chunk in self.handle:
+            yield chunk
+            break
+        await self.handle.aclose()
+        self.finish_reason = FinishReason.ERROR
+        raise EngineUnavailable("the engine has not answered for 3.0 s (test)")
+
+    async def aclose(self) -> None:
+        await self.handle.aclose()
+
+
 class Recorder:
     """Wraps `engine.submit`: records each request. `overload` (the first N calls, or True for
     all), `allow` (every call after N accepted requests) and `invalid` (a substring of the
-    text) make it raise as a full queue or a bad prompt would."""
+    text) make it raise as a full queue or a bad prompt would; `die_mid_stream` (the first N
+    accepted requests) end after one chunk as when the engine process dies."""
 
     def __init__(
         self,
@@ -56,12 +77,14 @@ class Recorder:
         overload: int | bool = 0,
         allow: int | None = None,
         invalid: str | None = None,
+        die_mid_stream: int = 0,
     ) -> None:
         self.engine = engine
         self.submit = engine.submit
         self.overload = overload
         self.allow = allow
         self.invalid = invalid
+        self.die_mid_stream = die_mid_stream
         self.attempts = 0
         self.requests = []
         monkeypatch.setattr(engine, "submit", self)
@@ -74,16 +97,18 @@ class Recorder:
         if self.invalid and self.invalid in request.text:
             raise InvalidRequest("prompt too long (test)")
         self.requests.append(request)
-        return self.submit(request)
+        handle = self.submit(request)
+        return DiesAfterFirstChunk(handle) if len(self.requests) <= self.die_mid_stream else handle
 
 
-def make_client(engine, data_dir, **settings) -> TestClient:
+def make_client(engine, data_dir, jobs_lock=None, **settings) -> TestClient:
     store = Store.in_directory(data_dir)
     for key, tenant in ((KEY_A, "a"), (KEY_B, "b")):
         if store.find_key(hash_api_key(key)) is None:
             store.add_key(hash_api_key(key), tenant=tenant)
     defaults = {"max_text_length": 300, "max_new_frames": 4000, "max_job_items": 5, "max_jobs_per_tenant": 2}
-    client = TestClient(create_app(engine, store, ServerSettings(**(defaults | settings))))
+    app = create_app(engine, store, ServerSettings(**(defaults | settings)), jobs_lock=jobs_lock)
+    client = TestClient(app)
     client.headers["Authorization"] = f"Bearer {KEY_A}"
     return client
 
@@ -180,6 +205,21 @@ def test_overloaded_engine_is_retried_with_backoff(client, engine, monkeypatch):
     assert len(client.get(f"/v1/jobs/{created['id']}/items/0").content) > 0
 
 
+def test_items_cut_short_by_an_engine_restart_start_over_and_are_kept_once(
+    client, engine, monkeypatch, tmp_path
+):
+    recorder = Recorder(engine, monkeypatch, die_mid_stream=3)
+    items = [{"id": f"line-{n}", "text": f"Line number {n}."} for n in range(2)]
+    created = create(client, {"items": items, "format": "pcm", **SHORT})
+    job = wait_for(client, created["id"], finished)
+    assert job["status"] == "done" and job["items_done"] == 2 and len(recorder.requests) == 5
+    for item in job["items"]:  # each file is its last attempt's audio, as long as recorded
+        data = client.get(f"/v1/jobs/{created['id']}/items/{item['id']}").content
+        assert 0 < len(data) == round(item["audio_seconds"] * audio.SAMPLE_RATE) * 2
+    assert len(list((tmp_path / "blobs" / "jobs" / created["id"]).iterdir())) == 2
+    wait_idle(engine)
+
+
 def test_restart_resumes_at_the_first_unfinished_item(checkpoint, engine, tmp_path, monkeypatch):
     """Item 0 finishes, then the queue stays full; the server stops. A new server process (new
     engine, new app, same data directory) finishes items 1 and 2 and never redoes item 0."""
@@ -229,6 +269,32 @@ def test_cancel_aborts_in_flight_requests_and_frees_pages(client, engine, monkey
     assert len(recorder.requests) == 2
     assert_fish_error(client.get(f"/v1/jobs/{created['id']}/items/0"), 409)
     assert client.delete(f"/v1/jobs/{created['id']}").json()["status"] == "cancelled"  # idempotent
+
+
+def test_one_process_runs_the_jobs_another_creates_and_cancels(engine, tmp_path, monkeypatch):
+    """Two API processes on one data directory: the one holding jobs.lock runs the job created
+    through the other, whose GET sees its items running, and whose DELETE aborts them."""
+    from server_fakes import ToneEngine
+
+    recorder = Recorder(engine, monkeypatch)
+    lock = tmp_path / "jobs.lock"
+    with (
+        make_client(engine, tmp_path, jobs_lock=lock) as runner,
+        make_client(ToneEngine(), tmp_path, jobs_lock=lock) as other,
+    ):
+        assert runner.app.state.jobs.leading and not other.app.state.jobs.leading
+        items = [{"text": f"A very long chapter {n}."} for n in range(3)]
+        created = create(other, {"items": items, "format": "pcm", "max_new_tokens": 2000, "seed": 1})
+        job = wait_for(other, created["id"], lambda job: engine.stats().running == 2)
+        job = wait_for(
+            other, created["id"], lambda job: sum(i["status"] == "running" for i in job["items"]) == 2
+        )
+        assert job["status"] == "running" and len(recorder.requests) == 2
+        assert other.delete(f"/v1/jobs/{created['id']}").json()["status"] == "cancelled"
+        wait_idle(engine)  # the runner aborted its requests
+        job = runner.get(f"/v1/jobs/{created['id']}").json()
+        assert job["status"] == "cancelled" and all(item["status"] == "pending" for item in job["items"])
+        assert len(recorder.requests) == 2
 
 
 def test_engine_failure_fails_the_job_with_the_item_named(client, engine, monkeypatch):

@@ -135,6 +135,33 @@ def test_engine_errors_map_to_statuses(client, engine):
     assert overloaded.headers["retry-after"] == "1"
 
 
+def test_engine_unavailable_is_a_503_to_retry_everywhere(client, engine):
+    """While the engine process is down: 503 with Retry-After in the Fish shape on synthesis
+    and health, an error event in a live session, and /metrics says so (`shoal_engine_up 0`)."""
+    with client.stream("POST", "/v1/tts", json={"text": "x" * 40, "format": "pcm"}) as streaming:
+        assert streaming.status_code == 200
+        chunks = streaming.iter_raw()
+        received = len(next(chunks))
+        engine.unavailable = True  # mid-stream: the body is left unfinished (a truncated response)
+        received += sum(len(chunk) for chunk in chunks)
+    assert received < 40 * 2 * engine.sample_rate // 10
+    for response in (msgpack_post(client, {"text": "hello"}), client.get("/v1/health")):
+        assert "unavailable" in assert_fish_error(response, 503)
+        assert response.headers["retry-after"] == "5"
+    live = [
+        {"event": "start", "request": {"format": "pcm"}},
+        {"event": "text", "text": "Hi."},
+        {"event": "flush"},
+    ]
+    events = live_session(client, live)
+    assert events[-1]["reason"] == "error" and "unavailable" in events[-1]["message"]
+    metrics = client.get("/metrics").text
+    assert "shoal_engine_up 0.0" in metrics and "shoal_kv_pages_used" not in metrics
+    engine.unavailable = False
+    assert msgpack_post(client, {"text": "back", "format": "pcm"}).status_code == 200
+    assert "shoal_engine_up 1.0" in client.get("/metrics").text
+
+
 def test_disconnect_before_first_audio_aborts(tmp_path):
     """A client gone while its request still waits for audio (e.g. queued) frees it at once,
     not when the first audio would have come (here after 30 s)."""
@@ -293,6 +320,32 @@ def test_fish_speech_reference_routes(client):
         "DELETE", "/v1/references/delete", content=b"[" * 5000, headers={"Content-Type": "application/json"}
     )
     assert_fish_error(nested, 400)
+
+
+def test_a_reused_voice_name_speaks_its_new_samples_in_every_api_process(client, engine, tmp_path):
+    """API processes cache stored voices' codes: one that cached a reference must not speak the
+    old samples after another process deleted it and a new reference took the same name."""
+    other_engine = ToneEngine()
+    with TestClient(create_app(other_engine, Store.in_directory(tmp_path), ServerSettings())) as other:
+        other.headers["Authorization"] = f"Bearer {KEY_A}"
+
+        def add(seconds: float) -> None:
+            files = {"audio": ("a.wav", wav_clip(seconds), "audio/wav")}
+            added = other.post("/v1/references/add?format=json", data={"id": "x", "text": "t"}, files=files)
+            assert added.status_code == 200, added.text
+
+        def frames_spoken_with() -> int:
+            assert (
+                msgpack_post(client, {"text": "x", "reference_id": "x", "format": "pcm"}).status_code == 200
+            )
+            return engine.submitted[-1].references[0].codes.shape[1]
+
+        add(1.0)
+        assert frames_spoken_with() == 21
+        deleted = other.request("DELETE", "/v1/references/delete", json={"reference_id": "x"})
+        assert deleted.status_code == 200
+        add(2.0)
+        assert frames_spoken_with() == 43
 
 
 def test_reference_names_are_per_tenant_with_no_existence_oracle(client, engine):

@@ -120,9 +120,14 @@ def test_a_job_and_its_items_checkpoint_and_survive_reopen(open_store):
     )
     assert store.active_job_ids() == [job.id] and store.count_active_jobs("acme") == 1
     assert store.set_job_status(job.id, "running")
+    for position in range(3):
+        store.mark_job_item_running(job.id, position)
     store.finish_job_item(job.id, 0, b"audio-a", "wav", 1.5)
     store.finish_job_item(job.id, 0, b"audio-again", "wav", 1.5)  # a retried item: counted once
+    store.mark_job_item_running(job.id, 0)  # a done item stays done
     store.finish_job_item(job.id, 2, b"audio-c", "wav", 2.25)
+    assert store.reset_running_job_items(job.id) == 1  # the runner died while item 1 ran
+    assert store.job_item(job.id, "b").status == "pending"
     store.fail_job_item(job.id, 1, "too long")
     reopened = open_store()
     row = reopened.get_job(job.id)

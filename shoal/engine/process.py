@@ -542,7 +542,10 @@ class EngineSupervisor:
                 return
             self._ready.clear()
             self.epoch = None
-            self.process = subprocess.Popen(command, env=self.env)
+            # A session of its own: a terminal's Ctrl+C reaches the parent, which stops the API
+            # processes and then this one, instead of the engine dying first under live requests
+            # (and being restarted during the shutdown). It still stops if the parent dies.
+            self.process = subprocess.Popen(command, env=self.env, start_new_session=True)
             self._started_at = time.monotonic()
             log.info("engine process %d started", self.process.pid)
 

@@ -110,12 +110,17 @@ class RemoteEngine(Engine):
         unavailable_after: float = DEFAULT_UNAVAILABLE_AFTER,
         start_timeout: float = 60.0,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        require_engine_at_start: bool = True,
     ) -> None:
+        """`require_engine_at_start=False`: `start` returns once it waited `start_timeout` for
+        the engine even if none answered (an API process started while the engine restarts
+        serves 503s until it is back, rather than failing its start)."""
         self.address = address
         self.ping_interval = ping_interval
         self.unavailable_after = unavailable_after
         self.start_timeout = start_timeout
         self.call_timeout = call_timeout
+        self.require_engine_at_start = require_engine_at_start
         # Known from the engine's first pong.
         self.sample_rate = 44100
         self.frame_rate = 44100 / 2048
@@ -142,7 +147,8 @@ class RemoteEngine(Engine):
     # Lifetime --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and wait until the engine answers (EngineUnavailable after `start_timeout`)."""
+        """Connect and wait until the engine answers (EngineUnavailable after `start_timeout`,
+        unless `require_engine_at_start` is off)."""
         if self._socket is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -158,8 +164,12 @@ class RemoteEngine(Engine):
         self._last_pong = time.monotonic()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
         if not await self.wait_available(self.start_timeout):
+            message = f"no engine answered at {self.address} within {self.start_timeout:.0f} s"
+            if not self.require_engine_at_start:
+                log.warning("%s: requests get 503 until it does", message)
+                return
             await self.stop()
-            raise EngineUnavailable(f"no engine answered at {self.address} within {self.start_timeout:.0f} s")
+            raise EngineUnavailable(message)
 
     async def wait_available(self, timeout: float) -> bool:
         """Wait until the engine answers pings (after a restart, too); False on timeout."""

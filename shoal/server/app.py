@@ -2,15 +2,20 @@
 (health, metrics, wallet) that need no module of their own.
 
 `create_app(engine, store, settings)` is all a test or the CLI needs: the engine is started and
-stopped with the app; routes reach the shared objects through `app.state`.
+stopped with the app; routes reach the shared objects through `app.state`. An API process of a
+server with several (`shoal.server.workers`) passes what they share: the stream limiter, the
+metrics directory and the jobs lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated
 
 import anyio.to_thread
@@ -18,10 +23,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shoal.engine.api import Engine
+from shoal.engine.api import Engine, EngineStats, EngineUnavailable
+from shoal.engine.remote import RemoteEngine
 from shoal.server import jobs, live, tts, voices
-from shoal.server.auth import Principal, StreamLimiter, require_principal
+from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import error_response, install_error_handlers
+from shoal.server.limits import Limiter, StreamLimiter
 from shoal.server.metrics import RequestCounterMiddleware, ServerMetrics
 from shoal.server.openapi import errors, install_openapi
 from shoal.server.schemas import Credits, Health, Package
@@ -77,16 +84,30 @@ class BodyTooLarge(Exception):
     pass
 
 
-def create_app(engine: Engine, store: Store, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    store: Store,
+    settings: ServerSettings | None = None,
+    *,
+    limiter: Limiter | None = None,
+    metrics_dir: Path | None = None,
+    jobs_lock: Path | None = None,
+    sweep_blobs: bool = True,
+) -> FastAPI:
+    """The app. `limiter`: stream slots (default: counted in this process); `metrics_dir`: the
+    API processes' prometheus multiprocess directory; `jobs_lock`: the file whose lock makes
+    one process the job runner (None: this one); `sweep_blobs`: remove orphan blobs at start
+    (a server of several processes does it once, before they start)."""
     settings = settings or ServerSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not settings.auth:
             log.warning("authentication is OFF (--no-auth): anyone who can reach this port may use it")
-        removed = await anyio.to_thread.run_sync(store.sweep_orphan_blobs)
-        if removed:
-            log.info("removed %d orphan blob files (left by an earlier crash)", removed)
+        if sweep_blobs:
+            removed = await anyio.to_thread.run_sync(store.sweep_orphan_blobs)
+            if removed:
+                log.info("removed %d orphan blob files (left by an earlier crash)", removed)
         await engine.start()
         await app.state.jobs.start()  # resumes the jobs a previous process left unfinished
         try:
@@ -100,10 +121,10 @@ def create_app(engine: Engine, store: Store, settings: ServerSettings | None = N
     app.state.settings = settings
     app.state.engine = engine
     app.state.store = store
-    app.state.limiter = StreamLimiter(settings.max_streams_per_key)
+    app.state.limiter = limiter or StreamLimiter(settings.max_streams_per_key)
     app.state.voices = voices.VoiceResolver(engine, store, settings)
-    app.state.jobs = jobs.JobRunner(engine, store, settings)
-    app.state.metrics = ServerMetrics(engine, lambda: app.state.limiter.total)
+    app.state.jobs = jobs.JobRunner(engine, store, settings, jobs.JobLeadership(jobs_lock))
+    app.state.metrics = ServerMetrics(engine, lambda: app.state.limiter.total, metrics_dir)
     install_error_handlers(app)
     install_openapi(app, settings.auth)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
@@ -116,18 +137,37 @@ def create_app(engine: Engine, store: Store, settings: ServerSettings | None = N
     return app
 
 
+HEALTH_STATS_TIMEOUT_SECONDS = 5.0
+
+
+async def current_stats(engine: Engine) -> EngineStats:
+    """The engine's stats now. An engine in another process is asked (not its last heartbeat's,
+    up to half a second old and different in each API process), so that every API process
+    answers alike and `pages_used` is back at `prefix_cache_pages` as soon as requests end."""
+    if isinstance(engine, RemoteEngine):
+        try:
+            return await asyncio.wait_for(engine.refresh_stats(), HEALTH_STATS_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise EngineUnavailable(
+                f"no stats from the engine within {HEALTH_STATS_TIMEOUT_SECONDS:g} s"
+            ) from None
+    # LocalEngine.stats() may wait for the engine's current step to end: never on the event loop.
+    return await anyio.to_thread.run_sync(engine.stats)
+
+
 def system_router():
     from fastapi import APIRouter
 
     router = APIRouter(tags=["system"])
 
-    @router.get("/v1/health", response_model=Health, operation_id="health")
-    @router.post("/v1/health", response_model=Health, operation_id="health_post")
+    @router.get("/v1/health", response_model=Health, operation_id="health", responses=errors(503))
+    @router.post("/v1/health", response_model=Health, operation_id="health_post", responses=errors(503))
     async def health(request: Request) -> Health:
-        """Liveness plus the engine's load; `pages_used` returns to 0 when no request runs."""
+        """Liveness plus the engine's load; `pages_used` returns to 0 when no request runs. 503
+        while the engine process is down or restarting."""
         engine: Engine = request.app.state.engine
-        # stats() may wait for the engine's current step to end: never on the event loop.
-        stats = await anyio.to_thread.run_sync(engine.stats)
+        stats = await current_stats(engine)  # EngineUnavailable: the 503
+        limiter: Limiter = request.app.state.limiter
         return Health(
             model=engine.model_name,
             sample_rate=engine.sample_rate,
@@ -137,7 +177,8 @@ def system_router():
             pages_free=stats.pages_free,
             prefix_cache_pages=stats.prefix_cache_pages,
             frames_per_second=stats.frames_per_second,
-            active_streams=request.app.state.limiter.total,
+            active_streams=limiter.total,
+            api_process=os.getpid(),
         )
 
     @router.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": PROMETHEUS}})

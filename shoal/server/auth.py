@@ -1,4 +1,4 @@
-"""API keys, tenants and per-key stream limits.
+"""API keys and tenants (per-key stream limits: `shoal.server.limits`).
 
 A key is `shoal_<random>`; only its SHA-256 is stored. Every request carries
 `Authorization: Bearer <key>`; the key names a tenant (voices belong to tenants) and a default
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -43,29 +42,6 @@ class Principal:
     key_id: str
     priority: Priority = Priority.STANDARD
     max_streams: int | None = None  # None: the server-wide default
-
-
-class StreamLimiter:
-    """Counts open synthesis streams per key; over the limit a new stream gets 429."""
-
-    def __init__(self, default_limit: int) -> None:
-        self.default_limit = default_limit
-        self.active: dict[str, int] = defaultdict(int)
-
-    def acquire(self, principal: Principal) -> None:
-        limit = principal.max_streams or self.default_limit
-        if self.active[principal.key_id] >= limit:
-            raise ApiError(429, f"too many concurrent streams for this key (limit {limit})")
-        self.active[principal.key_id] += 1
-
-    def release(self, principal: Principal) -> None:
-        self.active[principal.key_id] = max(0, self.active[principal.key_id] - 1)
-        if self.active[principal.key_id] == 0:
-            del self.active[principal.key_id]
-
-    @property
-    def total(self) -> int:
-        return sum(self.active.values())
 
 
 def bearer_token(connection: HTTPConnection) -> str | None:

@@ -1,10 +1,18 @@
 """`shoal serve`: load a checkpoint, start the engine and serve the Fish Audio API on one port
-(REST and WebSocket). Every option can also be set by an environment variable (the epilog)."""
+(REST and WebSocket). Every option can also be set by an environment variable (the epilog).
+
+`--api-workers N` (N >= 1) runs the engine in a process of its own and N API processes
+(`shoal.server.workers`); 0 runs everything in this one process. By default: the split with
+min(4, cores) API processes when the engine runs on a GPU, one process on the CPU (the demo),
+where a second copy of the interpreter and the web stack per core buys nothing: the engine's
+torch threads use the same few cores as the encoders."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 
 from shoal.config import KV_CACHE_DTYPES, EngineConfig, default_overlap_steps
 from shoal.server.keys_cli import add_storage_arguments
@@ -13,6 +21,7 @@ from shoal.tuning import ENV_PREFIX, environment
 
 DEFAULTS = ServerSettings()  # the options default to the server's own defaults (server/settings.py)
 MIB = 1024 * 1024
+MAX_DEFAULT_API_WORKERS = 4
 
 log = logging.getLogger("shoal.server")
 
@@ -39,6 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codec", default=env("CODEC"), help="codec weights, if not in the checkpoint")
     parser.add_argument("--host", default=env("HOST", "127.0.0.1"), help="bind address")
     parser.add_argument("--port", type=int, default=int(env("PORT", "8080") or 8080), help="port")
+    parser.add_argument(
+        "--api-workers",
+        type=api_worker_count,
+        default=api_worker_count(env("API_WORKERS", "auto") or "auto"),
+        metavar="N|auto",
+        help="API processes (HTTP, WebSocket, audio encoding) beside one engine process; 0: the engine "
+        f"and the API in this one process. auto (default): min({MAX_DEFAULT_API_WORKERS}, cores) when the "
+        "engine runs on a GPU, 0 on the CPU",
+    )
     add_storage_arguments(parser)
     parser.add_argument(
         "--no-auth", action="store_true", default=env_flag("NO_AUTH"), help="accept requests without a key"
@@ -155,6 +173,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PRIORITY_NAMES = ("realtime", "standard", "batch")
 
 
+def api_worker_count(text: str) -> int | None:
+    """`--api-workers`: a count >= 0, or None for "auto"."""
+    if text.strip().lower() == "auto":
+        return None
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of processes or 'auto': {text!r}")
+    return int(text)
+
+
 def queue_limit(text: str) -> tuple[str, int]:
     """`standard=256` -> ("standard", 256), for --queue-limit."""
     name, _, count = text.strip().partition("=")
@@ -164,11 +191,8 @@ def queue_limit(text: str) -> tuple[str, int]:
     return name, int(count)
 
 
-def build_engine(args: argparse.Namespace):
-    """The real engine for the checkpoint (imported here so `--help` stays fast):
-    `shoal.engine.load_engine(checkpoint, *, codec, device, dtype, config, weight_format)`."""
-    from shoal.engine import load_engine
-
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from the serve options."""
     config = EngineConfig(
         max_running_requests=args.max_running_requests,
         overlap_steps=args.overlap_steps,
@@ -177,26 +201,71 @@ def build_engine(args: argparse.Namespace):
         kv_cache_dtype=args.kv_cache_dtype,
     )
     config.queue_limits = {**config.queue_limits, **dict(args.queue_limit)}
+    return config
+
+
+def build_engine(args: argparse.Namespace):
+    """The real engine for the checkpoint, in this process (imported here so `--help` stays
+    fast): `shoal.engine.load_engine(checkpoint, *, codec, device, dtype, config, weight_format)`."""
+    from shoal.engine import load_engine
+
     return load_engine(
         args.checkpoint,
         codec=args.codec,
         device=args.device,
         dtype=args.dtype,
-        config=config,
+        config=engine_config(args),
         weight_format=args.weight_format,
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+# The serve options that reach the engine process through EngineSpec.config.
+SPEC_CONFIG_FIELDS = (
+    "max_running_requests",
+    "overlap_steps",
+    "prefill_graph_segments",
+    "vocoder_max_chunk_frames",
+    "kv_cache_dtype",
+    "queue_limits",
+)
 
-    from shoal.server.app import create_app
-    from shoal.server.store import Store
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+def engine_spec(args: argparse.Namespace):
+    """The engine process's spec: the same engine `build_engine` loads, in another process."""
+    from shoal.engine.process import EngineSpec
+
+    config = engine_config(args)
+    return EngineSpec(
+        checkpoint=str(args.checkpoint),
+        codec=args.codec,
+        device=args.device,
+        dtype=args.dtype,
+        weight_format=args.weight_format,
+        config={name: getattr(config, name) for name in SPEC_CONFIG_FIELDS},
+        log_level=args.log_level,
     )
-    settings = ServerSettings(
+
+
+def engine_on_gpu(device: str | None) -> bool:
+    """Whether the engine will run on a GPU: `--device`, else where load_engine puts it."""
+    if device is not None:
+        return device.startswith("cuda")
+    import torch  # only to decide the default; the engine process imports it anyway
+
+    return torch.cuda.is_available()
+
+
+def api_workers(args: argparse.Namespace) -> int:
+    """`--api-workers`, or its default (see the module's docstring)."""
+    if args.api_workers is not None:
+        return args.api_workers
+    if engine_on_gpu(args.device):
+        return min(MAX_DEFAULT_API_WORKERS, os.cpu_count() or 1)
+    return 0
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
         auth=not args.no_auth,
         max_text_length=args.max_text_length,
         max_body_bytes=int(args.max_body_mb * MIB),
@@ -207,10 +276,43 @@ def run(args: argparse.Namespace) -> int:
         live_start_timeout=args.live_start_timeout,
         live_idle_timeout=args.live_idle_timeout,
     )
-    store = Store.in_directory(args.data_dir, args.database_url)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+    )
+    settings = server_settings(args)
     log.info("data directory: %s", args.data_dir)
+    workers = api_workers(args)
+    if workers > 0:
+        from shoal.server.workers import serve_split
+
+        return serve_split(
+            engine_spec(args),
+            api_workers=workers,
+            data_dir=args.data_dir,
+            database_url=args.database_url,
+            settings=dataclasses.asdict(settings),
+            host=args.host,
+            port=args.port,
+            ws_max_size=settings.websocket_transport_max_bytes,
+            log_level=args.log_level,
+        )
+    return serve_in_process(args, settings)
+
+
+def serve_in_process(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """`--api-workers 0`: the engine, the routes and the jobs in this one process."""
+    import uvicorn
+
+    from shoal.server.app import create_app
+    from shoal.server.store import Store
+    from shoal.server.workers import jobs_lock_path
+
+    store = Store.in_directory(args.data_dir, args.database_url)
     engine = build_engine(args)
-    app = create_app(engine, store, settings)
+    app = create_app(engine, store, settings, jobs_lock=jobs_lock_path(args.data_dir))
     uvicorn.run(
         app,
         host=args.host,

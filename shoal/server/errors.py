@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from shoal.engine.api import EngineOverloaded, InvalidRequest
+from shoal.engine.api import EngineOverloaded, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("shoal.server")
 
@@ -43,6 +43,9 @@ def error_body(status: int, message: str) -> dict[str, int | str]:
 # queue room frees as soon as one request ends, so one second unless the refusal says more.
 RETRY_STATUSES = (429, 503)
 DEFAULT_RETRY_AFTER_SECONDS = 1
+# The engine process is gone or restarting: a restart takes seconds (the demo) to minutes (a GPU
+# checkpoint's load and graph capture), so clients come back later than for a full queue.
+ENGINE_UNAVAILABLE_RETRY_AFTER_SECONDS = 5
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -68,6 +71,10 @@ def exception_to_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, EngineOverloaded):
         return ApiError(503, f"server is at capacity, retry later ({exc})")
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(
+            503, f"the engine is unavailable, retry later ({exc})", ENGINE_UNAVAILABLE_RETRY_AFTER_SECONDS
+        )
     if isinstance(exc, InvalidRequest):
         return ApiError(400, str(exc) or "invalid request")
     if isinstance(exc, ValidationError | RequestValidationError):
@@ -98,7 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, "internal server error")
 
-    for exc_type in (ApiError, EngineOverloaded, InvalidRequest, RequestValidationError, ValidationError):
+    handled = (ApiError, EngineOverloaded, EngineUnavailable, InvalidRequest, RequestValidationError)
+    for exc_type in (*handled, ValidationError):
         app.add_exception_handler(exc_type, handle_api_error)
     app.add_exception_handler(StarletteHTTPException, handle_http_exception)
     app.add_exception_handler(ClientDisconnect, handle_client_gone)

@@ -3,18 +3,28 @@ each, in the background, at the engine's batch priority, so live traffic always 
 
 A job is checkpointed item by item: each finished item's audio goes to blob storage and its row
 is marked done before the worker takes another item, so a restart resumes at the first
-unfinished item and never synthesizes a finished one again. The voice is resolved once, at
+unfinished item and never records a finished one again. The voice is resolved once, at
 creation, and its reference codes are stored with the job (deleting the voice later does not
-break a running job). `EngineOverloaded` means "the batch queue is full, come back later": the
-item is retried with backoff, not failed. Each job runs at most `job_concurrency` engine requests
-at once, and all jobs together at most `jobs_max_concurrency`.
+break a running job). `EngineOverloaded` means "the batch queue is full, come back later" and
+`EngineUnavailable` "the engine process is restarting": either way the item starts over with
+backoff (its partial audio dropped), it does not fail. Each job runs at most `job_concurrency`
+engine requests at once, and all jobs together at most `jobs_max_concurrency`.
+
+One process runs the jobs, however many API processes serve the routes: the one holding an
+exclusive `flock` on the data directory's `jobs.lock` (`JobLeadership`). The others try to take
+it every few seconds, so when the runner's process dies (the kernel drops its lock) another
+takes over and resumes its jobs. The runner learns of jobs created or cancelled in other
+processes by reading the database every `POLL_SECONDS`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import fcntl
 import logging
+import os
+from pathlib import Path
 from typing import Annotated
 
 import anyio.to_thread
@@ -24,10 +34,10 @@ from fastapi.responses import JSONResponse, Response
 from shoal.engine.api import (
     Engine,
     EngineOverloaded,
+    EngineUnavailable,
     FinishReason,
     InvalidRequest,
     Priority,
-    RequestHandle,
     SynthesisRequest,
     VoiceReference,
 )
@@ -44,7 +54,12 @@ log = logging.getLogger("shoal.server.jobs")
 
 RETRY_INITIAL_SECONDS = 0.1  # first wait after EngineOverloaded; doubles up to the maximum
 RETRY_MAX_SECONDS = 5.0
+# While the engine process restarts a retry fails at once, in this process (no engine to ask):
+# retry often, so the items go on as soon as it is back.
+UNAVAILABLE_RETRY_MAX_SECONDS = 1.0
 JOB_LIMIT_RETRY_AFTER_SECONDS = 30  # a 429 for too many unfinished jobs: jobs take minutes
+POLL_SECONDS = 0.5  # how often the runner reads which jobs are active (created, cancelled elsewhere)
+LEADERSHIP_RETRY_SECONDS = 2.0  # how often a process without the runner's role tries to take it
 FILE_EXTENSIONS = {"wav": "wav", "pcm": "pcm", "mp3": "mp3", "opus": "ogg"}
 # Fields of the request that are not job options: the texts are items, the voice is a snapshot.
 NOT_OPTIONS = {"text", "items", "references", "reference_id"}
@@ -59,41 +74,105 @@ class ItemFailed(Exception):
         self.reason = reason
 
 
-class JobRunner:
-    """Runs every queued or running job in background tasks on the server's event loop."""
+class JobLeadership:
+    """The runner's role among the processes sharing a data directory: an exclusive flock on
+    `path`, held until `release` or the process's death. `path=None`: always this process's."""
 
-    def __init__(self, engine: Engine, store: Store, settings: ServerSettings) -> None:
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.path is None or self._fd is not None
+
+    def try_acquire(self) -> bool:
+        if self.held:
+            return True
+        assert self.path is not None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class JobRunner:
+    """Runs every queued or running job in background tasks on the server's event loop, in the
+    one process that holds `leadership`; in the others it only creates and cancels rows."""
+
+    def __init__(
+        self, engine: Engine, store: Store, settings: ServerSettings, leadership: JobLeadership | None = None
+    ) -> None:
         self.engine = engine
         self.store = store
         self.settings = settings
+        self.leadership = leadership or JobLeadership(None)
         self._slots = asyncio.Semaphore(settings.jobs_max_concurrency)
         self._tasks: dict[str, asyncio.Task] = {}
-        self._running: dict[str, set[int]] = collections.defaultdict(set)  # job id -> positions
+        self._leading: asyncio.Task | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self._leading is not None and self.leadership.held
 
     async def start(self) -> None:
-        """Resume every job a previous process left unfinished (with the engine started)."""
-        for job_id in await anyio.to_thread.run_sync(self.store.active_job_ids):
-            log.info("resuming job %s", job_id)
-            self.launch(job_id)
+        """Start taking the runner's role; once held, resume every job left unfinished."""
+        self._leading = asyncio.create_task(self._lead(), name="job-runner")
 
     async def stop(self) -> None:
         """Abort in-flight items and leave the jobs as they are in the database (resumable)."""
-        tasks = list(self._tasks.values())
+        tasks = [task for task in (self._leading, *self._tasks.values()) if task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._leading = None
+        self.leadership.release()
+
+    async def _lead(self) -> None:
+        while not await anyio.to_thread.run_sync(self.leadership.try_acquire):
+            await asyncio.sleep(LEADERSHIP_RETRY_SECONDS)
+        if self.leadership.path is not None:
+            log.info("this process (%d) runs the bulk jobs", os.getpid())
+        while True:
+            try:
+                await self._follow_database()
+            except Exception:  # a database hiccup must not stop the jobs for good
+                log.exception("reading the active jobs failed")
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def _follow_database(self) -> None:
+        """Run the active jobs not running here (new, resumed, or created by another process)
+        and stop the running ones no longer active (cancelled by another process)."""
+        running = set(self._tasks)  # before the query: a job launched meanwhile is not "gone"
+        active = await anyio.to_thread.run_sync(self.store.active_job_ids)
+        for job_id in active:
+            self.launch(job_id)
+        for job_id in running - set(active):
+            task = self._tasks.get(job_id)
+            if task is not None:
+                task.cancel()
 
     def launch(self, job_id: str) -> None:
+        """Run the job now if this process is the runner (else the runner finds it in the
+        database within `POLL_SECONDS`)."""
+        if not self.leading or job_id in self._tasks:
+            return
         task = asyncio.create_task(self._run(job_id), name=f"job-{job_id}")
         self._tasks[job_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(job_id, None))
 
-    def running_items(self, job_id: str) -> set[int]:
-        return set(self._running.get(job_id, ()))
-
     async def cancel(self, job_id: str) -> None:
-        """Mark the job cancelled (if it still had work), then abort its in-flight engine
-        requests and wait until they are gone, so their KV pages are freed."""
+        """Mark the job cancelled (if it still had work); if it runs here, abort its in-flight
+        engine requests and wait until they are gone, so their KV pages are freed."""
         await anyio.to_thread.run_sync(self.store.set_job_status, job_id, "cancelled")
         task = self._tasks.get(job_id)
         if task is not None:
@@ -107,6 +186,8 @@ class JobRunner:
                 self.store.set_job_status, job_id, "running"
             ):
                 return  # cancelled before it started
+            if await anyio.to_thread.run_sync(self.store.reset_running_job_items, job_id):
+                log.info("resuming job %s", job_id)
             body = JobCreateBody.model_validate(job.options)
             references = await anyio.to_thread.run_sync(self._references, job)
             items = await anyio.to_thread.run_sync(self.store.job_items, job_id)
@@ -126,8 +207,6 @@ class JobRunner:
             )
         else:
             await anyio.to_thread.run_sync(self.store.set_job_status, job_id, "done")
-        finally:
-            self._running.pop(job_id, None)
 
     def _references(self, job: JobRow) -> tuple[VoiceReference, ...]:
         return tuple(
@@ -146,64 +225,72 @@ class JobRunner:
         while pending:
             item = pending.popleft()
             async with self._slots:
-                self._running[job.id].add(item.position)
+                await anyio.to_thread.run_sync(self.store.mark_job_item_running, job.id, item.position)
                 try:
-                    data, seconds = await self._synthesize(job, body, references, item)
+                    data, seconds = await self._synthesize(body, references, item)
                 except ItemFailed as failure:
                     await anyio.to_thread.run_sync(
                         self.store.fail_job_item, job.id, item.position, failure.reason
                     )
                     raise
-                finally:
-                    self._running[job.id].discard(item.position)
             extension = FILE_EXTENSIONS[body.format]
             await anyio.to_thread.run_sync(
                 self.store.finish_job_item, job.id, item.position, data, extension, seconds
             )
 
     async def _synthesize(
-        self,
-        job: JobRow,
-        body: JobCreateBody,
-        references: tuple[VoiceReference, ...],
-        item: JobItemRow,
+        self, body: JobCreateBody, references: tuple[VoiceReference, ...], item: JobItemRow
     ) -> tuple[bytes, float]:
-        """One item's whole audio file, and its duration in seconds."""
-        try:  # both checked at creation; settings may have changed across a restart
+        """One item's whole audio file and its duration in seconds, starting over (with
+        exponential backoff: bulk work is never urgent) while the engine is full or away."""
+        try:  # checked at creation; settings may have changed across a restart
             synthesis = build_synthesis_request(
                 body, references, Priority.BATCH, self.settings, text=item.text
             )
-            encoder = make_encoder(body, self.engine.sample_rate, streaming=False)
         except ApiError as error:
             raise ItemFailed(item.item_id, error.message) from error
-        handle = await self._submit(synthesis, item)
+        delay = RETRY_INITIAL_SECONDS
+        while True:
+            try:
+                return await self._attempt(body, synthesis, item)
+            except (EngineOverloaded, EngineUnavailable) as error:
+                log.debug("item %s of a job waits %.1f s: %s", item.item_id, delay, error)
+                await asyncio.sleep(delay)
+                cap = (
+                    UNAVAILABLE_RETRY_MAX_SECONDS
+                    if isinstance(error, EngineUnavailable)
+                    else RETRY_MAX_SECONDS
+                )
+                delay = min(delay * 2, cap)
+
+    async def _attempt(
+        self, body: JobCreateBody, synthesis: SynthesisRequest, item: JobItemRow
+    ) -> tuple[bytes, float]:
+        """One try: submit and take the whole audio. The engine's refusals arrive at submit (in
+        process) or at the first chunk (engine process); EngineUnavailable at any point."""
+        try:
+            encoder = make_encoder(body, self.engine.sample_rate, streaming=False)  # one per try
+        except ApiError as error:
+            raise ItemFailed(item.item_id, error.message) from error
         parts: list[bytes] = []
         samples = 0
         try:
-            async for chunk in handle:
-                samples += len(chunk.samples)
-                parts.append(await encode_chunk(encoder, chunk.samples))
-        finally:
-            if handle.finish_reason is None:  # cancelled: abort the request, free its pages
-                with anyio.CancelScope(shield=True):
-                    await handle.aclose()
+            handle = self.engine.submit(synthesis)
+            try:
+                async for chunk in handle:
+                    samples += len(chunk.samples)
+                    parts.append(await encode_chunk(encoder, chunk.samples))
+            finally:
+                if handle.finish_reason is None:  # cancelled: abort the request, free its pages
+                    with anyio.CancelScope(shield=True):
+                        await handle.aclose()
+        except InvalidRequest as error:
+            raise ItemFailed(item.item_id, str(error) or "invalid request") from error
         if handle.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             raise ItemFailed(item.item_id, f"synthesis failed (engine finish reason: {handle.finish_reason})")
         parts.append(await anyio.to_thread.run_sync(encoder.finish))
         speed = body.prosody.speed if body.prosody else 1.0
         return b"".join(parts), samples / self.engine.sample_rate / speed
-
-    async def _submit(self, synthesis: SynthesisRequest, item: JobItemRow) -> RequestHandle:
-        """Submit, waiting out a full queue with exponential backoff (bulk work is never urgent)."""
-        delay = RETRY_INITIAL_SECONDS
-        while True:
-            try:
-                return self.engine.submit(synthesis)
-            except EngineOverloaded:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_SECONDS)
-            except InvalidRequest as error:
-                raise ItemFailed(item.item_id, str(error) or "invalid request") from error
 
 
 # ---- routes ---------------------------------------------------------------------------------
@@ -235,17 +322,22 @@ def checked_items(body: JobCreateBody, settings: ServerSettings) -> list[tuple[s
     return pairs
 
 
-def job_entity(
-    row: JobRow, items: list[JobItemRow] | None = None, running: set[int] | None = None
-) -> JobEntity:
-    """A job as the API shows it; with `items`, each item's state (`running` ones from memory)."""
-    running = running or set()
+def item_status(job: JobRow, item: JobItemRow) -> str:
+    """An item of a job that ended (cancelled, failed) is no longer running, whatever its row
+    says until a runner resets it."""
+    if item.status == "running" and job.status not in JOB_ACTIVE:
+        return "pending"
+    return item.status
+
+
+def job_entity(row: JobRow, items: list[JobItemRow] | None = None) -> JobEntity:
+    """A job as the API shows it; with `items`, each item's state."""
     entities = None
     if items is not None:
         entities = [
             JobItemEntity(
                 id=item.item_id,
-                status="running" if item.position in running else item.status,  # type: ignore[arg-type]
+                status=item_status(row, item),  # type: ignore[arg-type]
                 audio_seconds=item.audio_seconds,
                 error=item.error,
             )
@@ -286,7 +378,7 @@ async def owned_job(runner: JobRunner, principal: Principal, job_id: str) -> Job
 async def detailed(runner: JobRunner, job_id: str) -> JSONResponse:
     row = await anyio.to_thread.run_sync(runner.store.get_job, job_id)
     items = await anyio.to_thread.run_sync(runner.store.job_items, job_id)
-    entity = job_entity(row, items, runner.running_items(job_id))
+    entity = job_entity(row, items)
     return JSONResponse(entity.model_dump(mode="json"))
 
 

@@ -29,8 +29,9 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from shoal.engine.api import Engine, Priority, SynthesisRequest, VoiceReference
-from shoal.server.auth import Principal, StreamLimiter, authenticate
+from shoal.server.auth import Principal, authenticate
 from shoal.server.errors import ApiError, error_response, exception_to_error
+from shoal.server.limits import Limiter
 from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.settings import ServerSettings
@@ -231,8 +232,8 @@ class LiveSession:
             error = exception_to_error(error)
             if error.status == 500:
                 log.error("live session failed", exc_info=raised)
-            elif error.status >= 500:  # a refusal (e.g. 503 at capacity), not a fault
-                log.warning("live session refused: %s", error.message)
+            elif error.status >= 500:  # a refusal (503: at capacity, or the engine away), not a fault
+                log.warning("live session ended with %d: %s", error.status, error.message)
             await self.finish_with_error(error.message)
             return error.status
 
@@ -258,7 +259,7 @@ def _unwrap(error: BaseException) -> BaseException:
 @router.websocket("/v1/tts/live")
 async def live_tts(websocket: WebSocket) -> None:
     state = websocket.app.state
-    limiter: StreamLimiter = state.limiter
+    limiter: Limiter = state.limiter
     try:
         principal = await authenticate(websocket)
         limiter.acquire(principal)

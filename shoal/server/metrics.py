@@ -1,54 +1,123 @@
 """Prometheus metrics for `GET /metrics`: request outcomes and latency from the server, load and
-memory from `Engine.stats()` read at scrape time (so the numbers are never stale)."""
+memory from `Engine.stats()` read at scrape time (so the numbers are never stale).
+
+With several API processes (`shoal serve --api-workers N`) the server's counters and histograms
+use prometheus_client's multiprocess mode: the main process points `PROMETHEUS_MULTIPROC_DIR`
+at a fresh directory before it starts the workers, each worker writes its values to files
+there, and whichever worker answers a scrape sums them all (`MultiProcessCollector`). The
+engine's gauges and counters come once, from the engine's stats, never summed.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess, values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shoal.engine.api import Engine
+from shoal.engine.api import QUEUE_WAIT_BUCKETS, Engine, EngineStats, EngineUnavailable
 
 TTFA_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
+def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
 class EngineCollector(Collector):
-    """Engine gauges computed on each scrape."""
+    """Engine gauges and counters computed on each scrape; while the engine process does not
+    answer, only `shoal_engine_up 0` and the stream count."""
 
     def __init__(self, engine: Engine, active_streams: Callable[[], int]) -> None:
         self.engine = engine
         self.active_streams = active_streams
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        stats = self.engine.stats()
-        yield GaugeMetricFamily(
-            "shoal_running_batch_size", "Requests in the running decode batch", stats.running
-        )
-        queue = GaugeMetricFamily("shoal_queue_depth", "Requests waiting, by priority", labels=["priority"])
-        for priority, depth in sorted(stats.waiting.items()):
-            queue.add_metric([priority], depth)
-        yield queue
-        yield GaugeMetricFamily("shoal_kv_pages_used", "KV cache pages in use", stats.pages_used)
-        yield GaugeMetricFamily("shoal_kv_pages_free", "KV cache pages free", stats.pages_free)
-        yield GaugeMetricFamily(
-            "shoal_prefix_cache_pages", "KV pages held by the voice prefix cache", stats.prefix_cache_pages
-        )
-        yield GaugeMetricFamily(
-            "shoal_frames_per_second", "Generated frames per second", stats.frames_per_second
-        )
-        yield GaugeMetricFamily(
-            "shoal_steps_per_second", "Engine decode steps per second", stats.steps_per_second
-        )
-        yield GaugeMetricFamily("shoal_active_streams", "Open synthesis streams", self.active_streams())
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.engine.stats()
+        except EngineUnavailable:
+            stats = None
+        up = int(stats is not None)
+        yield gauge("shoal_engine_up", "Whether the engine answers (0 while it is down or restarting)", up)
+        yield gauge("shoal_active_streams", "Open synthesis streams", self.active_streams())
+        if stats is not None:
+            yield from engine_metrics(stats)
+
+
+def engine_metrics(stats: EngineStats) -> Iterator[Metric]:
+    yield gauge("shoal_running_batch_size", "Requests in the running decode batch", stats.running)
+    queue = GaugeMetricFamily("shoal_queue_depth", "Requests waiting, by priority", labels=["priority"])
+    for priority, depth in sorted(stats.waiting.items()):
+        queue.add_metric([priority], depth)
+    yield queue
+    yield gauge("shoal_kv_pages_used", "KV cache pages in use", stats.pages_used)
+    yield gauge("shoal_kv_pages_free", "KV cache pages free", stats.pages_free)
+    yield gauge(
+        "shoal_prefix_cache_pages", "KV pages held by the voice prefix cache", stats.prefix_cache_pages
+    )
+    yield gauge("shoal_frames_per_second", "Generated frames per second", stats.frames_per_second)
+    yield gauge("shoal_steps_per_second", "Engine decode steps per second", stats.steps_per_second)
+    # Realtime admission (engine/admission.py).
+    admitting = int(stats.admitting)
+    yield gauge(
+        "shoal_admitting", "Whether the engine admits new streams now (realtime admission)", admitting
+    )
+    yield gauge(
+        "shoal_generation_speed",
+        "Decoding streams' generation speed, times real time",
+        stats.generation_speed,
+    )
+    headroom = GaugeMetricFamily(
+        "shoal_min_headroom_seconds", "Least audio buffered by a playing stream's listener (none: no sample)"
+    )
+    if stats.min_headroom_seconds is not None:
+        headroom.add_metric([], stats.min_headroom_seconds)
+    yield headroom
+    yield gauge(
+        "shoal_paused_batch_requests",
+        "Batch decodes paused for realtime streams' headroom",
+        stats.paused_batch,
+    )
+    yield CounterMetricFamily(
+        "shoal_streams_underrun", "Streams whose listener heard a gap", value=stats.streams_underrun
+    )
+    yield CounterMetricFamily(
+        "shoal_underrun_seconds", "Seconds of gaps listeners heard", value=stats.underrun_seconds
+    )
+    yield CounterMetricFamily(
+        "shoal_queue_timeouts", "Requests ended with a 503 after waiting too long", value=stats.queue_timeouts
+    )
+    yield queue_wait_histogram(stats)
+
+
+def queue_wait_histogram(stats: EngineStats) -> HistogramMetricFamily:
+    """The engine's cumulative queue-wait counts per `QUEUE_WAIT_BUCKETS` bound, plus +Inf."""
+    counts = list(stats.queue_wait_buckets) or [0] * len(QUEUE_WAIT_BUCKETS)
+    buckets = [
+        (floatToGoString(bound), count) for bound, count in zip(QUEUE_WAIT_BUCKETS, counts, strict=False)
+    ]
+    buckets.append(("+Inf", stats.queue_wait_count))
+    return HistogramMetricFamily(
+        "shoal_queue_wait_seconds", "Time admitted requests waited in the engine's queue", buckets=buckets,
+        sum_value=stats.queue_wait_sum,
+    )  # fmt: skip
 
 
 class ServerMetrics:
-    """One registry per app, so several apps (tests) never collide in the global registry."""
+    """One registry per app, so several apps (tests) never collide in the global registry.
+    `multiprocess_dir`: the API processes' shared `PROMETHEUS_MULTIPROC_DIR` (set in the
+    environment before prometheus_client was imported), whose files a scrape sums."""
 
-    def __init__(self, engine: Engine, active_streams: Callable[[], int]) -> None:
+    def __init__(
+        self, engine: Engine, active_streams: Callable[[], int], multiprocess_dir: Path | None = None
+    ) -> None:
+        if multiprocess_dir is not None and values.ValueClass is values.MutexValue:
+            raise RuntimeError("PROMETHEUS_MULTIPROC_DIR must be set before prometheus_client is imported")
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "shoal_requests", "HTTP requests and WebSocket sessions by route and status",
@@ -61,7 +130,14 @@ class ServerMetrics:
         self.audio_seconds = Counter(
             "shoal_audio_seconds", "Seconds of audio delivered to clients", registry=self.registry
         )
-        self.registry.register(EngineCollector(engine, active_streams))
+        engine_collector = EngineCollector(engine, active_streams)
+        if multiprocess_dir is None:
+            self.registry.register(engine_collector)
+            self.exposed = self.registry
+        else:  # this process's counters are in the files too: expose the files' sums
+            self.exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposed, path=str(multiprocess_dir))
+            self.exposed.register(engine_collector)
 
     def observe_first_audio(self, route: str, seconds: float) -> None:
         self.time_to_first_audio.labels(route=route).observe(seconds)
@@ -73,7 +149,7 @@ class ServerMetrics:
         self.requests.labels(route=route, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
 
 class RequestCounterMiddleware:

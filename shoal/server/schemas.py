@@ -232,7 +232,8 @@ class Health(BaseModel):
     pages_free: int
     prefix_cache_pages: int  # pinned voice prefixes; the rest of pages_used belongs to requests
     frames_per_second: float
-    active_streams: int
+    active_streams: int  # in every API process of the server
+    api_process: int  # the process id of the API process that answered (--api-workers N: one of N)
 
 
 # ---- bulk jobs ------------------------------------------------------------------------------

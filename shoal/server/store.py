@@ -134,7 +134,9 @@ class JobItemRow(Base):
     position: Mapped[int] = mapped_column(Integer, primary_key=True)
     item_id: Mapped[str] = mapped_column(String(128))
     text: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(20), default="pending")  # pending | done | failed
+    # pending | running | done | failed; "running" is written by the job runner as it submits
+    # the item, and reset to pending when a runner (re)starts the job (a runner that died left it).
+    status: Mapped[str] = mapped_column(String(20), default="pending")
     audio_blob: Mapped[str | None] = mapped_column(String(500), nullable=True)
     audio_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -591,6 +593,19 @@ class Store:
                 session.execute(totals)
                 return
         self.blobs.delete(key)  # the item was recorded already (or is gone)
+
+    def mark_job_item_running(self, job_id: str, position: int) -> None:
+        query = update(JobItemRow).where(
+            JobItemRow.job_id == job_id, JobItemRow.position == position, JobItemRow.status == "pending"
+        )
+        with self.sessions.begin() as session:
+            session.execute(query.values(status="running"))
+
+    def reset_running_job_items(self, job_id: str) -> int:
+        """Items left "running" by a runner that stopped or died go back to pending."""
+        query = update(JobItemRow).where(JobItemRow.job_id == job_id, JobItemRow.status == "running")
+        with self.sessions.begin() as session:
+            return session.execute(query.values(status="pending")).rowcount
 
     def fail_job_item(self, job_id: str, position: int, error: str) -> None:
         with self.sessions.begin() as session:

@@ -8,6 +8,7 @@ A client that goes away aborts its engine request and frees its pages.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated
@@ -15,17 +16,19 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from shoal.engine.api import Engine, Priority, SynthesisRequest
 from shoal.server import audio
-from shoal.server.auth import Principal, StreamLimiter, request_priority, require_principal
-from shoal.server.errors import ApiError
+from shoal.server.auth import Principal, request_priority, require_principal
+from shoal.server.errors import ApiError, exception_to_error
+from shoal.server.limits import Limiter
 from shoal.server.openapi import audio_response, body, errors
 from shoal.server.schemas import OpenAISpeechBody, TTSRequestBody
 from shoal.server.settings import ServerSettings
 from shoal.server.synthesis import EncodedAudio, build_synthesis_request, make_encoder, parse_model
 
+log = logging.getLogger("shoal.server.tts")
 OPENAI_BUILTIN_VOICES = frozenset(
     {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
 )
@@ -49,21 +52,37 @@ async def start_stream(
 
 class AudioStreamResponse(StreamingResponse):
     """A chunked audio response that always runs `on_close` (abort + bookkeeping), including
-    when the client disconnects and Starlette cancels the body task."""
+    when the client disconnects and Starlette cancels the body task.
+
+    A failure after the first bytes (the engine process died, the engine ended the request
+    with an error) leaves the chunked body unterminated: the server closes the connection and
+    the client sees a truncated response, never a short file that looks whole. It is logged
+    here in one line, not raised: past the status line no error handler can answer it."""
 
     def __init__(self, first: bytes, rest: AsyncIterator[bytes], media_type: str, on_close: Callable) -> None:
+        self.interrupted: BaseException | None = None
+
         async def body() -> AsyncIterator[bytes]:
             if first:
                 yield first
-            async for data in rest:
-                yield data
+            try:
+                async for data in rest:
+                    yield data
+            except Exception as error:
+                self.interrupted = error
+                log.warning("audio stream ended early: %s", exception_to_error(error).message)
 
         super().__init__(body(), media_type=media_type)
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_unless_interrupted(message: Message) -> None:
+            ending = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if not (ending and self.interrupted is not None):
+                await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_unless_interrupted)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.on_close()
@@ -104,7 +123,7 @@ async def synthesize_response(
     state = request.app.state
     settings: ServerSettings = state.settings
     engine: Engine = state.engine
-    limiter: StreamLimiter = state.limiter
+    limiter: Limiter = state.limiter
     started = time.perf_counter()
     if not body.text.strip():
         raise ApiError(400, "text is empty")

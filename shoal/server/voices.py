@@ -94,7 +94,10 @@ class VoiceResolver:
         self.store = store
         self.settings = settings
         self._inline: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._stored: OrderedDict[str, tuple[VoiceReference, ...]] = OrderedDict()
+        # Keyed by the samples' codes blobs, unique to each upload: a voice id can be reused (a
+        # deleted voice's id taken again) and another API process may have done it, so the id
+        # alone could name other samples than the ones cached here.
+        self._stored: OrderedDict[tuple[str, ...], tuple[VoiceReference, ...]] = OrderedDict()
 
     async def encode_upload(self, data: bytes) -> np.ndarray:
         """Decode an uploaded clip (in a thread) and codec-encode it with the engine."""
@@ -147,13 +150,16 @@ class VoiceResolver:
         return row
 
     async def stored_references(self, row: VoiceRow) -> tuple[VoiceReference, ...]:
-        cached = self._stored.get(row.id)
+        key = tuple(sample.codes_blob for sample in row.samples)
+        cached = self._stored.get(key)
         if cached is None:
             pairs = await anyio.to_thread.run_sync(self.store.voice_codes, row)
             cached = tuple(VoiceReference(text=text, codes=codes) for text, codes in pairs)
-            self._stored[row.id] = cached
+            self._stored[key] = cached
             while len(self._stored) > STORED_CACHE_SIZE:
                 self._stored.popitem(last=False)
+        else:
+            self._stored.move_to_end(key)
         await anyio.to_thread.run_sync(self.store.count_use, row.id)
         return cached
 
@@ -171,9 +177,6 @@ class VoiceResolver:
         if inline:
             return await self.inline_references(inline)
         return ()
-
-    def forget(self, voice_id: str) -> None:
-        self._stored.pop(voice_id, None)
 
 
 def resolver_of(request: Request) -> VoiceResolver:
@@ -323,7 +326,6 @@ async def update_model(
 async def delete_model(voice_id: str, principal: Principal_, resolver: Resolver_) -> JSONResponse:
     await owned_voice(resolver, principal, voice_id)
     await anyio.to_thread.run_sync(resolver.store.delete_voice, voice_id)
-    resolver.forget(voice_id)
     return JSONResponse({"_id": voice_id, "deleted": True})
 
 
@@ -417,7 +419,6 @@ async def delete_reference(request: Request, principal: Principal_, resolver: Re
     name = checked_reference_id((await read_fields(request)).get("reference_id"))
     row = await owned_reference(resolver, principal, name)
     await anyio.to_thread.run_sync(resolver.store.delete_voice, row.id)
-    resolver.forget(row.id)
     return reference_reply(request, {"success": True, "message": "reference deleted", "reference_id": name})
 
 
@@ -439,7 +440,6 @@ async def rename_reference(request: Request, principal: Principal_, resolver: Re
     new_id = reference_voice_id(principal.tenant, new_name)
     if not await anyio.to_thread.run_sync(resolver.store.rename_voice, row.id, new_id, new_name):
         raise ApiError(409, f"reference already exists: {new_name}")
-    resolver.forget(row.id)
     payload = {
         "success": True,
         "message": "reference renamed",
