@@ -6,7 +6,7 @@ without loading the model stack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shoal.tuning import TUNING
 
@@ -35,9 +35,10 @@ class RealtimePolicy:
     stream playing for `grace_seconds` has under `min_headroom_seconds` of audio buffered.
     Realtime and standard requests then wait at most `max_queue_wait_seconds` before a 503 (batch
     requests wait as long as it takes); batch decodes pause while it is closed. `enabled=False`
-    admits by memory alone."""
+    admits by memory alone; None: on a GPU only (a CPU demo is slower than real time with a few
+    streams)."""
 
-    enabled: bool = True
+    enabled: bool | None = None
     min_speed: float = 1.5
     min_headroom_seconds: float = 0.1
     grace_seconds: float = 0.5
@@ -82,9 +83,7 @@ class EngineConfig:
     # so batch work is never starved by a steady stream of live traffic.
     aging_seconds: float = 30.0
     # Admit a stream only while the admitted ones stay ahead of playback (`engine/admission.py`).
-    # None: on a GPU the default policy; on the CPU (a demo, slower than real time with a few
-    # streams) admission by memory alone.
-    realtime: RealtimePolicy | None = None
+    realtime: RealtimePolicy = field(default_factory=RealtimePolicy)
 
     # Paged KV cache
     page_size: int = 16  # tokens per page
@@ -155,6 +154,8 @@ class EngineConfig:
     vocoder_max_chunk_frames: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.realtime, dict):  # from JSON (the engine process's spec)
+            self.realtime = RealtimePolicy(**self.realtime)
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.page_size < 1:
@@ -180,9 +181,10 @@ class EngineConfig:
             raise ValueError("vocoder_max_chunk_frames must be at least vocoder_chunk_frames (or None)")
 
     def resolved_realtime(self) -> RealtimePolicy:
-        if self.realtime is not None:
+        """The policy with `enabled` decided (None: on a GPU only)."""
+        if self.realtime.enabled is not None:
             return self.realtime
-        return RealtimePolicy(enabled=self.device.startswith("cuda"))
+        return replace(self.realtime, enabled=self.device.startswith("cuda"))
 
     def resolved_decode_step(self, device_type: str) -> str:
         if self.decode_step is not None:

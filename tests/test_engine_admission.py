@@ -28,7 +28,7 @@ def test_headroom_counts_each_gap_once_and_resumes_after_it() -> None:
 
 
 def test_gate_closes_on_slow_steps_and_reopens_when_idle() -> None:
-    gate = RealtimeGate(RealtimePolicy(min_speed=1.5), frame_rate=20.0)
+    gate = RealtimeGate(RealtimePolicy(enabled=True, min_speed=1.5), frame_rate=20.0)
     assert gate.state(0.0, []).open and math.isinf(gate.speed)
     gate.observe_step(0.01)  # 100 steps/s: 5x real time
     assert gate.state(0.0, []).open and gate.speed == pytest.approx(5.0)
@@ -41,7 +41,7 @@ def test_gate_closes_on_slow_steps_and_reopens_when_idle() -> None:
 
 
 def test_gate_closes_when_a_playing_stream_runs_dry_after_its_grace() -> None:
-    policy = RealtimePolicy(min_headroom_seconds=0.1, grace_seconds=0.5)
+    policy = RealtimePolicy(enabled=True, min_headroom_seconds=0.1, grace_seconds=0.5)
     gate = RealtimeGate(policy, frame_rate=20.0)
     gate.observe_step(0.005)
     young, old = PlaybackClock(), PlaybackClock()
@@ -78,7 +78,7 @@ def test_core_pauses_batch_work_holds_new_streams_and_expires_them(golden_dir) -
     from shoal.models.prompt import build_prompt
 
     model = tiny_s2(golden_dir, torch.float32)
-    policy = RealtimePolicy(min_speed=1e9, max_queue_wait_seconds=0.3)
+    policy = RealtimePolicy(enabled=True, min_speed=1e9, max_queue_wait_seconds=0.3)
     config = EngineConfig(device="cpu", dtype="float32", num_pages=64, page_size=16, realtime=policy)
     core = EngineCore(model, config)
     ended: dict[str, FinishReason] = {}

@@ -123,3 +123,25 @@ def test_auto_keeps_bf16_off_hopper_and_explicit_formats_win(planted_dir):
     assert weight_format == "bf16" and not fp8_layers(model)
     model, weight_format = load_engine_model(planted_dir, "cpu", "float32", "fp8")
     assert weight_format == "fp8" and fp8_layers(model)
+
+
+def test_realtime_admission_options_reach_the_engine_in_and_out_of_process(monkeypatch):
+    """`--realtime-admission on --max-queue-wait 0.5 --realtime-min-speed 2` set the engine's
+    policy, in this process and through the engine process's spec (JSON and back)."""
+    from shoal.config import RealtimePolicy
+    from shoal.engine.process import EngineSpec
+
+    for name in ("REALTIME_ADMISSION", "MAX_QUEUE_WAIT", "REALTIME_MIN_SPEED"):
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    defaults = cli.engine_config(parser.parse_args(["--checkpoint", "x"]))
+    assert defaults.realtime == RealtimePolicy()  # auto: decided by the device
+    argv = ["--checkpoint", "x", "--realtime-admission", "on", "--max-queue-wait", "0.5"]
+    args = parser.parse_args([*argv, "--realtime-min-speed", "2"])
+    expected = RealtimePolicy(enabled=True, min_speed=2.0, max_queue_wait_seconds=0.5)
+    assert cli.engine_config(args).realtime == expected
+    spec = EngineSpec.from_json(cli.engine_spec(args).to_json())
+    assert spec.engine_config().realtime == expected
+    off = cli.engine_config(parser.parse_args(["--checkpoint", "x", "--realtime-admission", "off"]))
+    assert off.resolved_realtime().enabled is False

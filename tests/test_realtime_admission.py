@@ -37,7 +37,7 @@ def one_wave_server(tmp_path, demo_dir, policy: RealtimePolicy):
     from shoal.server.settings import ServerSettings
     from shoal.server.store import Store
 
-    config = EngineConfig(realtime=policy, num_pages=256)  # CPU: no policy unless one is given
+    config = EngineConfig(realtime=policy, num_pages=256)
     engine = load_engine(demo_dir, device="cpu", config=config, warmup=False)
     app = create_app(engine, Store.in_directory(tmp_path), ServerSettings(auth=False))
     port = free_port()
@@ -66,7 +66,7 @@ async def speak(client: httpx.AsyncClient, url: str, seed: int) -> tuple[int, di
 
 
 def test_excess_waits_then_gets_503_while_the_admitted_wave_plays_out(tmp_path, demo_dir) -> None:
-    policy = RealtimePolicy(min_speed=1e9, max_queue_wait_seconds=MAX_WAIT)
+    policy = RealtimePolicy(enabled=True, min_speed=1e9, max_queue_wait_seconds=MAX_WAIT)
     with one_wave_server(tmp_path, demo_dir, policy) as (url, engine):
 
         async def scenario():
@@ -98,7 +98,7 @@ def test_excess_waits_then_gets_503_while_the_admitted_wave_plays_out(tmp_path, 
 def test_an_open_gate_admits_everyone(tmp_path, demo_dir) -> None:
     """The same burst with the default policy: all four complete (a CPU demo keeps up easily
     with its tiny model, or the gate measures otherwise and the test says so)."""
-    with one_wave_server(tmp_path, demo_dir, RealtimePolicy(min_speed=0.0)) as (url, engine):
+    with one_wave_server(tmp_path, demo_dir, RealtimePolicy(enabled=True, min_speed=0.0)) as (url, engine):
 
         async def burst():
             async with httpx.AsyncClient(timeout=120) as client:
@@ -112,5 +112,8 @@ def test_an_open_gate_admits_everyone(tmp_path, demo_dir) -> None:
 def test_the_policy_is_on_by_default_on_a_gpu_only() -> None:
     assert EngineConfig(device="cuda").resolved_realtime().enabled
     assert not EngineConfig(device="cpu").resolved_realtime().enabled
-    given = RealtimePolicy(min_speed=3.0)
+    given = RealtimePolicy(enabled=True, min_speed=3.0)
     assert EngineConfig(device="cpu", realtime=given).resolved_realtime() is given
+    auto = EngineConfig(device="cpu", realtime=RealtimePolicy(min_speed=3.0)).resolved_realtime()
+    assert not auto.enabled and auto.min_speed == 3.0
+    assert EngineConfig(realtime={"enabled": True, "min_speed": 2.0}).realtime == RealtimePolicy(True, 2.0)

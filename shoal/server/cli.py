@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 
-from shoal.config import KV_CACHE_DTYPES, EngineConfig, default_overlap_steps
+from shoal.config import KV_CACHE_DTYPES, EngineConfig, RealtimePolicy, default_overlap_steps
 from shoal.server.keys_cli import add_storage_arguments
 from shoal.server.settings import ServerSettings
 from shoal.tuning import ENV_PREFIX, environment
@@ -132,6 +132,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the reason is logged); bf16 elsewhere",
     )
     parser.add_argument(
+        "--realtime-admission",
+        choices=("auto", "on", "off"),
+        default=env("REALTIME_ADMISSION", "auto"),
+        help="admit a new stream only while the admitted ones stay ahead of playback (measured "
+        "generation speed and listeners' buffered audio), else queue it, then 503; auto: on a GPU. "
+        "off: admit by memory alone",
+    )
+    parser.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=float(env("MAX_QUEUE_WAIT", str(RealtimePolicy.max_queue_wait_seconds))),
+        metavar="SECONDS",
+        help="with realtime admission: how long a realtime or standard request waits for capacity "
+        "before a 503 with Retry-After (batch jobs wait as long as it takes)",
+    )
+    parser.add_argument(
+        "--realtime-min-speed",
+        type=float,
+        default=float(env("REALTIME_MIN_SPEED", str(RealtimePolicy.min_speed))),
+        metavar="X",
+        help="with realtime admission: stop admitting below this generation speed per stream "
+        "(times real time)",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=env("KV_CACHE_DTYPE") or "auto",
@@ -199,6 +223,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefill_graph_segments=args.prefill_graph_segments,
         vocoder_max_chunk_frames=args.vocoder_max_chunk_frames,
         kv_cache_dtype=args.kv_cache_dtype,
+        realtime=RealtimePolicy(
+            enabled={"auto": None, "on": True, "off": False}[args.realtime_admission],
+            min_speed=args.realtime_min_speed,
+            max_queue_wait_seconds=args.max_queue_wait,
+        ),
     )
     config.queue_limits = {**config.queue_limits, **dict(args.queue_limit)}
     return config
@@ -227,6 +256,7 @@ SPEC_CONFIG_FIELDS = (
     "vocoder_max_chunk_frames",
     "kv_cache_dtype",
     "queue_limits",
+    "realtime",
 )
 
 
