@@ -250,7 +250,7 @@ def test_capacity_of_the_demo_engine_and_the_summary(tmp_path_factory):
     parser = argparse.ArgumentParser()
     capacity.add_arguments(parser)
     args = parser.parse_args([
-        "--checkpoint", "-", "--concurrency", "2", "--frames", "4-8", "--seconds", "1.2",
+        "--checkpoint", "-", "--concurrency", "2", "--frames", "4-8", "--seconds", "2",
         "--warmup-seconds", "0.4", "--voices", "1", "--voice-seconds", "2",
     ])  # fmt: skip
 
@@ -267,8 +267,9 @@ def test_capacity_of_the_demo_engine_and_the_summary(tmp_path_factory):
         result.frames_per_second, rel=0.01
     )
     assert 1 <= result.frames_per_request <= 8
+    # The three are reported rounded (frames per request to 0.1): the identity holds to that.
     assert result.requests_per_second == pytest.approx(
-        result.frames_per_second / result.frames_per_request, rel=0.01
+        result.frames_per_second / result.frames_per_request, rel=0.05
     )
     assert 0 < result.first_audio_p50_ms <= result.first_audio_p95_ms
     sustainable = {
