@@ -1,7 +1,8 @@
 """Start a real `shoal serve` subprocess on 127.0.0.1 (a free port, the demo checkpoint, a fresh
 data directory and three API keys) for the client-compatibility tests: in one process
 (`api_workers=0`) or split into an engine process and API processes (`api_workers=N`), whose
-process ids the helpers find under /proc (to kill one)."""
+process ids the helpers find under /proc (to kill one). `app_in_thread` serves an app built in
+the test's own process instead (an engine the test configures or inspects)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,25 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@contextmanager
+def app_in_thread(app) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free port in a thread of this process: its base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def shoal(*args: str, **kwargs) -> subprocess.CompletedProcess:

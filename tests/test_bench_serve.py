@@ -7,14 +7,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import threading
-import time
 from contextlib import contextmanager
 
 import pytest
 import torch
 from server_fakes import ToneEngine
+from server_process import app_in_thread, free_port
 
 from shoal.bench import random_checkpoint as rc
 from shoal.bench import serve
@@ -154,36 +152,17 @@ TEXT = "one two three four five six"  # 27 characters: the ToneEngine makes 27 c
 SECONDS_PER_REQUEST = 0.1 * 5  # ... capped by max_new_tokens=5
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def tone_server(tmp_path, **settings):
     """The real app over the ToneEngine on a real port (uvicorn in a thread)."""
-    import uvicorn
-
     from shoal.server.app import create_app
     from shoal.server.settings import ServerSettings
     from shoal.server.store import Store
 
     engine = ToneEngine(chunk_delay=0.01)
     app = create_app(engine, Store.in_directory(tmp_path), ServerSettings(auth=False, **settings))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
+    with app_in_thread(app) as url:
+        yield url, engine
 
 
 def bench_args(url: str, *extra: str) -> argparse.Namespace:

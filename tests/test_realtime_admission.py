@@ -8,13 +8,12 @@ the admitted streams play to their end; nothing leaks (KV pages, stream slots, h
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from contextlib import contextmanager
 
 import httpx
 import pytest
-from test_bench_serve import free_port
+from server_process import app_in_thread
 
 from shoal.config import EngineConfig, RealtimePolicy
 from shoal.demo import write_demo_checkpoint
@@ -31,8 +30,6 @@ def demo_dir(tmp_path_factory):
 
 @contextmanager
 def one_wave_server(tmp_path, demo_dir, policy: RealtimePolicy):
-    import uvicorn
-
     from shoal.server.app import create_app
     from shoal.server.settings import ServerSettings
     from shoal.server.store import Store
@@ -40,19 +37,8 @@ def one_wave_server(tmp_path, demo_dir, policy: RealtimePolicy):
     config = EngineConfig(realtime=policy, num_pages=256)
     engine = load_engine(demo_dir, device="cpu", config=config, warmup=False)
     app = create_app(engine, Store.in_directory(tmp_path), ServerSettings(auth=False))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with app_in_thread(app) as url:
+        yield url, engine
 
 
 async def speak(client: httpx.AsyncClient, url: str, seed: int) -> tuple[int, dict, bytes, float]:

@@ -8,6 +8,7 @@ class, so the server can be read (and type-checked) without torch installed.
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -133,6 +134,35 @@ class RequestHandle(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """The consumer is gone: abort the request (if running) and free its pages."""
+
+
+class QueuedHandle(RequestHandle):
+    """A handle fed through an asyncio queue, on its consumer's loop: audio chunks, then the
+    FinishReason, or the exception that ended the request (raised to the consumer). Subclasses
+    say how to abort (`aclose`)."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[AudioChunk | FinishReason | BaseException] = asyncio.Queue()
+        self._finish: FinishReason | None = None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        try:
+            while self._finish is None:
+                item = await self._queue.get()
+                if isinstance(item, FinishReason):
+                    self._finish = item
+                elif isinstance(item, BaseException):
+                    self._finish = FinishReason.ERROR
+                    raise item
+                else:
+                    yield item
+        finally:
+            if self._finish is None:
+                await self.aclose()
 
 
 class Engine(abc.ABC):

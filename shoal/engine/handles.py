@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shoal.engine.api import AudioChunk, FinishReason, InvalidRequest, RequestHandle, SynthesisRequest
+from shoal.engine.api import AudioChunk, FinishReason, InvalidRequest, QueuedHandle, SynthesisRequest
 from shoal.engine.playback import PlaybackClock
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder, VocoderStream
@@ -76,7 +76,7 @@ class FrameStream:
         return torch.cat(chunks).t().contiguous() if chunks else torch.zeros(0, 0, dtype=torch.int32)
 
 
-class SynthesisHandle(RequestHandle):
+class SynthesisHandle(QueuedHandle):
     """One SynthesisRequest: its text batches run one after another (long text), each as an
     engine Request whose prompt carries earlier batches' text and frames as
     `reference.generate_long` does (`prompt.LongTextHistory`: S2 all of them, 1.5 a sliding
@@ -87,6 +87,7 @@ class SynthesisHandle(RequestHandle):
     def __init__(
         self, link: EngineLink, spec: SynthesisRequest, request_id: str, seed: int, history: LongTextHistory
     ) -> None:
+        super().__init__()
         self.request_id = request_id
         self.spec = spec
         self.seed = seed
@@ -98,16 +99,10 @@ class SynthesisHandle(RequestHandle):
         self.aborted = False  # set by LocalEngine.abort (any thread): start no further batch
         self._link = link
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._finish: FinishReason | None = None
         self._stream: VocoderStream | None = None
         # The listener's playback across the text batches: booked by the vocoder at each
         # delivery, read by the scheduler (realtime admission, most urgent first).
         self.playback = PlaybackClock()
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return self._finish
 
     def next_request(self) -> Request:
         """The engine Request of the current text batch."""
@@ -194,21 +189,6 @@ class SynthesisHandle(RequestHandle):
         except RuntimeError:
             return False
         return True
-
-    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        try:
-            while self._finish is None:
-                item = await self._queue.get()
-                if isinstance(item, FinishReason):
-                    self._finish = item
-                elif isinstance(item, Exception):
-                    self._finish = FinishReason.ERROR
-                    raise item
-                else:
-                    yield item
-        finally:
-            if self._finish is None:
-                await self.aclose()
 
     async def aclose(self) -> None:
         if self._finish is None:

@@ -22,7 +22,6 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ from shoal.engine.api import (
     EngineUnavailable,
     FinishReason,
     InvalidRequest,
+    QueuedHandle,
     RequestHandle,
     SynthesisRequest,
     VoiceReference,
@@ -54,42 +54,22 @@ CLOSE_LINGER_MS = 200  # time `stop`'s goodbye gets to leave
 ERROR_KINDS: dict[str, type[Exception]] = {**wire.ERROR_KINDS, EngineUnavailable.__name__: EngineUnavailable}
 
 
-class RemoteHandle(RequestHandle):
-    """A request running in the engine process; its messages arrive through the receive task."""
+class RemoteHandle(QueuedHandle):
+    """A request running in the engine process; its messages arrive through the receive task.
+    Iterating raises what failed it: EngineOverloaded, InvalidRequest and the like before the
+    first chunk, EngineUnavailable at any point."""
 
     def __init__(
         self, engine: RemoteEngine, request_id: str, epoch: str | None, sent_after_ping: int
     ) -> None:
+        super().__init__()
         self.request_id = request_id
         self.epoch = epoch  # of the engine it was sent to
         self.sent_after_ping = sent_after_ping  # pongs to later pings must list it while it runs
         self._engine = engine
-        self._queue: asyncio.Queue[AudioChunk | FinishReason | BaseException] = asyncio.Queue()
-        self._finish: FinishReason | None = None
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return self._finish
 
     def deliver(self, item: AudioChunk | FinishReason | BaseException) -> None:
         self._queue.put_nowait(item)
-
-    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        """Audio until the request ends; raises what failed it (EngineOverloaded, InvalidRequest
-        and the like before the first chunk, EngineUnavailable at any point)."""
-        try:
-            while self._finish is None:
-                item = await self._queue.get()
-                if isinstance(item, FinishReason):
-                    self._finish = item
-                elif isinstance(item, BaseException):
-                    self._finish = FinishReason.ERROR
-                    raise item
-                else:
-                    yield item
-        finally:
-            if self._finish is None:
-                await self.aclose()
 
     async def aclose(self) -> None:
         if self._finish is None:
