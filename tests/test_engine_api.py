@@ -14,6 +14,7 @@ from model_testing import tiny_s2
 from shoal.config import EngineConfig
 from shoal.engine.api import FinishReason, InvalidRequest, SamplingOptions, SynthesisRequest, VoiceReference
 from shoal.engine.engine import LocalEngine
+from shoal.engine.playback import PlaybackClock
 from shoal.engine.request import SamplingParams
 from shoal.engine.vocoder import ChunkPolicy, Vocoder, graph_batch_sizes
 from shoal.models import load_model
@@ -281,7 +282,11 @@ def test_chunk_policy_feeds_captured_chunks():
         [(8, True, False, None), (9, True, False, None), (4, False, False, None), (2, True, False, None)]
     ) == {2: 4, 0: 8}
     # Then the listener with the least audio buffered: stream 1 (0.1 s) before stream 0 (2 s).
-    assert graphs.plan([(8, True, False, 2.0), (9, True, False, 0.1), (8, True, False, None)]) == {1: 8, 0: 8}
+    buffered = {seconds: PlaybackClock() for seconds in (2.0, 0.1)}
+    for seconds, clock in buffered.items():
+        clock.deliver(seconds, now=0.0)
+    streams = [(8, True, False, buffered[2.0]), (9, True, False, buffered[0.1]), (8, True, False, None)]
+    assert graphs.plan(streams, now=0.0) == {1: 8, 0: 8}
 
 
 def record_codec_chunks(vocoder: Vocoder) -> list[list[int]]:

@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass, field
 
 from shoal.bench import serve_playback
 from shoal.bench.serve import describe, percentile, text_events, websocket_url
+from shoal.engine.api import DEFAULT_FRAME_RATE
 
 FORMATS = ("pcm", "wav", "mp3", "opus")
 OPUS_SAMPLE_RATE = 48000  # the only rate both opus and the server's default agree on
-DEFAULT_FRAME_RATE = 44100 / 2048  # the S2 codec: 2048 samples at 44.1 kHz per frame
 VOICE_TEXT = "This is a synthetic reference voice, made up for the load benchmark."
 HEADER = (
     "  rate  sent    ok  503%  err%  first audio ms p50/p95/p99  audio s/s  frames/s  in flight"

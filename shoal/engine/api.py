@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# Every supported family's codec makes one frame per 2048 samples at 44.1 kHz (about 21.5 Hz).
+DEFAULT_FRAME_RATE = 44100 / 2048
+
 
 class Priority(enum.IntEnum):
     """Scheduling class; a lower value is served first and may preempt a higher one."""

@@ -28,12 +28,19 @@ import numpy as np
 import torch
 
 from shoal.config import EngineConfig
-from shoal.engine.api import EngineOverloaded, EngineStats, FinishReason, InvalidRequest, Priority
+from shoal.engine.api import (
+    DEFAULT_FRAME_RATE,
+    EngineOverloaded,
+    EngineStats,
+    FinishReason,
+    InvalidRequest,
+    Priority,
+)
 from shoal.engine.kv_cache import KVCacheManager, kv_bytes_per_page, kv_storage_dtype
 from shoal.engine.playback import PlaybackClock
 from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.runner import ModelRunner, PendingDecode
-from shoal.engine.scheduler import DEFAULT_FRAME_RATE, Scheduler, StepPlan
+from shoal.engine.scheduler import Scheduler, StepPlan
 from shoal.models.prompt import voice_prefix_key
 
 _ids = itertools.count()

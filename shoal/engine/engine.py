@@ -28,6 +28,7 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.engine.api import (
+    DEFAULT_FRAME_RATE,
     Engine,
     EngineOverloaded,
     EngineStats,
@@ -144,7 +145,7 @@ class LocalEngine(Engine):
             if config.use_cuda_graphs and self.vocoder.capture_graphs():
                 torch.cuda.empty_cache()
         self.sample_rate = codec.sample_rate if codec is not None else 44100
-        self.frame_rate = self.sample_rate / (codec.frame_length if codec is not None else 2048)
+        self.frame_rate = self.sample_rate / codec.frame_length if codec is not None else DEFAULT_FRAME_RATE
         self.core = EngineCore(model, config, self.frame_rate)
         self.model_name = model_name
         self.v15_max_length = V15_MAX_LENGTH  # 1.5 long text: `reference.generate_long`'s max_length

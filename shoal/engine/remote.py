@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from shoal.engine import wire
 from shoal.engine.api import (
+    DEFAULT_FRAME_RATE,
     AudioChunk,
     Engine,
     EngineStats,
@@ -103,7 +104,7 @@ class RemoteEngine(Engine):
         self.require_engine_at_start = require_engine_at_start
         # Known from the engine's first pong.
         self.sample_rate = 44100
-        self.frame_rate = 44100 / 2048
+        self.frame_rate = DEFAULT_FRAME_RATE
         self.model_name = ""
         self.epoch: str | None = None
         self.available = False

@@ -17,11 +17,9 @@ from dataclasses import dataclass, field
 
 from shoal.config import EngineConfig
 from shoal.engine.admission import GateState, RealtimeGate, WaitHistogram
-from shoal.engine.api import QUEUE_WAIT_BUCKETS, EngineOverloaded, FinishReason, Priority
+from shoal.engine.api import DEFAULT_FRAME_RATE, QUEUE_WAIT_BUCKETS, EngineOverloaded, FinishReason, Priority
 from shoal.engine.kv_cache import KVCacheManager
 from shoal.engine.request import Request, RequestStatus
-
-DEFAULT_FRAME_RATE = 44100 / 2048  # every supported family's codec: 44.1 kHz, 2048 samples a frame
 
 
 @dataclass

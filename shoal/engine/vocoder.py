@@ -136,15 +136,20 @@ class ChunkPolicy:
         others = [frames for frames, done in takes if done > 0]
         return bool(firsts and others) and max(others) > 2 * max(firsts)
 
-    def plan(self, streams: Sequence[tuple[int, int, bool, float | None]]) -> dict[int, int]:
-        """`streams`: (pending, chunks done, ending, headroom seconds or None) per stream ->
+    def plan(
+        self, streams: Sequence[tuple[int, int, bool, PlaybackClock | None]], now: float | None = None
+    ) -> dict[int, int]:
+        """`streams`: (pending, chunks done, ending, the listener's clock or None) per stream ->
         {index: frames to take now}. When more are due than one call takes: first audio waiting
-        first, then the streams whose listeners have the least audio buffered, then in order."""
+        first, then the streams whose listeners have the least audio buffered at `now`, then in
+        order (the clocks are read only then)."""
         due = [(i, n) for i, (p, c, end, _) in enumerate(streams) if (n := self.take(p, c, end)) > 0]
         if self.max_batch is not None and len(due) > self.max_batch:
+            now = time.monotonic() if now is None else now
 
             def urgency(item: tuple[int, int]) -> tuple[bool, float]:
-                _, chunks_done, _, headroom = streams[item[0]]
+                _, chunks_done, _, clock = streams[item[0]]
+                headroom = clock.headroom(now) if clock is not None else None
                 return chunks_done > 0, math.inf if headroom is None else headroom
 
             due.sort(key=urgency)  # stable
@@ -303,13 +308,8 @@ class Vocoder:
         """Take the frames due now (`policy.plan`) and the streams that are done, as
         (stream, frames, done callback or None); finished streams leave the list. Caller holds
         `_wake` (or owns the vocoder, as tests do)."""
-        now = time.monotonic()
-        plan = self.policy.plan(
-            [
-                (len(s.pending), s.chunks, s.ending is not None, s.clock.headroom(now) if s.clock else None)
-                for s in self._streams
-            ]
-        )
+        streams = [(len(s.pending), s.chunks, s.ending is not None, s.clock) for s in self._streams]
+        plan = self.policy.plan(streams)
         work: Work = []
         for index, stream in enumerate(self._streams):
             count = plan.get(index, 0)
