@@ -19,6 +19,7 @@
 # FORMATS (pcm,wav,mp3,opus), WS_SHARE (0.25), VOICE_SHARE (0.5), VOICES (2), MAX_P95_MS (200
 # [1500]), MAX_UNDERRUN_SHARE (0.01 [1]), CAPACITY_CONCURRENCY (64 [4]), CAPACITY_S (window, 10
 # [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]),
+# OVERLOAD (after the search, one run at this multiple of the sustainable rate, 1.5 [none]),
 # HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default), PYSPY_S
 # (seconds of py-spy sampling of the server 15 s into the open-loop sweep, 0 = none; needs a
 # py-spy wheel among the carried ones).
@@ -45,6 +46,7 @@ fi
 INSTALL_WHEELS=${INSTALL_WHEELS:-$([ "$DEVICE" = cuda ] && echo 1 || echo 0)}
 FORMATS=${FORMATS:-pcm,wav,mp3,opus}
 WS_SHARE=${WS_SHARE:-0.25}
+OVERLOAD=${OVERLOAD-$([ "$DEVICE" = cuda ] && echo 1.5)}
 VOICE_SHARE=${VOICE_SHARE:-0.5}
 VOICES=${VOICES:-2}
 HTTP_LEVELS=${HTTP_LEVELS-}
@@ -168,6 +170,7 @@ timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals 
   --duration "$DURATION" --frames "$FRAMES" --formats "$FORMATS" --ws-share "$WS_SHARE" \
   --voice-share "$VOICE_SHARE" --voices "$VOICES" --find-sustainable --max-p95-ms "$MAX_P95_MS" \
   --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$budget" --drain-timeout 15 --timeout 60 \
+  ${OVERLOAD:+--overload "$OVERLOAD"} \
   --json "$OUT/open_loop.json" --traces "$OUT/open_loop_traces.jsonl" 2>&1 | tee -a "$OUT/bench.log"
 say "open loop exit ${PIPESTATUS[0]}"
 

@@ -152,6 +152,9 @@ class EngineConfig:
     vocoder_chunk_frames: int = 8
     vocoder_first_chunk_frames: int = 4
     vocoder_max_chunk_frames: int | None = None
+    # A stream whose listener has less audio buffered than this is decoded with what it holds,
+    # whatever its chunk schedule says (0: never): see `engine.vocoder.ChunkPolicy`.
+    vocoder_refill_seconds: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.realtime, dict):  # from JSON (the engine process's spec)

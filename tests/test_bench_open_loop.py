@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import asdict
 
@@ -236,6 +237,26 @@ def test_refusals_are_counted_as_503(server):
     assert result.sent > 0 and result.completed == 0
     assert result.errors == {"503": result.sent} and result.share_503 == 1.0 == result.error_share
     assert result.first_audio_p95_ms is None and not result.sustainable
+
+
+@pytest.mark.slow
+def test_overload_offers_a_multiple_of_the_sustainable_rate_once(server):
+    args = bench_args(
+        server, server.key_a, "--rate", "1", "--duration", "1", "--frames", "8", "--ws-share", "0",
+        "--voices", "0", "--overload", "2",
+    )  # fmt: skip
+    workload = open_loop.workload_from(args)
+
+    async def overload(results):
+        async with open_loop.http_client(args) as client:
+            return await open_loop.run_overload(client, results, workload, [], args, time.perf_counter())
+
+    assert asyncio.run(overload([result_at(1.0, False)])) is None  # nothing sustainable: no run
+    result = asyncio.run(overload([result_at(1.0, True), result_at(4.0, False)]))
+    assert result.rate == 2.0 and result.sent > 0 and result.completed + result.errors.get("503", 0) > 0
+    report = open_loop.report([result_at(1.0, True)], workload, args, result)
+    assert report["overload"]["factor"] == 2.0 and report["overload"]["sent"] == result.sent
+    assert "overload 2x the sustainable rate: 2.00/s" in capacity.summary_table(report, None)
 
 
 # ---- the in-process capacity and the summary ---------------------------------------------------

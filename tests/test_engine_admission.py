@@ -54,6 +54,19 @@ def test_gate_closes_when_a_playing_stream_runs_dry_after_its_grace() -> None:
     assert state.open and state.min_headroom == pytest.approx(1.0)
 
 
+def test_admissions_are_charged_before_their_steps_are_measured() -> None:
+    """The measured speed is scaled by the rows it was measured over: 10 rows at 3x admit up to
+    20 (1.5x), and an old average over fewer rows does not let a burst in."""
+    gate = RealtimeGate(RealtimePolicy(enabled=True, min_speed=1.5), frame_rate=20.0)
+    assert gate.admits(1000)  # nothing measured yet
+    gate.observe_step(1 / 60, rows=10)  # 60 steps/s over 10 rows: 3x real time
+    assert gate.admits(10) and gate.admits(20) and not gate.admits(21)
+    assert gate.admits(5)  # fewer rows are never predicted faster than measured, nor slower
+    gate.idle()
+    assert gate.admits(1000)
+    assert RealtimeGate(RealtimePolicy(enabled=False), 20.0).admits(1000)
+
+
 def test_disabled_policy_admits_by_memory_alone() -> None:
     gate = RealtimeGate(RealtimePolicy(enabled=False), frame_rate=20.0)
     gate.observe_step(1.0)
@@ -121,3 +134,42 @@ def test_core_pauses_batch_work_holds_new_streams_and_expires_them(golden_dir) -
     core.step()  # no listened stream: open again, batch work resumes and the waiting bulk enters
     assert core.scheduler.last_gate.open and bulk.num_frames > frames_before
     assert late_bulk.status.value == "running"
+
+
+def test_one_open_gate_admits_only_what_keeps_the_batch_up(golden_dir) -> None:
+    """A burst of new requests against a measured speed: the scheduler admits those the charged
+    speed allows in one step and keeps the rest waiting (and may still resume admitted work)."""
+    import torch
+    from model_testing import tiny_s2
+
+    from shoal.config import EngineConfig
+    from shoal.engine.api import Priority
+    from shoal.engine.core import EngineCore
+    from shoal.engine.request import SamplingParams
+    from shoal.models.prompt import build_prompt
+
+    model = tiny_s2(golden_dir, torch.float32)
+    policy = RealtimePolicy(enabled=True, min_speed=1.5)
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=128, page_size=16, realtime=policy)
+    core = EngineCore(model, config)
+
+    def new(name: str):
+        prompt = build_prompt(model.config, model.tokenizer, f"text {name}")
+        request = core.new_request(
+            prompt, SamplingParams(seed=1), max_new_frames=50, priority=Priority.STANDARD, request_id=name
+        )
+        core.add(request)
+        return request
+
+    running = [new("a"), new("b")]
+    for _ in range(3):
+        core.step()
+    assert all(r.num_frames > 0 for r in running)
+    gate = core.scheduler.gate
+    gate.idle()
+    gate.observe_step(1 / (3.0 * gate.frame_rate), rows=2)  # 3x real time over 2 rows
+    burst = [new(f"burst{i}") for i in range(5)]
+    plan = core.scheduler.schedule()
+    admitted = [r for r in burst if r.status.value == "running"]
+    assert admitted == burst[:2]  # 4 rows at 1.5x; a fifth would run at 1.2x
+    assert {r for r, _ in plan.prefills} == set(admitted)

@@ -382,6 +382,41 @@ def test_first_chunks_get_their_own_call_beside_long_chunks(codec):
         np.testing.assert_allclose(np.concatenate(audio[key]), expected.numpy(), atol=1e-4)
 
 
+def test_a_listener_running_low_gets_what_its_stream_holds(codec):
+    """Below `refill_seconds` of buffered audio a stream is due before its chunk schedule says
+    so, with the largest captured chunk it holds (none under the first chunk's length); a
+    listener with audio to spare waits for the full chunk. The audio equals one whole decode."""
+    low, full = PlaybackClock(), PlaybackClock()
+    low.deliver(0.2, now=10.0)  # 0.1 s left at 10.1
+    full.deliver(2.0, now=10.0)  # 1.9 s left
+    policy = ChunkPolicy(8, 4, (4, 8), refill_seconds=0.5)
+    streams = [(6, 1, False, low), (6, 1, False, full), (3, 1, False, low), (6, 0, False, None)]
+    assert policy.plan(streams, now=10.1) == {0: 4, 3: 4}
+    assert ChunkPolicy(8, 4, refill_seconds=0.5).plan(streams[:2], now=10.1) == {0: 6}  # no graphs
+    assert ChunkPolicy(8, 4, (4, 8)).plan(streams[:3], now=10.1) == {}  # refill off: the schedule
+    with pytest.raises(ValueError):
+        ChunkPolicy(8, 4, refill_seconds=-1.0)
+
+    vocoder = Vocoder(codec, 2, chunk_frames=8, first_chunk_frames=4, refill_seconds=60.0)
+    vocoder.policy = dataclasses.replace(vocoder.policy, graph_chunks=(4, 8))  # as captured on CUDA
+    calls = record_codec_chunks(vocoder)
+    sent = torch.randint(0, 32, (12, 5), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    audio: list[np.ndarray] = []
+    stream = vocoder.open(lambda samples, _: audio.append(samples), clock=PlaybackClock())
+    for piece in (slice(0, 4), slice(4, 9)):  # the first chunk, then 5 frames of a due 8
+        vocoder.push(stream, sent[piece])
+        while work := vocoder.collect():
+            vocoder.decode(work)
+    assert calls == [[4], [4]]  # the listener holds far less than 60 s: 4 of the 5 go at once
+    vocoder.push(stream, sent[9:], last=True)
+    vocoder.end(stream, lambda: None)
+    while work := vocoder.collect():
+        vocoder.decode(work)
+    assert calls == [[4], [4], [3]]  # the tail: 1 held back + 2 (the last frame is dropped)
+    expected = codec.decode(sent[:-1, 1:].t().long())[0, 0]
+    np.testing.assert_allclose(np.concatenate(audio), expected.numpy(), atol=1e-4)
+
+
 def test_vocoder_decodes_due_chunks_and_equals_full_decode(codec):
     vocoder = Vocoder(codec, 4, chunk_frames=8, first_chunk_frames=4, max_batch=2)
     assert not vocoder.capture_graphs() and not vocoder.policy.graph_chunks  # CPU: nothing changes

@@ -173,6 +173,14 @@ def summary_table(open_loop: dict, capacity: dict | None) -> str:
             f"{rate['mean_concurrency']:>10.1f} {100 * rate['underrun_share']:>10.1f}  "
             f"{'yes' if rate['sustainable'] else 'no'}"
         )
+    overload = open_loop.get("overload")
+    if overload:
+        lines.append(
+            f"  overload {overload['factor']:g}x the sustainable rate: {overload['rate']:.2f}/s, "
+            f"{100 * overload['share_503']:.1f}% got 503, admitted streams underran "
+            f"{100 * overload['underrun_share']:.1f}%, first audio p95 {overload['first_audio_p95_ms']} ms, "
+            f"{overload['frames_per_second']:.0f} frames/s"
+        )
     best = open_loop.get("sustainable")
     lines.append("")
     lines.append("                          requests/s   frames/s  audio-s/s  first audio p95 ms")

@@ -537,7 +537,12 @@ def criteria(args: argparse.Namespace) -> str:
     )
 
 
-def report(results: list[RateResult], workload: Workload, args: argparse.Namespace) -> dict:
+def report(
+    results: list[RateResult],
+    workload: Workload,
+    args: argparse.Namespace,
+    overload: RateResult | None = None,
+) -> dict:
     best = highest_sustainable(results)
     return {
         "settings": {
@@ -569,6 +574,8 @@ def report(results: list[RateResult], workload: Workload, args: argparse.Namespa
             "mean_concurrency": best.mean_concurrency,
         },
         "criteria": criteria(args),
+        # --overload: one run at that multiple of the sustainable rate (what admission protects)
+        "overload": None if overload is None else {"factor": args.overload, **asdict(overload)},
     }
 
 
@@ -618,6 +625,9 @@ async def sweep(args: argparse.Namespace) -> list[RateResult]:
                     following = next_rate(results, args.growth, args.precision, floor=2 / args.duration)
                     if following is not None and all(abs(r.rate - following) > 1e-9 for r in results):
                         rates.append(following)
+            overload = await run_overload(client, results, workload, voice_ids, args, started)
+            if overload is not None:
+                write_json(args.json_path, report(results, workload, args, overload))
         finally:
             await delete_voices(client, voice_ids)
     best = highest_sustainable(results)
@@ -630,6 +640,25 @@ async def sweep(args: argparse.Namespace) -> list[RateResult]:
             flush=True,
         )
     return results
+
+
+async def run_overload(
+    client, results: list[RateResult], workload: Workload, voice_ids: list[str], args, started: float
+) -> RateResult | None:
+    """With --overload F: offer F times the sustainable rate once. Past capacity the admitted
+    streams should still play without gaps while the excess gets 503 (realtime admission); it is
+    reported apart and never counts as a sustainable rate."""
+    best = highest_sustainable(results)
+    if not args.overload or best is None:
+        return None
+    left = args.time_budget - (time.perf_counter() - started) if args.time_budget else math.inf
+    if left < args.duration + 5.0:
+        print(f"overload {args.overload:g}x skipped: {left:.0f} s left of --time-budget", flush=True)
+        return None
+    result = await run_rate(client, best.rate * args.overload, workload, voice_ids, args)
+    print(f"{format_row(result)}  <- overload {args.overload:g}x the sustainable rate", flush=True)
+    await wait_until_idle(client)
+    return result
 
 
 # ---- the command line --------------------------------------------------------------------------
@@ -712,6 +741,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-error-share", type=share, default=0.01)
     group.add_argument("--growth", type=positive, default=2.0, help="rate factor until the search brackets")
     group.add_argument("--precision", type=positive, default=0.1, help="stop when high / low <= 1 + this")
+    group.add_argument(
+        "--overload",
+        type=positive,
+        help="after --find-sustainable: offer this multiple of the sustainable rate once (e.g. 1.5)",
+    )
     group.add_argument("--traces", dest="traces_path", help="write every request's chunks (JSON lines)")
 
 

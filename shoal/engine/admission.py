@@ -8,7 +8,8 @@ the admitted streams would not keep up:
 - speed: every decoding stream gains one frame per engine step, so its generation runs at
   (steps per second) / (model frame rate) times real time. Below `min_speed` the batch as a whole
   is too slow, whatever the codec does. Chunked delivery needs a margin above 1: a chunk must be
-  generated while the one before it plays.
+  generated while the one before it plays. Each admission is charged to the speed before its
+  steps are measured (`admits`), so the gate lets in only what keeps the batch above it.
 - headroom: what the listener of each playing stream has buffered (`playback.PlaybackClock`). It
   also sees what the step time does not (the codec, the host falling behind): a stream older than
   `grace_seconds` with less than `min_headroom_seconds` buffered is about to underrun.
@@ -59,14 +60,17 @@ class RealtimeGate:
         self.policy = policy
         self.frame_rate = frame_rate
         self.step_seconds: float | None = None  # moving average over decoding steps
+        self.rows = 0.0  # moving average of the rows those steps decoded
 
-    def observe_step(self, seconds: float) -> None:
-        """Book one decoding step's wall time (from its start to the next step's start)."""
+    def observe_step(self, seconds: float, rows: int = 1) -> None:
+        """Book one decoding step's wall time (from its start to the next step's start) and the
+        rows it decoded."""
         if self.step_seconds is None:
-            self.step_seconds = seconds
+            self.step_seconds, self.rows = seconds, float(rows)
         else:
             weight = self.policy.step_time_smoothing
             self.step_seconds += weight * (seconds - self.step_seconds)
+            self.rows += weight * (rows - self.rows)
 
     @property
     def speed(self) -> float:
@@ -74,10 +78,22 @@ class RealtimeGate:
             return math.inf
         return 1.0 / (self.step_seconds * self.frame_rate)
 
+    def admits(self, rows: int) -> bool:
+        """Whether `rows` decoding streams (those running plus the ones admitted this step) would
+        still run at `min_speed`. The measured speed is scaled by the rows it was measured over:
+        admissions are charged before their steps show in the average, so one open gate cannot
+        let a burst in. Scaling in proportion errs on the side of the admitted streams (a step's
+        fixed costs make more rows cheaper than that); the next measurements correct it."""
+        if not self.policy.enabled or not self.step_seconds:
+            return True
+        predicted = self.speed * min(1.0, self.rows / max(rows, 1))
+        return predicted >= self.policy.min_speed
+
     def idle(self) -> None:
         """Nothing is decoding: the next batch starts afresh (an old slow average must not keep
         the gate closed over an empty engine)."""
         self.step_seconds = None
+        self.rows = 0.0
 
     def state(self, now: float, playing: Iterable[PlaybackClock]) -> GateState:
         """Open or closed for the next admission; `playing`: the running streams' clocks."""

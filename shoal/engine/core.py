@@ -324,7 +324,7 @@ class EngineCore:
         # The decoding streams' pace, for realtime admission: time between booked decode steps.
         if plan.decodes:
             if self._last_decode_booked is not None:
-                self.scheduler.gate.observe_step(now - self._last_decode_booked)
+                self.scheduler.gate.observe_step(now - self._last_decode_booked, len(plan.decodes))
             self._last_decode_booked = now
         else:
             self._last_decode_booked = None

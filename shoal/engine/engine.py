@@ -140,6 +140,8 @@ class LocalEngine(Engine):
                 config.vocoder_chunk_frames,
                 config.vocoder_first_chunk_frames,
                 max_chunk_frames=config.vocoder_max_chunk_frames,
+                # Paced by listeners where realtime admission protects them (not a CPU demo's).
+                refill_seconds=config.vocoder_refill_seconds if config.resolved_realtime().enabled else 0.0,
             )
             # Before the KV pool is sized from free memory, so the codec's graphs are counted.
             if config.use_cuda_graphs and self.vocoder.capture_graphs():

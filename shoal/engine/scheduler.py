@@ -199,10 +199,21 @@ class Scheduler:
             if request not in self.running or request.is_decoding:
                 continue
             budget -= self._plan_chunk(request, budget, now, plan)
+        # New streams only while the gate is open and the batch with them would keep up; each
+        # one is charged before its steps show in the measured speed.
+        fresh = gate.open
+        rows = len(self.running) - len(plan.paused)
         while budget > 0:
-            candidate = self._next_waiting(now, fresh=gate.open)
-            if candidate is None or not self._admit(candidate, now, plan):
+            candidate = self._next_waiting(now, fresh=fresh)
+            if candidate is None:
                 break
+            starts = not (candidate.num_frames or candidate.continuation)
+            if starts and not self.gate.admits(rows + 1):
+                fresh = False  # already admitted streams may still resume
+                continue
+            if not self._admit(candidate, now, plan):
+                break
+            rows += starts
             budget -= self._plan_chunk(candidate, budget, now, plan)
         return plan
 

@@ -67,23 +67,31 @@ class ChunkPolicy:
     frame: a call's cost is mostly per stream, not per frame (docs/performance.md runs 4-5:
     64 streams x 4 frames 15.7 ms, x 8 frames 20.4 ms).
 
-    A stream is due once it holds its next chunk, or as soon as its text batch has ended (the
-    tail is flushed). Without captured graphs (`graph_chunks` empty) a due stream's whole
-    backlog is taken. With graphs a due stream gives the largest captured chunk that it fills,
-    up to `max_chunk_frames`, and an ending stream its tail up to the largest captured chunk
-    (the pool pads it up to the next captured length); the rest waits for the next call. At
-    most `max_batch` streams are taken per call, streams whose first audio is waiting first,
-    then in opening order."""
+    A stream is due once it holds its next chunk, as soon as its text batch has ended (the
+    tail is flushed), or once its listener has less than `refill_seconds` of audio buffered: it
+    then gives what it holds (a captured length, at least the first chunk's), so the listener is
+    fed whenever generation runs faster than playback. Without that, a chunk longer than the one
+    before it needs generation faster than real time by their ratio (4 then 8 frames: 2x, plus
+    the codec call) to arrive before the audio before it has played out.
+
+    Without captured graphs (`graph_chunks` empty) a due stream's whole backlog is taken. With
+    graphs a due stream gives the largest captured chunk that it fills, up to `max_chunk_frames`,
+    and an ending stream its tail up to the largest captured chunk (the pool pads it up to the next
+    captured length); the rest waits for the next call. At most `max_batch` streams are taken per
+    call: streams whose first audio is waiting first, then the least buffered."""
 
     chunk_frames: int = 8
     first_chunk_frames: int = 4
     graph_chunks: tuple[int, ...] = ()  # captured chunk lengths, ascending
     max_batch: int | None = None  # streams per codec call; None: unbounded
     max_chunk_frames: int | None = None  # the largest chunk after growth; None: chunk_frames
+    refill_seconds: float = 0.0  # a stream with less audio buffered is due early; 0: never
 
     def __post_init__(self) -> None:
         if self.chunk_frames < 1 or self.first_chunk_frames < 1:
             raise ValueError("chunk sizes must be >= 1")
+        if self.refill_seconds < 0:
+            raise ValueError("refill_seconds must be >= 0")
         if self.max_chunk_frames is not None and self.max_chunk_frames < self.chunk_frames:
             raise ValueError("max_chunk_frames must be at least chunk_frames")
         if list(self.graph_chunks) != sorted(set(self.graph_chunks)) or any(c < 1 for c in self.graph_chunks):
@@ -125,6 +133,15 @@ class ChunkPolicy:
         limit = min(limit, max(need, self.largest_chunk))
         return max((c for c in self.graph_chunks if c <= limit), default=limit)
 
+    def refill(self, pending: int) -> int:
+        """Frames to decode now for a stream whose listener runs low: what it holds, as the
+        largest captured length that fits (none below the first chunk's length)."""
+        if pending < self.first_chunk_frames:
+            return 0
+        if not self.graph_chunks:
+            return pending
+        return max((c for c in self.graph_chunks if c <= pending), default=0)
+
     def first_chunks_apart(self, takes: Sequence[tuple[int, int]]) -> bool:
         """Whether a codec call of (frames, chunks done) per stream should decode its first
         chunks in a call of their own, before the rest: when the rest holds a chunk more than
@@ -142,17 +159,27 @@ class ChunkPolicy:
         """`streams`: (pending, chunks done, ending, the listener's clock or None) per stream ->
         {index: frames to take now}. When more are due than one call takes: first audio waiting
         first, then the streams whose listeners have the least audio buffered at `now`, then in
-        order (the clocks are read only then)."""
-        due = [(i, n) for i, (p, c, end, _) in enumerate(streams) if (n := self.take(p, c, end)) > 0]
+        order. Clocks are read only for streams that could refill early or must be ranked."""
+        now = time.monotonic() if now is None else now
+        headrooms: dict[int, float] = {}
+
+        def headroom(index: int) -> float:
+            if index not in headrooms:
+                clock = streams[index][3]
+                value = clock.headroom(now) if clock is not None else None
+                headrooms[index] = math.inf if value is None else value
+            return headrooms[index]
+
+        due = []
+        for index, (pending, chunks_done, ending, _) in enumerate(streams):
+            count = self.take(pending, chunks_done, ending)
+            if count == 0 and chunks_done > 0 and self.refill_seconds > 0 and pending > 0:
+                if headroom(index) < self.refill_seconds:
+                    count = self.refill(pending)
+            if count > 0:
+                due.append((index, count))
         if self.max_batch is not None and len(due) > self.max_batch:
-            now = time.monotonic() if now is None else now
-
-            def urgency(item: tuple[int, int]) -> tuple[bool, float]:
-                _, chunks_done, _, clock = streams[item[0]]
-                headroom = clock.headroom(now) if clock is not None else None
-                return chunks_done > 0, math.inf if headroom is None else headroom
-
-            due.sort(key=urgency)  # stable
+            due.sort(key=lambda item: (streams[item[0]][1] > 0, headroom(item[0])))  # stable
             due = due[: self.max_batch]
         return dict(due)
 
@@ -188,11 +215,14 @@ class Vocoder:
         first_chunk_frames: int = 4,
         max_batch: int = 64,
         max_chunk_frames: int | None = None,
+        refill_seconds: float = 0.0,
     ) -> None:
         self.codec = codec
         self.max_streams = max_streams
         self.pool = codec.stream_pool(max_streams)
-        self.policy = ChunkPolicy(chunk_frames, first_chunk_frames, max_chunk_frames=max_chunk_frames)
+        self.policy = ChunkPolicy(
+            chunk_frames, first_chunk_frames, max_chunk_frames=max_chunk_frames, refill_seconds=refill_seconds
+        )
         self.max_batch = max(1, min(max_batch, max_streams))
         self._streams: list[VocoderStream] = []
         self._wake = threading.Condition()
