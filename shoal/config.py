@@ -144,13 +144,16 @@ class EngineConfig:
     # Benchmarks: keep generating past <|im_end|> until max_new_frames (fixed output length).
     ignore_eos: bool = False
 
-    # Vocoder: a request's first chunk is decoded as soon as it has `first_chunk_frames`, its
-    # second at `chunk_frames`, and each later one is twice the one before, up to
-    # `max_chunk_frames` (None or `chunk_frames`: no growth). See `engine.vocoder.ChunkPolicy`.
-    # Growth frees codec GPU time at high concurrency, but capturing the larger codec graphs
-    # (each with a cuDNN algorithm search) makes a cold engine load much longer: opt-in.
+    # Vocoder: a request's first chunk is decoded as soon as it has the frames its `latency`
+    # asks for (`vocoder_low_latency_first_chunk_frames`, `vocoder_first_chunk_frames`, or a full
+    # `vocoder_chunk_frames`), the next at `vocoder_chunk_frames`, and each later one is twice
+    # the one before, up to `vocoder_max_chunk_frames` (None or `chunk_frames`: no growth). See
+    # `engine.vocoder.ChunkPolicy`. Growth frees codec GPU time at high concurrency, but capturing
+    # the larger codec graphs (each with a cuDNN algorithm search) makes a cold engine load much
+    # longer: opt-in.
     vocoder_chunk_frames: int = 8
-    vocoder_first_chunk_frames: int = 4
+    vocoder_first_chunk_frames: int = 4  # latency "balanced"; "normal" starts with a full chunk
+    vocoder_low_latency_first_chunk_frames: int = 2  # latency "low"
     vocoder_max_chunk_frames: int | None = None
     # A stream whose listener has less audio buffered than this is decoded with what it holds,
     # whatever its chunk schedule says (0: never): see `engine.vocoder.ChunkPolicy`.

@@ -82,6 +82,10 @@ def test_long_text_streams_audio_of_the_reference_frames(model, codec):
         seed=21,
     )
     assert len(oracle) == 2  # two speaker turns: two batches, the second prompted with the first
+    # Each chunk names the text batch it speaks, in order, so a consumer can time each one.
+    assert [c.segment for c in chunks] == sorted(c.segment for c in chunks)
+    assert {(c.segment, c.segment_text) for c in chunks} == set(enumerate(handle.texts))
+    assert len(handle.texts) == 2
     frames = np.concatenate([c.frames for c in chunks])
     expected = torch.cat([b.codes for b in oracle], dim=1)  # each batch without its last frame
     assert np.array_equal(frames[:, 1:].T, expected.numpy())
@@ -415,6 +419,41 @@ def test_a_listener_running_low_gets_what_its_stream_holds(codec):
     assert calls == [[4], [4], [3]]  # the tail: 1 held back + 2 (the last frame is dropped)
     expected = codec.decode(sent[:-1, 1:].t().long())[0, 0]
     np.testing.assert_allclose(np.concatenate(audio), expected.numpy(), atol=1e-4)
+
+
+def test_latency_modes_set_the_first_chunk(codec):
+    """`low` decodes the smallest first chunk, `balanced` the policy's, `normal` a full chunk;
+    the chunks after it follow the schedule, and the audio equals one whole decode each time."""
+    vocoder = Vocoder(codec, 3, chunk_frames=8, first_chunk_frames=4, low_latency_first_chunk_frames=2)
+    assert [vocoder.first_chunk_for(mode) for mode in ("low", "balanced", "normal")] == [2, 4, 8]
+    assert ChunkPolicy.graph_chunk_sizes(8, 4, None, (2,)) == (2, 4, 8)  # captured on CUDA
+    vocoder.policy = dataclasses.replace(vocoder.policy, graph_chunks=(2, 4, 8))
+    assert vocoder.policy.take(3, 0, False, first=2) == 2 and vocoder.policy.take(7, 0, False, first=8) == 0
+    calls = record_codec_chunks(vocoder)
+    sent = torch.randint(0, 32, (14, 5), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+    schedules = {"low": [[2], [8], [3]], "balanced": [[4], [8], [1]], "normal": [[8], [5]]}
+    for mode, expected_calls in schedules.items():
+        calls.clear()
+        audio: list[np.ndarray] = []
+        first = vocoder.first_chunk_for(mode)
+        stream = vocoder.open(lambda samples, _, audio=audio: audio.append(samples), first_chunk=first)
+        for frame in range(13):  # one frame per engine step, the vocoder collecting after each
+            vocoder.push(stream, sent[frame : frame + 1])
+            while work := vocoder.collect():
+                vocoder.decode(work)
+        vocoder.push(stream, sent[13:], last=True)
+        vocoder.end(stream, lambda: None)
+        while work := vocoder.collect():
+            vocoder.decode(work)
+        assert calls == expected_calls, mode
+        expected = codec.decode(sent[:-1, 1:].t().long())[0, 0]
+        np.testing.assert_allclose(np.concatenate(audio), expected.numpy(), atol=1e-4)
+
+
+def test_an_unknown_latency_mode_is_refused(model):
+    engine = LocalEngine(model, EngineConfig(device="cpu", dtype="float64", num_pages=64, page_size=4))
+    with pytest.raises(InvalidRequest, match="latency must be one of low, balanced, normal"):
+        engine.submit(SynthesisRequest("hello", latency="fastest"))
 
 
 def test_vocoder_decodes_due_chunks_and_equals_full_decode(codec):

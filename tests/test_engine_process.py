@@ -78,16 +78,18 @@ def test_request_round_trip_keeps_every_field():
 
 
 def test_a_field_the_receiver_does_not_know_is_dropped():
-    data = {**wire.encode_request(SynthesisRequest("hi")), "voice_key": "v1", "field_from_the_future": 3}
-    assert wire.decode_request(data).text == "hi"
+    request = SynthesisRequest("hi", latency="low")
+    data = {**wire.encode_request(request), "voice_key": "v1", "field_from_the_future": 3}
+    assert wire.decode_request(data).text == "hi" and wire.decode_request(data).latency == "low"
 
 
 def test_audio_chunk_round_trip_is_exact_and_writable():
     samples = np.random.default_rng(0).uniform(-1, 1, 4096).astype(np.float32)
     frames = np.arange(44, dtype=np.int32).reshape(4, 11)
-    chunk = AudioChunk(samples, 44100, frames)
+    chunk = AudioChunk(samples, 44100, frames, segment=2, segment_text="the third batch")
     decoded = wire.decode_chunk(through_the_wire(wire.encode_chunk(chunk)))
     assert decoded.sample_rate == 44100
+    assert decoded.segment == 2 and decoded.segment_text == "the third batch"
     assert decoded.samples.dtype == np.float32 and np.array_equal(decoded.samples, samples)
     assert decoded.frames.dtype == np.int32 and np.array_equal(decoded.frames, frames)
     np.multiply(decoded.samples, 0.5, out=decoded.samples)  # encoders may scale in place

@@ -166,6 +166,7 @@ def request_body(planned: PlannedRequest, voice_ids: list[str], args: argparse.N
         "sample_rate": OPUS_SAMPLE_RATE if planned.audio_format == "opus" else args.sample_rate,
         "chunk_length": args.chunk_length,
         "max_new_tokens": planned.frames,
+        "latency": args.latency,
     }
     if planned.voice is not None:
         body["reference_id"] = voice_ids[planned.voice]

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from shoal.engine.api import LATENCY_MODES
 from shoal.tuning import environment
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog. Shoal streams speech while it is generated."
@@ -72,6 +73,7 @@ def tts_body(args: argparse.Namespace) -> dict:
         "sample_rate": args.sample_rate,
         "chunk_length": args.chunk_length,
         "max_new_tokens": args.max_new_tokens,
+        "latency": args.latency,
     }
     if args.reference_id:
         body["reference_id"] = args.reference_id
@@ -321,6 +323,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="s2-pro", help="the `model` header")
     parser.add_argument("--sample-rate", type=int, default=44100, help="poisson: opus asks for 48000")
     parser.add_argument("--chunk-length", type=int, default=200)
+    parser.add_argument(
+        "--latency",
+        choices=LATENCY_MODES,
+        default="balanced",
+        help="the requests' latency mode (default: the official SDK's)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="closed loop (poisson: --frames)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     parser.add_argument("--json", dest="json_path", help="also write the results to this JSON file")

@@ -68,6 +68,9 @@ class SamplingOptions:
     seed: int | None = None  # None: the engine draws one
 
 
+LATENCY_MODES = ("low", "balanced", "normal")
+
+
 @dataclass(frozen=True)
 class SynthesisRequest:
     text: str
@@ -79,6 +82,10 @@ class SynthesisRequest:
     max_new_frames: int = 1024  # per text chunk, as the reference's max_new_tokens
     chunk_length: int = 200  # S2: bytes per text batch (speaker turns are kept whole)
     request_id: str | None = None  # None: the engine assigns one
+    # How soon the first audio comes and how the chunks after it grow (`LATENCY_MODES`): "low"
+    # decodes the smallest first chunk, "balanced" (the official SDK's default) a short one,
+    # "normal" a full chunk (one codec call fewer per stream; a few steps later).
+    latency: str = "normal"
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,10 @@ class AudioChunk:
     samples: np.ndarray
     sample_rate: int
     frames: np.ndarray | None = None  # int32 [n, N+1]: the frames this audio came from
+    # The text batch this audio speaks (the engine splits long text; `SynthesisHandle.texts`):
+    # its index and its text, so a consumer can time each segment.
+    segment: int = 0
+    segment_text: str = ""
 
 
 @dataclass(frozen=True)

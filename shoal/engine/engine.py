@@ -29,6 +29,7 @@ import torch
 from shoal.config import EngineConfig
 from shoal.engine.api import (
     DEFAULT_FRAME_RATE,
+    LATENCY_MODES,
     Engine,
     EngineOverloaded,
     EngineStats,
@@ -142,6 +143,7 @@ class LocalEngine(Engine):
                 max_chunk_frames=config.vocoder_max_chunk_frames,
                 # Paced by listeners where realtime admission protects them (not a CPU demo's).
                 refill_seconds=config.vocoder_refill_seconds if config.resolved_realtime().enabled else 0.0,
+                low_latency_first_chunk_frames=config.vocoder_low_latency_first_chunk_frames,
             )
             # Before the KV pool is sized from free memory, so the codec's graphs are counted.
             if config.use_cuda_graphs and self.vocoder.capture_graphs():
@@ -419,6 +421,9 @@ class LocalEngine(Engine):
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         if not request.text.strip():
             raise InvalidRequest("text is empty")
+        if request.latency not in LATENCY_MODES:
+            modes = ", ".join(LATENCY_MODES)
+            raise InvalidRequest(f"latency must be one of {modes}, got {request.latency!r}")
         request_id = request.request_id or new_request_id()
         if request_id in self._handles:
             raise InvalidRequest(f"duplicate request id {request_id}")

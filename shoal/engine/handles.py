@@ -9,6 +9,7 @@ engine only through the `EngineLink` the engine passes in.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -124,8 +125,11 @@ class SynthesisHandle(QueuedHandle):
         )
         self.current.playback = self.playback
         self.current.continuation = self.batch > 0
-        if self._link.vocoder is not None:
-            self._stream = self._link.vocoder.open(self._on_audio, self._on_vocoder_error, self.playback)
+        vocoder = self._link.vocoder
+        if vocoder is not None:
+            segment = functools.partial(self._on_audio, self.batch)
+            first = vocoder.first_chunk_for(self.spec.latency)
+            self._stream = vocoder.open(segment, self._on_vocoder_error, self.playback, first)
         return self.current
 
     # Engine thread
@@ -137,7 +141,7 @@ class SynthesisHandle(QueuedHandle):
                 last = reason in (FinishReason.STOP, FinishReason.LENGTH)
                 vocoder.push(self._stream, frames, last=last)
             else:
-                self._on_audio(np.zeros(0, dtype=np.float32), frames.numpy().copy())
+                self._on_audio(self.batch, np.zeros(0, dtype=np.float32), frames.numpy().copy())
         if reason is None:
             return
         if request.error is not None:  # e.g. no capacity in time: the consumer gets the error itself
@@ -164,8 +168,8 @@ class SynthesisHandle(QueuedHandle):
             self._link.add_next_batch(following)
 
     # Vocoder thread (or engine thread without a codec)
-    def _on_audio(self, samples: np.ndarray, frames: np.ndarray) -> None:
-        chunk = AudioChunk(samples, self._link.sample_rate, frames)
+    def _on_audio(self, segment: int, samples: np.ndarray, frames: np.ndarray) -> None:
+        chunk = AudioChunk(samples, self._link.sample_rate, frames, segment, self.texts[segment])
         if not self._to_loop(chunk):
             self._link.abort(self.request_id)  # nobody can read it any more
 

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +54,16 @@ def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
         sizes.add(size)
         size *= 2
     return tuple(sorted(sizes))
+
+
+class StreamState(NamedTuple):
+    """What `ChunkPolicy.plan` knows of one stream."""
+
+    pending: int  # frames released and not yet decoded
+    chunks_done: int
+    ending: bool  # its text batch has ended: the tail is flushed
+    clock: PlaybackClock | None = None  # the listener's playback
+    first_chunk: int | None = None  # its first chunk's length (latency mode); None: the policy's
 
 
 @dataclass(frozen=True)
@@ -101,18 +112,23 @@ class ChunkPolicy:
     def largest_chunk(self) -> int:
         return self.max_chunk_frames or self.chunk_frames
 
-    def chunk_size(self, chunks_done: int) -> int:
-        """The length of a stream's next chunk after `chunks_done` chunks."""
+    def chunk_size(self, chunks_done: int, first: int | None = None) -> int:
+        """The length of a stream's next chunk after `chunks_done` chunks (`first`: its own
+        first chunk's length, by its latency mode; None: `first_chunk_frames`)."""
         if chunks_done <= 0:
-            return self.first_chunk_frames
+            return self.first_chunk_frames if first is None else first
         return min(self.largest_chunk, self.chunk_frames << min(chunks_done - 1, 30))
 
     @staticmethod
     def graph_chunk_sizes(
-        chunk_frames: int, first_chunk_frames: int, max_chunk_frames: int | None = None
+        chunk_frames: int,
+        first_chunk_frames: int,
+        max_chunk_frames: int | None = None,
+        other_first_chunks: tuple[int, ...] = (),
     ) -> tuple[int, ...]:
-        """The chunk lengths worth capturing: the first chunk and each size of the growth."""
-        sizes, size = {first_chunk_frames, chunk_frames}, chunk_frames
+        """The chunk lengths worth capturing: the first chunks (of every latency mode) and each
+        size of the growth."""
+        sizes, size = {first_chunk_frames, chunk_frames, *other_first_chunks}, chunk_frames
         largest = max_chunk_frames or chunk_frames
         while size < largest:
             sizes.add(size)
@@ -120,9 +136,9 @@ class ChunkPolicy:
         sizes.add(largest)
         return tuple(sorted(sizes))
 
-    def take(self, pending: int, chunks_done: int, ending: bool) -> int:
+    def take(self, pending: int, chunks_done: int, ending: bool, first: int | None = None) -> int:
         """Frames to decode now from `pending` released frames (0: keep holding them)."""
-        need = self.chunk_size(chunks_done)
+        need = self.chunk_size(chunks_done, first)
         if pending <= 0 or (pending < need and not ending):
             return 0
         if not self.graph_chunks:
@@ -140,7 +156,8 @@ class ChunkPolicy:
             return 0
         if not self.graph_chunks:
             return pending
-        return max((c for c in self.graph_chunks if c <= pending), default=0)
+        fitting = (c for c in self.graph_chunks if self.first_chunk_frames <= c <= pending)
+        return max(fitting, default=0)
 
     def first_chunks_apart(self, takes: Sequence[tuple[int, int]]) -> bool:
         """Whether a codec call of (frames, chunks done) per stream should decode its first
@@ -153,11 +170,9 @@ class ChunkPolicy:
         others = [frames for frames, done in takes if done > 0]
         return bool(firsts and others) and max(others) > 2 * max(firsts)
 
-    def plan(
-        self, streams: Sequence[tuple[int, int, bool, PlaybackClock | None]], now: float | None = None
-    ) -> dict[int, int]:
-        """`streams`: (pending, chunks done, ending, the listener's clock or None) per stream ->
-        {index: frames to take now}. When more are due than one call takes: first audio waiting
+    def plan(self, streams: Sequence[tuple], now: float | None = None) -> dict[int, int]:
+        """`streams`: a `StreamState` (or a tuple of its fields) per stream -> {index: frames
+        to take now}. When more are due than one call takes: first audio waiting
         first, then the streams whose listeners have the least audio buffered at `now`, then in
         order. Clocks are read only for streams that could refill early or must be ranked."""
         now = time.monotonic() if now is None else now
@@ -170,16 +185,17 @@ class ChunkPolicy:
                 headrooms[index] = math.inf if value is None else value
             return headrooms[index]
 
+        states = [StreamState(*state) for state in streams]
         due = []
-        for index, (pending, chunks_done, ending, _) in enumerate(streams):
-            count = self.take(pending, chunks_done, ending)
+        for index, (pending, chunks_done, ending, _, first) in enumerate(states):
+            count = self.take(pending, chunks_done, ending, first)
             if count == 0 and chunks_done > 0 and self.refill_seconds > 0 and pending > 0:
                 if headroom(index) < self.refill_seconds:
                     count = self.refill(pending)
             if count > 0:
                 due.append((index, count))
         if self.max_batch is not None and len(due) > self.max_batch:
-            due.sort(key=lambda item: (streams[item[0]][1] > 0, headroom(item[0])))  # stable
+            due.sort(key=lambda item: (states[item[0]].chunks_done > 0, headroom(item[0])))  # stable
             due = due[: self.max_batch]
         return dict(due)
 
@@ -192,8 +208,10 @@ class VocoderStream:
         on_audio: AudioCallback,
         on_error: ErrorCallback | None = None,
         clock: PlaybackClock | None = None,
+        first_chunk: int | None = None,
     ) -> None:
         self.on_audio = on_audio
+        self.first_chunk = first_chunk  # its first chunk's length (its latency mode); None: the policy's
         self.on_error = on_error  # the decode of this stream's frames failed: it gets no more audio
         self.clock = clock  # the listener's playback: booked at each delivery, orders the calls
         self.pending: list[np.ndarray] = []  # frames released for decoding, int32 [N+1] each
@@ -216,8 +234,11 @@ class Vocoder:
         max_batch: int = 64,
         max_chunk_frames: int | None = None,
         refill_seconds: float = 0.0,
+        low_latency_first_chunk_frames: int | None = None,
     ) -> None:
         self.codec = codec
+        # latency "low": this first chunk (captured too); None: as "balanced"
+        self.low_latency_first_chunk = low_latency_first_chunk_frames or first_chunk_frames
         self.max_streams = max_streams
         self.pool = codec.stream_pool(max_streams)
         self.policy = ChunkPolicy(
@@ -247,6 +268,15 @@ class Vocoder:
     def first_chunk_frames(self) -> int:
         return self.policy.first_chunk_frames
 
+    def first_chunk_for(self, latency: str) -> int:
+        """A stream's first chunk by its request's latency mode (`api.LATENCY_MODES`): "low" the
+        smallest, "balanced" the policy's first chunk, "normal" a full chunk."""
+        if latency == "low":
+            return self.low_latency_first_chunk
+        if latency == "balanced":
+            return self.policy.first_chunk_frames
+        return self.policy.chunk_frames
+
     def capture_graphs(self) -> bool:
         """On CUDA: capture the pool's graphs for the policy's shapes and switch the policy to
         them. Call before the vocoder thread starts (capture must not race other GPU work).
@@ -255,7 +285,10 @@ class Vocoder:
             return bool(self.policy.graph_chunks)
         policy = self.policy
         chunks = ChunkPolicy.graph_chunk_sizes(
-            policy.chunk_frames, policy.first_chunk_frames, policy.max_chunk_frames
+            policy.chunk_frames,
+            policy.first_chunk_frames,
+            policy.max_chunk_frames,
+            (self.low_latency_first_chunk,),
         )
         self.pool.capture_cuda_graphs(list(graph_batch_sizes(self.max_batch)), list(chunks))
         self.policy = dataclasses.replace(policy, graph_chunks=chunks, max_batch=self.max_batch)
@@ -268,9 +301,11 @@ class Vocoder:
         on_audio: AudioCallback,
         on_error: ErrorCallback | None = None,
         clock: PlaybackClock | None = None,
+        first_chunk: int | None = None,
     ) -> VocoderStream:
-        """A new stream; `clock` (shared by a request's text batches) books its audio as delivered."""
-        stream = VocoderStream(on_audio, on_error, clock)
+        """A new stream; `clock` (shared by a request's text batches) books its audio as delivered;
+        `first_chunk`: its first chunk's length (`first_chunk_for`; None: the policy's)."""
+        stream = VocoderStream(on_audio, on_error, clock, first_chunk)
         with self._wake:
             self._streams.append(stream)
         return stream
@@ -338,7 +373,10 @@ class Vocoder:
         """Take the frames due now (`policy.plan`) and the streams that are done, as
         (stream, frames, done callback or None); finished streams leave the list. Caller holds
         `_wake` (or owns the vocoder, as tests do)."""
-        streams = [(len(s.pending), s.chunks, s.ending is not None, s.clock) for s in self._streams]
+        streams = [
+            StreamState(len(s.pending), s.chunks, s.ending is not None, s.clock, s.first_chunk)
+            for s in self._streams
+        ]
         plan = self.policy.plan(streams)
         work: Work = []
         for index, stream in enumerate(self._streams):
@@ -451,4 +489,4 @@ class HostReadBack:
         return view.numpy().copy()
 
 
-__all__ = ["ChunkPolicy", "HostReadBack", "Vocoder", "VocoderStream", "graph_batch_sizes"]
+__all__ = ["ChunkPolicy", "HostReadBack", "StreamState", "Vocoder", "VocoderStream", "graph_batch_sizes"]

@@ -62,6 +62,7 @@ def build_synthesis_request(
         priority=priority,
         max_new_frames=min(body.max_new_tokens, settings.max_new_frames),
         chunk_length=body.chunk_length,
+        latency=body.latency,
     )
 
 
