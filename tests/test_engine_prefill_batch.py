@@ -180,6 +180,11 @@ def engine(model, with_batch: bool, segments: int = 1) -> EngineCore:
     return core
 
 
+# Per request: the first frame (from the prefill's last row) and two decode steps reading the
+# prefilled keys; each kernel step costs seconds in the Triton interpreter.
+TRAFFIC_FRAMES = 3
+
+
 def run_traffic(core: EngineCore) -> dict[str, torch.Tensor]:
     """Three requests admitted in one step, prompts longer than one prefill step (chunks continue
     after cached ones), and one alone later: each request's frames."""
@@ -187,11 +192,14 @@ def run_traffic(core: EngineCore) -> dict[str, torch.Tensor]:
     requests = []
     for i in range(3):
         params = SamplingParams(seed=7 + i, temperature=0.8, top_k=20, top_p=0.9)
-        requests.append(submit(core, core.model, sink, f"r{i}", TEXTS[i], [], params, 6, Priority.STANDARD))
+        requests.append(
+            submit(core, core.model, sink, f"r{i}", TEXTS[i], [], params, TRAFFIC_FRAMES, Priority.STANDARD)
+        )
     for _ in range(3):
         core.step()
     params = SamplingParams(seed=30, top_k=10)
-    requests.append(submit(core, core.model, sink, "late", TEXTS[3], [], params, 6, Priority.STANDARD))
+    late = submit(core, core.model, sink, "late", TEXTS[3], [], params, TRAFFIC_FRAMES, Priority.STANDARD)
+    requests.append(late)
     core.run_until_idle()
     return {r.request_id: sink.output(r.request_id) for r, _ in requests}
 
@@ -227,7 +235,7 @@ def test_engine_with_static_prefill_equals_without(
     assert any(len(counts) > 1 for counts in calls) == (segments > 1)
     assert outputs.keys() == frames_without_static_prefill.keys()
     for name, frames in frames_without_static_prefill.items():
-        assert frames.shape[1] == 6
+        assert frames.shape[1] == TRAFFIC_FRAMES
         assert torch.equal(outputs[name], frames), name
 
 
