@@ -89,6 +89,11 @@ class Tuning:
     pdl: bool = True
     pdl_skip: frozenset[str] = frozenset()
 
+    # Codec: a dilated streaming conv runs as an undilated (k x 1) conv over its rows viewed as
+    # [rows / d, d] phases (`models.codec_modules.CausalConv1d`); same arithmetic. Off until the
+    # GPU measures it against cuDNN's dilated kernels (docs/codec.md, plan item 1).
+    codec_phase_split_dilations: bool = False
+
     # Kernel configs replacing a tuned table's entry: decode attention by batch bucket (bf16 and
     # e4m3 KV), the FP8 GEMM by (N, K, M bucket). Empty: the tables in the kernel modules.
     attention_configs: Mapping[int, Any] = field(default_factory=_frozen)

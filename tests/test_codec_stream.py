@@ -195,3 +195,46 @@ def test_host_read_back_reuses_its_pinned_buffer_and_returns_independent_arrays(
     assert not np.shares_memory(first, staging.numpy()) and first.flags.owndata
     read_back(torch.zeros(3000, device="cuda"))
     assert read_back._staging.numel() == 4096  # grown to the next power of two
+
+
+def test_dilated_convs_as_phases_equal_the_dilated_convs(codec):
+    """`Tuning.codec_phase_split_dilations`: each dilated conv as an undilated conv over phases
+    gives the dilated conv's output, from a plain input (padded) and from a joined buffer with
+    room (no copy), and the whole stream still equals the full decode."""
+    from shoal.models.codec_modules import CausalConv1d, StepContext
+
+    conv = CausalConv1d(6, 5, 7, dilation=3, weight_norm=None).double()
+    gen = torch.Generator().manual_seed(4)
+    for new in (1, 4, 8):
+        carried = torch.randn(2, conv.context, 6, generator=gen, dtype=torch.float64)
+        x = torch.randn(2, new, 6, generator=gen, dtype=torch.float64)
+        valid = torch.tensor([new, max(1, new - 1)])
+        expected = conv.step(x, StepContext({"c": carried}, valid), "c", valid)
+        conv.phase_split = True
+        try:
+            plain = conv.step(x, StepContext({"c": carried}, valid), "c", valid)
+            ctx = StepContext({"c": carried}, valid)
+            joined = ctx.joined("c", new, align=conv.row_alignment)
+            assert joined.stride(0) % (3 * 6) == 0  # rows rounded up: the conv pads nothing
+            joined[:, conv.context :] = x
+            in_place = conv.step(joined, ctx, "c", valid, joined=True)
+        finally:
+            conv.phase_split = False
+        torch.testing.assert_close(plain, expected, atol=1e-12, rtol=0)
+        torch.testing.assert_close(in_place, expected, atol=1e-12, rtol=0)
+        reference = StepContext({"c": carried}, valid)
+        reference.extend("c", x, valid, dim=1)
+        assert torch.equal(ctx.new_states["c"], reference.new_states["c"])  # the same state carried
+
+    dilated = [m for m in codec.modules() if isinstance(m, CausalConv1d) and m.phase_alignment_possible]
+    assert dilated  # the tiny codec's residual units are dilated
+    codes = random_codes(codec, FRAMES, seed=11)
+    full = codec.decode(codes)[0, 0]
+    for module in dilated:
+        module.phase_split = True
+    try:
+        _, (audio,) = stream_decode(codec.stream_pool(2), [codes], [[5, 3, 8, 7, 9, 8]])
+    finally:
+        for module in dilated:
+            module.phase_split = False
+    torch.testing.assert_close(audio, full, atol=1e-5, rtol=0)
