@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from shoal.server.audio import (
+    CONTENT_TYPES,
     MP3_BITRATES_KBPS,
     OPUS_AUTO_BITRATE,
     OPUS_BITRATES_KBPS,
@@ -129,7 +130,7 @@ def test_complete_wav_has_exact_sizes() -> None:
     assert encoder.finish() == data
 
 
-@pytest.mark.parametrize("fmt", ["wav", "pcm", "mp3", "opus"])
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "mp3", "opus", "mulaw", "alaw"])
 def test_bytes_come_out_before_finish(fmt: str) -> None:
     chunks = encode_streaming(fmt, tone(3.0), block=4410)
     before_finish = chunks[:-1]
@@ -144,6 +145,7 @@ def test_empty_stream_is_still_a_valid_file() -> None:
         assert data  # a header (wav) or the ogg headers (opus)
     assert create_encoder("mp3").finish() == b""
     assert create_encoder("pcm").finish() == b""
+    assert create_encoder("mulaw").finish() == create_encoder("alaw").finish() == b""
 
 
 def test_output_validation() -> None:
@@ -272,3 +274,63 @@ def test_cheap_encoders_are_pcm_and_wav_at_the_input_rate_without_prosody():
     assert not create_encoder("wav", sample_rate=16000).cheap  # resampling
     assert not create_encoder("pcm", speed=1.2).cheap  # prosody
     assert not create_encoder("mp3").cheap and not create_encoder("opus").cheap
+    assert not create_encoder("mulaw").cheap  # always resampled to 8 kHz
+
+
+# ------------------------------------------------------------------ telephone audio, resampling
+
+
+def decode_raw_g711(data: bytes, fmt: str) -> np.ndarray:
+    """Headerless G.711 bytes decoded by FFmpeg's own demuxer (`mulaw` / `alaw`), as int16."""
+    pieces = []
+    with av.open(io.BytesIO(data), format=fmt, options={"sample_rate": "8000"}) as container:
+        for frame in container.decode(audio=0):
+            assert frame.sample_rate == 8000
+            pieces.append(frame.to_ndarray()[0])
+    return np.concatenate(pieces).astype(np.int64)
+
+
+def dominant_frequency(samples: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(samples * np.hanning(len(samples))))
+    return float(np.argmax(spectrum) * rate / len(samples))
+
+
+@pytest.mark.parametrize("fmt", ["mulaw", "alaw", "ulaw"])
+def test_g711_is_8_bit_8_khz_within_quantization_of_the_same_pcm(fmt: str) -> None:
+    samples = tone(1.337, freq=1000.0)
+    data = b"".join(encode_streaming(fmt, samples))
+    assert abs(len(data) - len(samples) * 8000 / RATE) <= 1  # one byte per sample, 8 kHz
+    decoded = decode_raw_g711(data, "alaw" if fmt == "alaw" else "mulaw")
+    pcm = np.frombuffer(encode_audio(samples, "pcm", sample_rate=8000), "<i2").astype(np.int64)
+    assert len(decoded) == len(pcm) == len(data)
+    # G.711 keeps about 4 bits of mantissa: the error stays within 1/16 of the sample (+ the
+    # smallest step); a wrong table, bit order or rate would be off by far more.
+    assert np.all(np.abs(decoded - pcm) <= np.abs(pcm) / 16 + 12)
+    assert dominant_frequency(decoded.astype(np.float64), 8000) == pytest.approx(1000.0, abs=2.0)
+    assert create_encoder(fmt).content_type == CONTENT_TYPES["alaw" if fmt == "alaw" else "mulaw"]
+
+
+def test_g711_streamed_equals_whole_and_is_made_at_8_khz_only() -> None:
+    samples = tone(0.7)
+    for fmt in ("mulaw", "alaw"):
+        assert b"".join(encode_streaming(fmt, samples, block=1000)) == encode_audio(samples, fmt)
+        assert create_encoder(fmt).sample_rate == create_encoder(fmt, sample_rate=8000).sample_rate == 8000
+        for rate in (16000, 44100):
+            with pytest.raises(AudioFormatError, match="8000"):
+                create_encoder(fmt, sample_rate=rate)
+    assert CONTENT_TYPES["mulaw"] == "audio/basic" and CONTENT_TYPES["alaw"] == "audio/x-alaw-basic"
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 24000])
+def test_resampled_pcm_keeps_a_sine_and_drops_what_the_rate_cannot_carry(rate: int) -> None:
+    """libswresample is a band-limited resampler: a tone below the new Nyquist frequency comes
+    through at its level and pitch; one above it is filtered out, where dropping samples would
+    fold it back into the band at full level."""
+    kept = tone(1.0, freq=1000.0)
+    out = np.frombuffer(b"".join(encode_streaming("pcm", kept, sample_rate=rate)), "<i2") / 32767
+    assert abs(len(out) - rate) <= 1
+    assert dominant_frequency(out, rate) == pytest.approx(1000.0, abs=2.0)
+    assert np.sqrt(np.mean(out[100:-100] ** 2)) == pytest.approx(0.4 / np.sqrt(2), rel=0.01)
+    above_nyquist = tone(1.0, freq=0.7 * rate)
+    folded = np.frombuffer(b"".join(encode_streaming("pcm", above_nyquist, sample_rate=rate)), "<i2") / 32767
+    assert np.sqrt(np.mean(folded[100:-100] ** 2)) < 1e-3  # the edges hold the onset's click

@@ -4,12 +4,14 @@ In: any upload PyAV/FFmpeg can read (wav, mp3, flac, ogg/opus, m4a/aac, webm) be
 float32 at 44.1 kHz, or a clear `AudioDecodeError` the server turns into a 400/413.
 
 Out: incremental encoders (`write(samples) -> bytes`, `finish() -> bytes`) for the four Fish API
-formats, so bytes reach the client while audio is still being generated, and the concatenated
-bytes always form one valid file. Codecs are FFmpeg's (libmp3lame, libopus) through PyAV;
-resampling is libswresample; the speed change is libavfilter's pitch-keeping `atempo`.
+formats and raw G.711 telephone audio (`mulaw`, `alaw`: 8-bit, 8 kHz, no header, what Twilio-style
+media streams carry), so bytes reach the client while audio is still being generated, and the
+concatenated bytes always form one valid file. Codecs are FFmpeg's (libmp3lame, libopus,
+pcm_mulaw, pcm_alaw) through PyAV; resampling is libswresample (a windowed-sinc, band-limited
+resampler); the speed change is libavfilter's pitch-keeping `atempo`.
 
 Length tolerances after a decode round trip, relative to the input length at the output rate:
-wav/pcm exact (+-1 sample of resampler rounding); opus in ogg within 1 ms (pre-skip and end
+wav/pcm/mulaw/alaw exact (+-1 sample of resampler rounding); opus in ogg within 1 ms (pre-skip and end
 trimming are written into the stream); mp3 never shorter and at most 2 frames (2 x 1152 samples)
 longer, since a raw mp3 stream carries no gapless trim information.
 """
@@ -26,13 +28,21 @@ import numpy as np
 
 SAMPLE_RATE = 44100  # the codec's rate and the default for wav, pcm and mp3
 OPUS_SAMPLE_RATE = 48000
-FORMATS = ("wav", "pcm", "mp3", "opus")
+TELEPHONE_SAMPLE_RATE = 8000  # G.711 is defined at 8 kHz; mulaw and alaw are only made at this rate
+G711_FORMATS = ("mulaw", "alaw")
+FORMATS = ("wav", "pcm", "mp3", "opus", *G711_FORMATS)
+# Other names clients use for a format (ElevenLabs and Cartesia say "ulaw"): accepted, answered
+# as the canonical name.
+FORMAT_ALIASES = {"ulaw": "mulaw"}
 CONTENT_TYPES = {
     "wav": "audio/wav",
     "pcm": "application/octet-stream",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "mulaw": "audio/basic",  # RFC 2046: headerless 8-bit mu-law, 8 kHz, mono
+    "alaw": "audio/x-alaw-basic",
 }
+FILE_EXTENSIONS = {"wav": "wav", "pcm": "pcm", "mp3": "mp3", "opus": "ogg", "mulaw": "ulaw", "alaw": "alaw"}
 MP3_BITRATES_KBPS = (64, 128, 192)
 MP3_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -351,6 +361,50 @@ class OpusEncoder(AudioEncoder):
         return self._sink.take()
 
 
+class G711Encoder(AudioEncoder):
+    """Raw headerless G.711 (one byte per sample) from FFmpeg's pcm_mulaw / pcm_alaw encoders,
+    fed 16-bit PCM; a sample-wise codec, so every written sample comes straight back out."""
+
+    codec_name: str
+
+    def __init__(self, input_sample_rate: int, sample_rate: int = TELEPHONE_SAMPLE_RATE) -> None:
+        super().__init__(input_sample_rate, sample_rate)
+        self._codec = av.CodecContext.create(self.codec_name, "w")
+        self._codec.sample_rate = sample_rate
+        self._codec.layout = "mono"
+        self._codec.format = "s16"
+        self._codec.open()
+        self._pts = 0
+
+    def _encode(self, samples: np.ndarray) -> bytes:
+        if samples.size == 0:
+            return b""
+        pcm = np.frombuffer(_pcm16(samples), dtype="<i2")[None, :]
+        frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
+        frame.sample_rate = self.sample_rate
+        frame.pts = self._pts
+        frame.time_base = Fraction(1, self.sample_rate)
+        self._pts += samples.size
+        return b"".join(bytes(packet) for packet in self._codec.encode(frame))
+
+    def _close(self) -> bytes:
+        return b"".join(bytes(packet) for packet in self._codec.encode(None))
+
+
+class MulawEncoder(G711Encoder):
+    """G.711 mu-law (North America, Japan; Twilio Media Streams' `audio/x-mulaw`)."""
+
+    format = "mulaw"
+    codec_name = "pcm_mulaw"
+
+
+class AlawEncoder(G711Encoder):
+    """G.711 A-law (Europe and most international telephone networks)."""
+
+    format = "alaw"
+    codec_name = "pcm_alaw"
+
+
 # ----------------------------------------------------------------------------------- prosody
 
 
@@ -420,6 +474,19 @@ def opus_bitrate_bps(value: int) -> int | None:
     return bps
 
 
+def canonical_format(format: str) -> str:
+    """The format's own name for an alias (`ulaw` -> `mulaw`); any other name unchanged."""
+    return FORMAT_ALIASES.get(format, format)
+
+
+def default_sample_rate(format: str) -> int:
+    """The output rate when a request names none: 8 kHz for G.711, 48 kHz for opus, else 44.1 kHz."""
+    format = canonical_format(format)
+    if format in G711_FORMATS:
+        return TELEPHONE_SAMPLE_RATE
+    return OPUS_SAMPLE_RATE if format == "opus" else SAMPLE_RATE
+
+
 def create_encoder(
     format: str,
     *,
@@ -431,10 +498,11 @@ def create_encoder(
     volume_db: float = 0.0,
     streaming: bool = True,
 ) -> AudioEncoder:
-    """The encoder for a Fish API request (`sample_rate=None`: 44.1 kHz, 48 kHz for opus)."""
+    """The encoder for a Fish API request (`sample_rate=None`: `default_sample_rate(format)`)."""
+    format = canonical_format(format)
     if format not in FORMATS:
         raise AudioFormatError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
-    rate = sample_rate or (OPUS_SAMPLE_RATE if format == "opus" else SAMPLE_RATE)
+    rate = sample_rate or default_sample_rate(format)
     prosody = (
         None if speed == 1.0 and volume_db == 0.0 else ProsodyTransform(input_sample_rate, speed, volume_db)
     )
@@ -449,6 +517,18 @@ def create_encoder(
         if rate not in OPUS_SAMPLE_RATES:
             raise AudioFormatError(f"opus sample_rate must be one of {OPUS_SAMPLE_RATES}, got {rate}")
         encoder = OpusEncoder(input_sample_rate, rate, opus_bitrate_bps(opus_bitrate))
+    elif format in G711_FORMATS:
+        if rate != TELEPHONE_SAMPLE_RATE:
+            raise AudioFormatError(
+                f"{format} is G.711 telephone audio, made at {TELEPHONE_SAMPLE_RATE} Hz only: omit "
+                f"sample_rate or set it to {TELEPHONE_SAMPLE_RATE} (got {rate}); for another rate "
+                "use pcm or wav"
+            )
+        encoder = (
+            MulawEncoder(input_sample_rate, rate)
+            if format == "mulaw"
+            else AlawEncoder(input_sample_rate, rate)
+        )
     else:
         low, high = PCM_SAMPLE_RATE_RANGE
         if not low <= rate <= high:

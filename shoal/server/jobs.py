@@ -60,7 +60,6 @@ UNAVAILABLE_RETRY_MAX_SECONDS = 1.0
 JOB_LIMIT_RETRY_AFTER_SECONDS = 30  # a 429 for too many unfinished jobs: jobs take minutes
 POLL_SECONDS = 0.5  # how often the runner reads which jobs are active (created, cancelled elsewhere)
 LEADERSHIP_RETRY_SECONDS = 2.0  # how often a process without the runner's role tries to take it
-FILE_EXTENSIONS = {"wav": "wav", "pcm": "pcm", "mp3": "mp3", "opus": "ogg"}
 # Fields of the request that are not job options: the texts are items, the voice is a snapshot.
 NOT_OPTIONS = {"text", "items", "references", "reference_id"}
 
@@ -233,7 +232,7 @@ class JobRunner:
                         self.store.fail_job_item, job.id, item.position, failure.reason
                     )
                     raise
-            extension = FILE_EXTENSIONS[body.format]
+            extension = audio.FILE_EXTENSIONS[body.format]
             await anyio.to_thread.run_sync(
                 self.store.finish_job_item, job.id, item.position, data, extension, seconds
             )

@@ -13,7 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-AudioFormat = Literal["wav", "pcm", "mp3", "opus"]
+from shoal.server.audio import canonical_format
+
+# "ulaw" is accepted as another name for "mulaw" (validated bodies carry the canonical name).
+AudioFormat = Literal["wav", "pcm", "mp3", "opus", "mulaw", "ulaw", "alaw"]
+OpenAIResponseFormat = Literal["mp3", "opus", "wav", "pcm", "mulaw", "ulaw", "alaw"]
+# OpenAI's `pcm` is 24 kHz s16le; a raw stream carries no rate, so OpenAI clients assume it.
+OPENAI_PCM_SAMPLE_RATE = 24000
 # Listing pages past this are refused (422): offsets stay far inside every database's integers.
 MAX_PAGE_NUMBER = 1_000_000
 Visibility = Literal["public", "unlist", "private"]
@@ -88,6 +94,11 @@ class TTSRequestBody(LenientModel):
     early_stop_threshold: float = Field(1.0, ge=0.0, le=1.0)
     seed: int | None = None
 
+    @field_validator("format")
+    @classmethod
+    def _canonical_format(cls, value: str) -> str:
+        return canonical_format(value)
+
     def flat_references(self) -> list[ReferenceAudio]:
         """Inline references in speaker order (a 2-D list is one list per speaker)."""
         flat: list[ReferenceAudio] = []
@@ -102,16 +113,41 @@ class TTSRequestBody(LenientModel):
 
 
 class OpenAISpeechBody(LenientModel):
-    """`POST /v1/audio/speech` (OpenAI-compatible): `voice` is a stored voice id."""
+    """`POST /v1/audio/speech` (OpenAI-compatible): `voice` is a stored voice id.
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"input": "Hello.", "response_format": "wav"}]})
+    `stream_format: "sse"` answers with OpenAI's `speech.audio.delta` / `speech.audio.done`
+    events instead of the bare file. `instructions` is accepted and ignored: the DualAR models
+    take no style prompt. `sample_rate` is Shoal's own (OpenAI has none); without it `pcm` is
+    24 kHz as OpenAI's, mulaw/alaw 8 kHz, the other formats the Fish defaults."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"input": "Hello.", "response_format": "wav"},
+                {"input": "Hello.", "response_format": "pcm", "stream_format": "sse"},
+            ]
+        }
+    )
 
     input: str
     model: str = "s2-pro"
     voice: str | None = None
-    response_format: Literal["mp3", "opus", "wav", "pcm"] = "mp3"
+    response_format: OpenAIResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.5, le=2.0)
     instructions: str | None = None
+    stream_format: Literal["audio", "sse"] = "audio"
+    sample_rate: int | None = Field(None, ge=8000, le=48000)
+
+    @field_validator("response_format")
+    @classmethod
+    def _canonical_format(cls, value: str) -> str:
+        return canonical_format(value)
+
+    def output_sample_rate(self) -> int | None:
+        """The rate to encode at; None leaves it to the format's default."""
+        if self.sample_rate is None and self.response_format == "pcm":
+            return OPENAI_PCM_SAMPLE_RATE
+        return self.sample_rate
 
 
 # ---- voices ---------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """`POST /v1/tts` (JSON or msgpack) and the OpenAI-compatible `POST /v1/audio/speech`.
 
-Audio streams out with chunked encoding while the engine produces it. The response starts only
+Audio streams out with chunked encoding while the engine produces it; `/v1/audio/speech` with
+`stream_format: "sse"` wraps the same bytes in OpenAI's Server-Sent Events (base64
+`speech.audio.delta` events, then one `speech.audio.done` with the usage). The response starts only
 once the first audio bytes exist, so every failure before that (bad voice, overload, engine
 error) still gets a proper status and Fish error body; a failure after it ends the body early.
 A client that goes away aborts its engine request and frees its pages.
@@ -8,6 +10,8 @@ A client that goes away aborts its engine request and frees its pages.
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,8 +34,12 @@ from shoal.server.synthesis import EncodedAudio, build_synthesis_request, make_e
 
 log = logging.getLogger("shoal.server.tts")
 OPENAI_BUILTIN_VOICES = frozenset(
-    {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
-)
+    {
+        "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+        "shimmer", "verse",
+    }
+)  # fmt: skip
+SSE_MEDIA_TYPE = "text/event-stream"
 
 
 async def start_stream(
@@ -116,10 +124,44 @@ async def start_stream_while_connected(
     return outcome
 
 
+def sse_event(payload: dict) -> bytes:
+    """One Server-Sent Event: a `data:` line of JSON (the event's name is its `type` field, as in
+    OpenAI's streams), then the blank line that ends it."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def speech_audio_delta(data: bytes) -> bytes:
+    return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+
+
+def speech_audio_done(generated_frames: int) -> bytes:
+    """OpenAI's closing event. Usage counts the audio frames the model generated as output
+    tokens (one DualAR step each); the text is tokenized in the engine, not here, so input
+    tokens are reported as 0."""
+    usage = {"input_tokens": 0, "output_tokens": generated_frames, "total_tokens": generated_frames}
+    return sse_event({"type": "speech.audio.done", "usage": usage})
+
+
+async def speech_events(
+    rest: AsyncIterator[bytes], stream: EncodedAudio, frame_rate: float
+) -> AsyncIterator[bytes]:
+    """The encoded audio after the first bytes as `speech.audio.delta` events, then the done
+    event. A failure mid-stream propagates, so the response is cut short without `done`."""
+    async for data in rest:
+        yield speech_audio_delta(data)
+    yield speech_audio_done(round(stream.audio_seconds * frame_rate))
+
+
 async def synthesize_response(
-    request: Request, principal: Principal, body: TTSRequestBody, priority: Priority, route: str
+    request: Request,
+    principal: Principal,
+    body: TTSRequestBody,
+    priority: Priority,
+    route: str,
+    server_sent_events: bool = False,
 ) -> AudioStreamResponse:
-    """Shared by `/v1/tts` and `/v1/audio/speech`: resolve voice, check limits, stream audio."""
+    """Shared by `/v1/tts` and `/v1/audio/speech`: resolve voice, check limits, stream audio
+    (as OpenAI's speech events when `server_sent_events`)."""
     state = request.app.state
     settings: ServerSettings = state.settings
     engine: Engine = state.engine
@@ -145,6 +187,12 @@ async def synthesize_response(
         limiter.release(principal)
         state.metrics.observe_audio(stream.audio_seconds)
 
+    if server_sent_events:
+        first_event = speech_audio_delta(first) if first else b""
+        events = speech_events(rest, stream, engine.frame_rate)
+        response = AudioStreamResponse(first_event, events, SSE_MEDIA_TYPE, on_close)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
     return AudioStreamResponse(first, rest, encoder.content_type, on_close)
 
 
@@ -172,26 +220,36 @@ async def text_to_speech(
     return await synthesize_response(request, principal, body, priority, "tts")
 
 
+def speech_responses() -> dict[int | str, dict]:
+    """The audio file, or with `stream_format: "sse"` OpenAI's speech events."""
+    responses = audio_response("the audio file, or OpenAI's speech events, streamed as generated")
+    responses[200]["content"][SSE_MEDIA_TYPE] = {"schema": {"type": "string"}}
+    return {**responses, **SYNTHESIS_ERRORS}
+
+
 @router.post(
     "/v1/audio/speech",
     response_class=StreamingResponse,
-    responses={**audio_response("the audio file, streamed as it is generated"), **SYNTHESIS_ERRORS},
+    responses=speech_responses(),
     openapi_extra=body(OpenAISpeechBody, "application/json"),
 )
 async def openai_speech(
     request: Request, principal: Annotated[Principal, Depends(require_principal)]
 ) -> AudioStreamResponse:
     """OpenAI's speech endpoint: `voice` is a stored voice id (OpenAI's built-in names mean the
-    model's default voice)."""
+    model's default voice); `instructions` is accepted and ignored (no style prompt in DualAR)."""
     speech = await parse_model(request, OpenAISpeechBody)
     voice = speech.voice if speech.voice and speech.voice not in OPENAI_BUILTIN_VOICES else None
     body = TTSRequestBody(
         text=speech.input,
         reference_id=voice,
         format=speech.response_format,
+        sample_rate=speech.output_sample_rate(),
         prosody={"speed": speech.speed} if speech.speed != 1.0 else None,  # type: ignore[arg-type]
     )
-    return await synthesize_response(request, principal, body, request_priority(principal, None), "openai")
+    priority = request_priority(principal, None)
+    sse = speech.stream_format == "sse"
+    return await synthesize_response(request, principal, body, priority, "openai", server_sent_events=sse)
 
 
 @router.post("/v1/asr", include_in_schema=False)  # answers only to say it is not here
