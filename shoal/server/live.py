@@ -1,43 +1,59 @@
 """`/v1/tts/live`: the Fish live-TTS WebSocket.
 
-Client -> server (binary msgpack maps): `start` {request}, then `text` {text}, `flush`, `stop`.
-Server -> client: `audio` {audio: bin} events, then one `finish` {reason: stop | error}.
+Client -> server (binary msgpack maps): `start` {request}, then `text` {text}, `flush`, `stop`;
+and Shoal's own `cancel` (barge-in). Server -> client: `audio` {audio: bin} events, then one
+`finish` {reason: stop | error} per session; `cancelled` answers each `cancel`.
 
-The voice is resolved and prefilled at `start` (realtime priority), text is buffered and cut at
-sentence ends once `chunk_length` bytes are waiting, and each cut is synthesized in order by one
-worker task while the reader keeps receiving, so the event loop never waits on inference and the
-client's keepalive pings are answered throughout. One encoder spans the whole session, so the
-concatenated `audio` payloads form one valid file.
+A connection carries sessions one after another. A session runs from `start` to its `finish`;
+after `finish`/`stop` the socket stays open for the next `start` (LiveKit's Fish plugin reuses one
+socket turn after turn; the official SDKs close it after `finish`). Within a session each `flush`
+ends an utterance and the session waits for more text, its voice still prefilled: the voice is
+resolved and prefilled at `start` (realtime priority), and a later `start` with the same voice
+skips the prefill. Text is buffered and cut at sentence ends once `chunk_length` bytes are
+waiting, and each cut is synthesized in order by the session's worker task while the reader
+keeps receiving, so the event loop never waits on inference and the client's keepalive pings
+are answered throughout. One encoder spans each session, so its `audio` payloads form one file.
 
-A session holds a stream slot, so one that goes quiet is ended: no `start` within
+`cancel` stops what the session has not spoken yet: the engine request being synthesized is
+aborted (its KV pages are freed at the engine's next step), its queued audio is never encoded,
+queued and buffered text is dropped, then `cancelled` is sent and the session goes on.
+
+A connection holds a stream slot, so one that goes quiet is ended: no `start` within
 `live_start_timeout` seconds of the handshake, or no message for `live_idle_timeout` seconds
-while nothing is being synthesized, ends it with a `finish`/`error` event and close code 1008.
+while nothing is being synthesized, ends the session with a `finish`/`error` event and close code
+1008. Between sessions (after a `finish`) the same silence closes the socket with code 1000 and
+no event, since no session is there to finish.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import ormsgpack
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import TaskGroup
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from shoal.engine.api import Engine, Priority, SynthesisRequest, VoiceReference
+from shoal.engine.api import Engine, FinishReason, Priority, RequestHandle, VoiceReference
+from shoal.server.audio import AudioEncoder
 from shoal.server.auth import Principal, authenticate
 from shoal.server.errors import ApiError, error_response, exception_to_error
 from shoal.server.limits import Limiter
 from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.settings import ServerSettings
-from shoal.server.synthesis import EncodedAudio, build_synthesis_request, make_encoder
+from shoal.server.synthesis import SynthesisFailed, build_synthesis_request, encode_chunk, make_encoder
 
 log = logging.getLogger("shoal.server.live")
+ROUTE = "/v1/tts/live"
 # Latin punctuation ends a sentence only before whitespace (never inside "3.14" or "e.g.x"); CJK
 # punctuation and newlines always do.
 SENTENCE_END = re.compile(r"[.!?;]+\s+|[。！？；\n]\s*")
@@ -68,15 +84,37 @@ def pack(event: dict) -> bytes:
 
 
 class SessionTimeout(Exception):
-    """The client sent nothing for too long; the session ends (close code 1008)."""
+    """The client sent nothing for too long; the connection ends."""
 
 
 TIMEOUT_CLOSE_CODE = 1008  # policy violation: the slot is not held by a silent client
 TIMEOUT_STATUS = 408  # how /metrics counts a session ended for silence
+FINISHED_STATUS = 101  # how /metrics counts a session that ended with `stop`
+CLIENT_GONE_STATUS = 499  # a session (or a connection before its first) the client left
 
 
-class LiveSession:
-    """One WebSocket connection from `start` to `finish`."""
+@dataclass(frozen=True)
+class Segment:
+    """Text cut from a session's buffer, spoken in order."""
+
+    text: str
+    epoch: int  # the session's cancel count when it was cut: a later `cancel` drops it
+
+
+class Marker(enum.Enum):
+    WAKE = "wake"  # a `cancel` arrived: the worker acknowledges it even while idle
+    END = "end"  # `stop`: nothing more to speak, finish the session
+
+
+def same_voice(a: tuple[VoiceReference, ...], b: tuple[VoiceReference, ...]) -> bool:
+    return len(a) == len(b) and all(
+        x.text == y.text and np.array_equal(x.codes, y.codes) for x, y in zip(a, b, strict=True)
+    )
+
+
+class LiveConnection:
+    """One WebSocket connection: reads every client event and runs its sessions one after another,
+    each session's worker in this connection's task group."""
 
     def __init__(self, websocket: WebSocket, principal: Principal) -> None:
         state = websocket.app.state
@@ -86,19 +124,38 @@ class LiveSession:
         self.settings: ServerSettings = state.settings
         self.voices = state.voices
         self.metrics = state.metrics
-        self.first_text_at: float | None = None
-        self.audio_sent = False
-        self.audio_seconds = 0.0
-        self.segments_pending = 0  # sent to the synthesizer and not yet spoken
+        self.session: LiveSession | None = None  # from its `start` until its `finish` went out
+        self.sessions_finished = 0
+        self.counted = False  # /metrics has this connection's current state (False: none yet)
+        self.pending = 0  # segments and `stop`s queued and not yet done: the client is not idle
         self.last_activity = time.monotonic()  # the last message, or the last segment spoken
+        self.prefilled_voice: tuple[VoiceReference, ...] = ()  # the last voice prefilled here
+        self.cancels_received = 0
+        self.cancels_acknowledged = 0
+        self.send_lock = anyio.Lock()  # the reader and a session's worker both send
+
+    async def send_event(self, event: dict) -> None:
+        async with self.send_lock:
+            await self.websocket.send_bytes(pack(event))
+
+    async def acknowledge_cancels(self) -> None:
+        """One `cancelled` event per `cancel` received and not yet answered."""
+        async with self.send_lock:
+            while self.cancels_acknowledged < self.cancels_received:
+                self.cancels_acknowledged += 1
+                await self.websocket.send_bytes(pack({"event": "cancelled"}))
+
+    def count(self, status: int) -> None:
+        self.metrics.count(ROUTE, status)
+        self.counted = True
 
     async def receive_event(self, timeout: float, waiting_for: str) -> dict:
-        """The next message; SessionTimeout after `timeout` seconds of silence while no segment
-        is pending (a client waiting for audio is not idle)."""
+        """The next message; SessionTimeout after `timeout` seconds of silence while nothing is
+        pending (a client waiting for audio is not idle)."""
         while True:
             left = self.last_activity + timeout - time.monotonic()
             if left <= 0:
-                if self.segments_pending == 0:
+                if self.pending == 0:
                     raise SessionTimeout(f"no {waiting_for} for {timeout:g} s: closing the session")
                 left = timeout  # audio still to come; the last spoken segment restarts the clock
             with anyio.move_on_after(left):
@@ -123,122 +180,257 @@ class LiveSession:
             raise ProtocolError("every message must be a map with an 'event' key")
         return event
 
-    async def send_audio(self, data: bytes) -> None:
-        if not data:
-            return
-        if not self.audio_sent and self.first_text_at is not None:
-            self.metrics.observe_first_audio("live", time.perf_counter() - self.first_text_at)
-        self.audio_sent = True
-        await self.websocket.send_bytes(pack({"event": "audio", "audio": data}))
+    async def next_event(self) -> dict:
+        settings = self.settings
+        if self.session is not None:
+            return await self.receive_event(settings.live_idle_timeout, "message")
+        if self.sessions_finished:
+            return await self.receive_event(settings.live_idle_timeout, "'start' event")
+        return await self.receive_event(settings.live_start_timeout, "'start' event")
 
-    async def start(self) -> tuple[TTSRequestBody, tuple[VoiceReference, ...]]:
-        event = await self.receive_event(self.settings.live_start_timeout, "'start' event")
-        if event["event"] != "start":
-            raise ProtocolError(f"the first event must be 'start', got {event['event']!r}")
-        try:
-            body = TTSRequestBody.model_validate(event.get("request") or {})
-        except ValidationError as error:
-            raise exception_to_error(error) from error
-        references = await self.voices.resolve(self.principal, body)
-        if references:
-            await self.engine.prefill_voice(references)
-        return body, references
-
-    async def read_text(self, body: TTSRequestBody, segments: MemoryObjectSendStream[str]) -> None:
-        """Buffer `text` events into segments until `stop` (which flushes the rest)."""
-        buffer = body.text or ""
-        total = len(buffer)
-        if total > self.settings.max_text_length:
-            raise ApiError(413, f"session text exceeds {self.settings.max_text_length} characters")
-        async with segments:
-            while True:
-                event = await self.receive_event(self.settings.live_idle_timeout, "message")
-                kind = event["event"]
+    async def read_events(self, group: TaskGroup) -> None:
+        """Receive until the client leaves (WebSocketDisconnect), breaks the protocol, or is silent
+        too long (SessionTimeout). Unknown events are ignored, as the protocol asks of both sides."""
+        while True:
+            event = await self.next_event()
+            kind = event["event"]
+            session = self.session  # (the worker clears it once the session's `finish` went out)
+            if kind == "start":
+                if session is not None:
+                    raise ProtocolError("'start' may be sent again only after the session's 'finish' event")
+                self.session = await self.open_session(event)
+                self.counted = False
+                group.start_soon(self.session.run)
+            elif kind == "cancel":
+                self.cancels_received += 1
+                if session is not None:
+                    await session.cancel()
+                if session is None or session.ending:  # no worker left to answer it
+                    await self.acknowledge_cancels()
+            elif kind in ("text", "flush", "stop"):
+                if session is None:
+                    if not self.sessions_finished:
+                        raise ProtocolError(f"the first event must be 'start', got {kind!r}")
+                    raise ProtocolError(
+                        f"{kind!r} outside a session: the last session has finished; send 'start' first"
+                    )
+                if session.stopped:
+                    raise ProtocolError(
+                        f"{kind!r} after 'stop': wait for the session's 'finish', then send 'start'"
+                    )
                 if kind == "text":
                     text = event.get("text")
                     if not isinstance(text, str):
                         raise ProtocolError("'text' event needs a string 'text'")
-                    total += len(text)
-                    if total > self.settings.max_text_length:
-                        raise ApiError(
-                            413, f"session text exceeds {self.settings.max_text_length} characters"
-                        )
-                    if self.first_text_at is None and text.strip():
-                        self.first_text_at = time.perf_counter()
-                    buffer += text
-                    ready, buffer = split_ready_text(buffer, body.chunk_length)
-                    if ready.strip():
-                        self.segments_pending += 1
-                        await segments.send(ready)
-                elif kind in ("flush", "stop"):
-                    if buffer.strip():
-                        self.segments_pending += 1
-                        await segments.send(buffer)
-                    buffer = ""
-                    if kind == "stop":
-                        return
-                elif kind == "start":
-                    raise ProtocolError("'start' may be sent only once per session")
-                # Unknown events are ignored, as the protocol asks of both sides.
+                    session.add_text(text)
+                elif kind == "flush":
+                    session.flush()
+                else:
+                    session.stop()
 
-    async def synthesize(
-        self,
-        body: TTSRequestBody,
-        references: tuple[VoiceReference, ...],
-        segments: MemoryObjectReceiveStream[str],
-    ) -> None:
-        """Synthesize segments in order into the one session encoder."""
-        encoder = make_encoder(body, self.engine.sample_rate)
-        async with segments:
-            async for text in segments:
-                request: SynthesisRequest = build_synthesis_request(
-                    body, references, Priority.REALTIME, self.settings, text=text
-                )
-                stream = EncodedAudio(self.engine.submit(request), encoder, finish_encoder=False)
-                try:
-                    async for data in stream:
-                        await self.send_audio(data)
-                finally:
-                    self.audio_seconds += stream.audio_seconds
-                    self.segments_pending -= 1
-                    self.last_activity = time.monotonic()
-                    await stream.aclose()
-        # Flush whenever audio went in, even if no bytes came out yet: an mp3 encoder at a low rate
-        # holds a short session's audio until finish. A session without audio sends nothing.
-        if self.audio_sent or self.audio_seconds > 0:
-            await self.send_audio(await anyio.to_thread.run_sync(encoder.finish))
-
-    async def run(self) -> int:
-        """Serve the session until its `finish` event; returns the status /metrics counts it
-        under (101 for a session that ended with `stop`)."""
+    async def open_session(self, event: dict) -> LiveSession:
         try:
-            body, references = await self.start()
-            send_segments, receive_segments = anyio.create_memory_object_stream[str](math.inf)
+            body = TTSRequestBody.model_validate(event.get("request") or {})
+        except ValidationError as error:
+            raise exception_to_error(error) from error
+        encoder = make_encoder(body, self.engine.sample_rate)  # a bad format or rate: 400 now
+        try:
+            references = await self.voices.resolve(self.principal, body)
+        except ApiError as error:
+            if error.status != 404:
+                raise
+            raise ApiError(
+                404,
+                f"{error.message} (reference_id names a voice stored on this server: create one with "
+                "POST /model or POST /v1/references/add; Fish cloud voice ids do not exist here)",
+            ) from error
+        if references and not same_voice(references, self.prefilled_voice):
+            await self.engine.prefill_voice(references)
+            self.prefilled_voice = references
+        return LiveSession(self, body, references, encoder)
+
+    def session_finished(self, session: LiveSession) -> None:
+        self.session = None
+        self.sessions_finished += 1
+        self.metrics.observe_audio(session.audio_seconds)
+        self.count(FINISHED_STATUS)
+
+    async def run(self) -> None:
+        """Serve sessions until the client leaves (WebSocketDisconnect propagates), or end the
+        connection after an error or a timeout, with the event and close code that say why."""
+        try:
             async with anyio.create_task_group() as group:
-                group.start_soon(self.synthesize, body, references, receive_segments)
-                await self.read_text(body, send_segments)
-            await self.websocket.send_bytes(pack({"event": "finish", "reason": "stop"}))
-            return 101
+                await self.read_events(group)
         except Exception as raised:
             if _is_disconnect(raised):
                 raise
-            error = _unwrap(raised)
-            if isinstance(error, SessionTimeout):
-                await self.finish_with_error(str(error))
-                await self.websocket.close(TIMEOUT_CLOSE_CODE, "idle timeout")
-                return TIMEOUT_STATUS
-            if isinstance(error, ProtocolError):
-                error = ApiError(400, str(error))
-            error = exception_to_error(error)
-            if error.status == 500:
-                log.error("live session failed", exc_info=raised)
-            elif error.status >= 500:  # a refusal (503: at capacity, or the engine away), not a fault
-                log.warning("live session ended with %d: %s", error.status, error.message)
-            await self.finish_with_error(error.message)
-            return error.status
+            await self.end_with(_unwrap(raised), raised)
+
+    async def end_with(self, error: BaseException, raised: BaseException) -> None:
+        if isinstance(error, SessionTimeout):
+            if self.session is None and self.sessions_finished:  # idle between sessions
+                await self.websocket.close(1000, "idle")
+                return
+            await self.finish_with_error(str(error))
+            self.count(TIMEOUT_STATUS)
+            await self.websocket.close(TIMEOUT_CLOSE_CODE, "idle timeout")
+            return
+        if isinstance(error, ProtocolError):
+            error = ApiError(400, str(error))
+        api_error = exception_to_error(error)
+        if api_error.status == 500:
+            log.error("live session failed", exc_info=raised)
+        elif api_error.status >= 500:  # a refusal (503: at capacity, or the engine away), not a fault
+            log.warning("live session ended with %d: %s", api_error.status, api_error.message)
+        await self.finish_with_error(api_error.message)
+        self.count(api_error.status)
+        await self.websocket.close(1000)
 
     async def finish_with_error(self, message: str) -> None:
-        await self.websocket.send_bytes(pack({"event": "finish", "reason": "error", "message": message}))
+        await self.send_event({"event": "finish", "reason": "error", "message": message})
+
+    def close(self) -> None:
+        """The connection is over: book what /metrics has not seen (a session cut short by the
+        client, or a connection that never finished a session, counts as 499)."""
+        if self.session is not None:
+            self.metrics.observe_audio(self.session.audio_seconds)
+        if not self.counted:
+            self.count(CLIENT_GONE_STATUS)
+
+
+class LiveSession:
+    """One session, from `start` to its `finish`: the connection's reader feeds it text and
+    control events; `run` (its worker task) speaks the segments in order into the one encoder."""
+
+    def __init__(
+        self,
+        connection: LiveConnection,
+        body: TTSRequestBody,
+        references: tuple[VoiceReference, ...],
+        encoder: AudioEncoder,
+    ) -> None:
+        self.connection = connection
+        self.engine = connection.engine
+        self.settings = connection.settings
+        self.body = body
+        self.references = references
+        self.encoder = encoder
+        self.buffer = body.text or ""
+        self.utterance_chars = 0  # text since the last `flush` (or `cancel`): the length limit's
+        self.count_text(self.buffer)
+        self.epoch = 0  # `cancel`s so far: segments cut before the last one are dropped
+        self.stopped = False  # `stop` received: no more text
+        self.ending = False  # the worker is past the last segment (it answers no more `cancel`)
+        self.current: RequestHandle | None = None  # the engine request being spoken
+        self.first_text_at: float | None = None
+        self.audio_sent = False
+        self.audio_seconds = 0.0
+        self._queue_in, self._queue_out = anyio.create_memory_object_stream[Segment | Marker](math.inf)
+
+    def count_text(self, text: str) -> None:
+        self.utterance_chars += len(text)
+        limit = self.settings.max_text_length
+        if self.utterance_chars > limit:
+            raise ApiError(413, f"utterance text exceeds {limit} characters (the text since the last flush)")
+
+    def queue(self, item: Segment | Marker) -> None:
+        if item is not Marker.WAKE:
+            self.connection.pending += 1
+        self._queue_in.send_nowait(item)
+
+    def add_text(self, text: str) -> None:
+        self.count_text(text)
+        if self.first_text_at is None and text.strip():
+            self.first_text_at = time.perf_counter()
+        self.buffer += text
+        ready, self.buffer = split_ready_text(self.buffer, self.body.chunk_length)
+        if ready.strip():
+            self.queue(Segment(ready, self.epoch))
+
+    def flush(self) -> None:
+        """End the utterance: synthesize the buffer now."""
+        if self.buffer.strip():
+            self.queue(Segment(self.buffer, self.epoch))
+        self.buffer = ""
+        self.utterance_chars = 0
+
+    def stop(self) -> None:
+        self.flush()
+        self.stopped = True
+        self.queue(Marker.END)
+
+    async def cancel(self) -> None:
+        """Barge-in: drop the buffered and queued text and abort the engine request being spoken
+        (the engine frees its pages at its next step); the worker then answers `cancelled`."""
+        self.epoch += 1
+        self.buffer = ""
+        self.utterance_chars = 0
+        current = self.current
+        if current is not None:
+            with anyio.CancelScope(shield=True):
+                await current.aclose()
+        if not self.ending:
+            self.queue(Marker.WAKE)
+
+    async def send_audio(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self.audio_sent and self.first_text_at is not None:
+            self.connection.metrics.observe_first_audio("live", time.perf_counter() - self.first_text_at)
+        self.audio_sent = True
+        await self.connection.send_event({"event": "audio", "audio": data})
+
+    async def speak(self, segment: Segment) -> None:
+        """Synthesize one segment into the session encoder. After a `cancel`, no further audio of
+        it is encoded: what was being encoded when it came (at most one chunk) is the last."""
+        request = build_synthesis_request(
+            self.body, self.references, Priority.REALTIME, self.settings, text=segment.text
+        )
+        handle = self.engine.submit(request)
+        self.current = handle
+        try:
+            async for chunk in handle:
+                if segment.epoch != self.epoch:
+                    break
+                self.audio_seconds += len(chunk.samples) / chunk.sample_rate
+                await self.send_audio(await encode_chunk(self.encoder, chunk.samples))
+            else:
+                failed = handle.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED)
+                if failed and segment.epoch == self.epoch:
+                    raise SynthesisFailed(handle.finish_reason)
+        finally:
+            self.current = None
+            self.connection.last_activity = time.monotonic()
+            with anyio.CancelScope(shield=True):
+                await handle.aclose()  # aborts the request if it still runs (cancel, client gone)
+
+    async def run(self) -> None:
+        """The worker: segments in order until `stop`, then the encoder's tail and `finish`."""
+        connection = self.connection
+        try:
+            async for item in self._queue_out:
+                await connection.acknowledge_cancels()
+                if item is Marker.END:
+                    break
+                if isinstance(item, Segment):
+                    try:
+                        if item.epoch == self.epoch:
+                            await self.speak(item)
+                    finally:
+                        connection.pending -= 1
+        finally:
+            self.ending = True  # (with the queue closed: a `cancel` queues no WAKE from now on)
+            self._queue_in.close()
+            self._queue_out.close()
+        await connection.acknowledge_cancels()
+        # Flush whenever audio went in, even if no bytes came out yet: an mp3 encoder at a low rate
+        # holds a short session's audio until finish. A session without audio sends nothing.
+        if self.audio_sent or self.audio_seconds > 0:
+            await self.send_audio(await anyio.to_thread.run_sync(self.encoder.finish))
+        await connection.send_event({"event": "finish", "reason": "stop"})
+        connection.pending -= 1  # the `stop`
+        connection.last_activity = time.monotonic()
+        connection.session_finished(self)
 
 
 def _is_disconnect(error: BaseException) -> bool:
@@ -256,7 +448,7 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
-@router.websocket("/v1/tts/live")
+@router.websocket(ROUTE)
 async def live_tts(websocket: WebSocket) -> None:
     state = websocket.app.state
     limiter: Limiter = state.limiter
@@ -264,20 +456,16 @@ async def live_tts(websocket: WebSocket) -> None:
         principal = await authenticate(websocket)
         limiter.acquire(principal)
     except ApiError as error:
-        state.metrics.count("/v1/tts/live", error.status)
+        state.metrics.count(ROUTE, error.status)
         await websocket.send_denial_response(error_response(error.status, error.message, error.headers))
         return
-    session = LiveSession(websocket, principal)
-    status = 499  # the client went away before the session's finish
+    connection = LiveConnection(websocket, principal)
     try:  # from here on the stream slot is held: every path, accept included, releases it
         await websocket.accept()
-        status = await session.run()
-        if status != TIMEOUT_STATUS:  # a timeout has closed the socket with its own code
-            await websocket.close(1000)
+        await connection.run()
     except BaseException as error:
         if not (_is_disconnect(error) or isinstance(error, OSError)):  # OSError: client gone
             raise
     finally:
         limiter.release(principal)
-        state.metrics.observe_audio(session.audio_seconds)
-        state.metrics.count("/v1/tts/live", status)
+        connection.close()
