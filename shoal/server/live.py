@@ -234,16 +234,7 @@ class LiveConnection:
         except ValidationError as error:
             raise exception_to_error(error) from error
         encoder = make_encoder(body, self.engine.sample_rate)  # a bad format or rate: 400 now
-        try:
-            references = await self.voices.resolve(self.principal, body)
-        except ApiError as error:
-            if error.status != 404:
-                raise
-            raise ApiError(
-                404,
-                f"{error.message} (reference_id names a voice stored on this server: create one with "
-                "POST /model or POST /v1/references/add; Fish cloud voice ids do not exist here)",
-            ) from error
+        references = await self.voices.resolve(self.principal, body)  # a missing voice: 404, named
         if references and not same_voice(references, self.prefilled_voice):
             await self.engine.prefill_voice(references)
             self.prefilled_voice = references

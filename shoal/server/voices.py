@@ -86,6 +86,13 @@ def entity_json(row: VoiceRow, status_code: int = 200) -> JSONResponse:
     return JSONResponse(voice_entity(row).model_dump(mode="json", by_alias=True), status_code=status_code)
 
 
+# Appended to a synthesis request's missing voice: clients built for the cloud send its ids.
+MISSING_VOICE_HINT = (
+    "reference_id names a voice stored on this server: create one with POST /model or "
+    "POST /v1/references/add; Fish cloud voice ids do not exist here"
+)
+
+
 class VoiceResolver:
     """Turns uploads into codes (once) and a request's voice fields into engine references."""
 
@@ -169,7 +176,12 @@ class VoiceResolver:
         voice_ids = body.reference_ids()
         if voice_ids:
             references: list[VoiceReference] = []
-            rows = [await self.voice_for(principal, voice_id) for voice_id in voice_ids]
+            try:
+                rows = [await self.voice_for(principal, voice_id) for voice_id in voice_ids]
+            except ApiError as error:
+                if error.status != 404:
+                    raise
+                raise ApiError(404, f"{error.message} ({MISSING_VOICE_HINT})") from error
             for row in rows:
                 references.extend(await self.stored_references(row))
             return tuple(references)
