@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.engine.api import Engine, EngineStats, EngineUnavailable
 from shoal.engine.remote import RemoteEngine
-from shoal.server import jobs, live, tts, voices
+from shoal.server import jobs, live, timestamps, tts, voices
 from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import error_response, install_error_handlers
 from shoal.server.limits import Limiter, StreamLimiter
@@ -133,6 +133,7 @@ def create_app(
     app.include_router(live.router)
     app.include_router(voices.router)
     app.include_router(jobs.router)
+    timestamps.install(app, settings)  # /v1/tts/stream/with-timestamp and the --aligner model
     app.include_router(system_router())
     return app
 

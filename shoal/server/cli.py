@@ -191,6 +191,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "same first audio, but the extra codec graphs make startup minutes longer (see "
         "docs/deployment.md)",
     )
+    parser.add_argument(
+        "--aligner",
+        type=aligner_directory,
+        default=env("ALIGNER"),
+        metavar="DIR",
+        help="a local wav2vec2-style CTC model directory (config.json, vocab.json, weights; e.g. "
+        "facebook/wav2vec2-base-960h's files; needs `transformers`) for word timings on "
+        "/v1/tts/stream/with-timestamp; without it the stream times text chunks only",
+    )
     parser.add_argument("--log-level", default=env("LOG_LEVEL", "info"), help="debug, info, warning")
 
 
@@ -204,6 +213,17 @@ def api_worker_count(text: str) -> int | None:
     if not text.strip().isdigit():
         raise argparse.ArgumentTypeError(f"expected a number of processes or 'auto': {text!r}")
     return int(text)
+
+
+def aligner_directory(text: str) -> str:
+    """`--aligner`: a directory that looks like a local CTC model (checked before anything starts)."""
+    from shoal.server.alignment import AlignerError, check_aligner_directory
+
+    try:
+        check_aligner_directory(text)
+    except AlignerError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text
 
 
 def queue_limit(text: str) -> tuple[str, int]:
@@ -305,6 +325,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_new_frames=args.max_new_frames,
         live_start_timeout=args.live_start_timeout,
         live_idle_timeout=args.live_idle_timeout,
+        aligner=args.aligner,
     )
 
 

@@ -51,6 +51,7 @@ from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.settings import ServerSettings
 from shoal.server.synthesis import SynthesisFailed, build_synthesis_request, encode_chunk, make_encoder
+from shoal.server.timestamps import SegmentTimer
 
 log = logging.getLogger("shoal.server.live")
 ROUTE = "/v1/tts/live"
@@ -201,6 +202,8 @@ class LiveConnection:
                 self.session = await self.open_session(event)
                 self.counted = False
                 group.start_soon(self.session.run)
+                if self.session.timer is not None:  # `start` asked for `alignment` events
+                    group.start_soon(self.session.timer.forward, self.session.send_alignment)
             elif kind == "cancel":
                 self.cancels_received += 1
                 if session is not None:
@@ -238,7 +241,9 @@ class LiveConnection:
         if references and not same_voice(references, self.prefilled_voice):
             await self.engine.prefill_voice(references)
             self.prefilled_voice = references
-        return LiveSession(self, body, references, encoder)
+        wants_alignment = event.get("alignment") is True
+        timer = SegmentTimer.for_request(self.websocket.app.state, body) if wants_alignment else None
+        return LiveSession(self, body, references, encoder, timer)
 
     def session_finished(self, session: LiveSession) -> None:
         self.session = None
@@ -299,8 +304,10 @@ class LiveSession:
         body: TTSRequestBody,
         references: tuple[VoiceReference, ...],
         encoder: AudioEncoder,
+        timer: SegmentTimer | None = None,
     ) -> None:
         self.connection = connection
+        self.timer = timer  # `alignment` events (opt-in at `start`): each text batch's timing
         self.engine = connection.engine
         self.settings = connection.settings
         self.body = body
@@ -371,6 +378,9 @@ class LiveSession:
         self.audio_sent = True
         await self.connection.send_event({"event": "audio", "audio": data})
 
+    async def send_alignment(self, fields: dict) -> None:
+        await self.connection.send_event({"event": "alignment", **fields})
+
     async def speak(self, segment: Segment) -> None:
         """Synthesize one segment into the session encoder. After a `cancel`, no further audio of
         it is encoded: what was being encoded when it came (at most one chunk) is the last."""
@@ -383,6 +393,8 @@ class LiveSession:
             async for chunk in handle:
                 if segment.epoch != self.epoch:
                     break
+                if self.timer is not None:
+                    self.timer.record(chunk)
                 self.audio_seconds += len(chunk.samples) / chunk.sample_rate
                 await self.send_audio(await encode_chunk(self.encoder, chunk.samples))
             else:
@@ -390,6 +402,8 @@ class LiveSession:
                 if failed and segment.epoch == self.epoch:
                     raise SynthesisFailed(handle.finish_reason)
         finally:
+            if self.timer is not None:  # a cancelled utterance keeps its timing, gets no words
+                self.timer.end_request(spoken=segment.epoch == self.epoch)
             self.current = None
             self.connection.last_activity = time.monotonic()
             with anyio.CancelScope(shield=True):
@@ -418,6 +432,8 @@ class LiveSession:
         # holds a short session's audio until finish. A session without audio sends nothing.
         if self.audio_sent or self.audio_seconds > 0:
             await self.send_audio(await anyio.to_thread.run_sync(self.encoder.finish))
+        if self.timer is not None:
+            await self.timer.finish()  # every `alignment` event before `finish`
         await connection.send_event({"event": "finish", "reason": "stop"})
         connection.pending -= 1  # the `stop`
         connection.last_activity = time.monotonic()

@@ -28,6 +28,9 @@ class ServerSettings:
     max_jobs_per_tenant: int = 16
     job_concurrency: int = 2
     jobs_max_concurrency: int = 8
+    # A local CTC model directory (wav2vec2-style) for word timestamps on
+    # /v1/tts/stream/with-timestamp (server/alignment.py); None: text-chunk timings only.
+    aligner: str | None = None
 
     @property
     def websocket_transport_max_bytes(self) -> int:

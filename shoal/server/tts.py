@@ -220,10 +220,32 @@ async def text_to_speech(
     return await synthesize_response(request, principal, body, priority, "tts")
 
 
+# One Server-Sent Event as OpenAPI 3.1 describes a stream's items: its `data` line, JSON.
+SPEECH_EVENT_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {
+                "type": "object",
+                "required": ["type"],
+                "properties": {
+                    "type": {"enum": ["speech.audio.delta", "speech.audio.done"]},
+                    "audio": {"type": "string", "contentEncoding": "base64"},
+                    "usage": {"type": "object"},
+                },
+            },
+        }
+    },
+}
+
+
 def speech_responses() -> dict[int | str, dict]:
     """The audio file, or with `stream_format: "sse"` OpenAI's speech events."""
     responses = audio_response("the audio file, or OpenAI's speech events, streamed as generated")
-    responses[200]["content"][SSE_MEDIA_TYPE] = {"schema": {"type": "string"}}
+    responses[200]["content"][SSE_MEDIA_TYPE] = {"schema": SPEECH_EVENT_SCHEMA}
     return {**responses, **SYNTHESIS_ERRORS}
 
 
