@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import anyio
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import StreamingResponse
@@ -45,7 +44,7 @@ from shoal.server.openapi import body as request_body
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.settings import ServerSettings
 from shoal.server.synthesis import EncodedAudio, build_synthesis_request, make_encoder, parse_model
-from shoal.server.tts import SSE_MEDIA_TYPE, SYNTHESIS_ERRORS, AudioStreamResponse, sse_event
+from shoal.server.tts import SSE_MEDIA_TYPE, SYNTHESIS_ERRORS, AudioStreamResponse, sse_event, while_connected
 
 log = logging.getLogger("shoal.server.timestamps")
 ROUTE = "/v1/tts/stream/with-timestamp"
@@ -301,30 +300,15 @@ class TimestampedStream:
 
 
 async def first_event_while_connected(request: Request, events: AsyncIterator[bytes]) -> bytes:
-    """The first event (b"" for none), abandoned with a 499 if the client disconnects first (as
-    `tts.start_stream_while_connected`), so that every failure before it is an HTTP status."""
-    outcome: bytes | Exception | None = None
-    async with anyio.create_task_group() as group:
+    """The first event (b"" for none), abandoned with a 499 if the client disconnects first."""
 
-        async def first_event() -> None:
-            nonlocal outcome
-            try:
-                outcome = await events.__anext__()
-            except StopAsyncIteration:
-                outcome = b""
-            except Exception as error:  # re-raised below, outside the task group's exception group
-                outcome = error
-            group.cancel_scope.cancel()
+    async def first_event() -> bytes:
+        try:
+            return await events.__anext__()
+        except StopAsyncIteration:
+            return b""
 
-        group.start_soon(first_event)
-        while (await request.receive())["type"] != "http.disconnect":
-            pass  # the body was read already: the only message left to come is the disconnect
-        group.cancel_scope.cancel()
-    if isinstance(outcome, Exception):
-        raise outcome
-    if outcome is None:
-        raise ApiError(499, "client closed the request before the first audio")
-    return outcome
+    return await while_connected(request, first_event)
 
 
 router = APIRouter(tags=["tts"])

@@ -14,8 +14,8 @@ import base64
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Request
@@ -40,6 +40,7 @@ OPENAI_BUILTIN_VOICES = frozenset(
     }
 )  # fmt: skip
 SSE_MEDIA_TYPE = "text/event-stream"
+T = TypeVar("T")
 
 
 async def start_stream(
@@ -96,24 +97,22 @@ class AudioStreamResponse(StreamingResponse):
                 await self.on_close()
 
 
-async def start_stream_while_connected(
-    request: Request, engine: Engine, synthesis: SynthesisRequest, encoder: audio.AudioEncoder
-) -> tuple[EncodedAudio, bytes, AsyncIterator[bytes]]:
-    """`start_stream`, abandoned (and the engine request aborted) if the client disconnects
-    before the first audio exists, e.g. while its request waits in a long queue. Once the
-    response starts, Starlette watches for the disconnect itself."""
-    outcome: tuple[EncodedAudio, bytes, AsyncIterator[bytes]] | Exception | None = None
+async def while_connected(request: Request, first: Callable[[], Awaitable[T]]) -> T:
+    """`first()` (the first audio of a response), abandoned with a 499 if the client disconnects
+    before it is done, e.g. while its request waits in a long queue, so that every failure before
+    the response starts is an HTTP status. Once it starts, Starlette watches for the disconnect."""
+    outcome: T | Exception | None = None
     async with anyio.create_task_group() as group:
 
-        async def first_audio() -> None:
+        async def run_first() -> None:
             nonlocal outcome
             try:
-                outcome = await start_stream(engine, synthesis, encoder)
+                outcome = await first()
             except Exception as error:  # re-raised below, outside the task group's exception group
                 outcome = error
             group.cancel_scope.cancel()
 
-        group.start_soon(first_audio)
+        group.start_soon(run_first)
         while (await request.receive())["type"] != "http.disconnect":
             pass  # the body was read already: the only message left to come is the disconnect
         group.cancel_scope.cancel()
@@ -122,6 +121,13 @@ async def start_stream_while_connected(
     if outcome is None:
         raise ApiError(499, "client closed the request before the first audio")
     return outcome
+
+
+async def start_stream_while_connected(
+    request: Request, engine: Engine, synthesis: SynthesisRequest, encoder: audio.AudioEncoder
+) -> tuple[EncodedAudio, bytes, AsyncIterator[bytes]]:
+    """`start_stream`, abandoned (and the engine request aborted) if the client disconnects first."""
+    return await while_connected(request, lambda: start_stream(engine, synthesis, encoder))
 
 
 def sse_event(payload: dict) -> bytes:
