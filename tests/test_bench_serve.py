@@ -206,6 +206,15 @@ def test_sweep_reports_every_level_for_http_and_websocket(tmp_path, capsys):
     assert "TTFA p50" in printed and "12 requests, 0 errors" in printed
 
 
+def test_reused_websocket_sessions_get_a_row_of_their_own(tmp_path):
+    with tone_server(tmp_path) as (url, engine):
+        args = bench_args(url, "--mode", "ws", "--concurrency", "2", "--ws-sessions", "3", "--warmup", "0")
+        results = asyncio.run(serve.sweep(args))
+    assert [(r.mode, r.requests, r.errors) for r in results] == [("ws", 2, 0), ("ws+", 4, 0)]
+    assert all(r.audio_seconds_per_request == pytest.approx(SECONDS_PER_REQUEST, abs=1e-3) for r in results)
+    assert len(engine.submitted) == 6  # two sockets, three sessions each
+
+
 def test_errors_are_counted_not_raised(tmp_path):
     with tone_server(tmp_path, max_streams_per_key=1) as (url, _):
         args = bench_args(url, "--concurrency", "4", "--mode", "both", "--warmup", "0")
@@ -266,8 +275,8 @@ def test_websocket_ttfa_starts_at_the_first_text_event(monkeypatch):
 
     monkeypatch.setattr(websockets.asyncio.client, "connect", lambda *a, **k: FakeSocket(0.3))
     args = bench_args("http://127.0.0.1:1")
-    sample = asyncio.run(serve.one_websocket(args))
-    assert sample.error is None
+    (sample,) = asyncio.run(serve.one_websocket(args))
+    assert sample.error is None and not sample.reused
     assert sample.seconds >= 0.3  # the whole session includes `start` ...
     assert sample.ttfa < 0.2  # ... time to first audio does not
     assert sample.audio_seconds == pytest.approx(0.1)

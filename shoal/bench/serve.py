@@ -41,6 +41,7 @@ class Sample:
     seconds: float  # request wall time
     audio_seconds: float
     error: str | None = None
+    reused: bool = False  # a WebSocket session after the first on its socket (`--ws-sessions`)
 
 
 @dataclass
@@ -119,38 +120,49 @@ def text_events(text: str) -> list[str]:
     return [word + " " for word in words[:-1]] + [words[-1]]
 
 
-async def one_websocket(args: argparse.Namespace) -> Sample:
+async def one_websocket(args: argparse.Namespace) -> list[Sample]:
+    """`--ws-sessions` sessions in turn on one socket (as LiveKit's Fish plugin reuses one per
+    turn): the first prefills the voice, the later ones find it prefilled. TTFA starts at each
+    session's first `text` event."""
     import ormsgpack
     from websockets.asyncio.client import connect
 
     headers = {"Authorization": f"Bearer {args.api_key}", "model": args.model}
     request = tts_body(args) | {"text": ""}
+    samples: list[Sample] = []
     started = time.perf_counter()
     ttfa, received, first_text_at = None, 0, None
     try:
         async with connect(
             websocket_url(args.url), additional_headers=headers, max_size=None, open_timeout=args.timeout
         ) as socket:
-            await socket.send(ormsgpack.packb({"event": "start", "request": request}))
-            for text in text_events(args.text):
-                if first_text_at is None:
-                    first_text_at = time.perf_counter()  # TTFA starts at the first `text` event
-                await socket.send(ormsgpack.packb({"event": "text", "text": text}))
-            await socket.send(ormsgpack.packb({"event": "stop"}))
-            while True:
-                event = ormsgpack.unpackb(await socket.recv())
-                kind = event.get("event")
-                if kind == "audio":
-                    if ttfa is None and event.get("audio"):
-                        ttfa = time.perf_counter() - first_text_at
-                    received += len(event.get("audio") or b"")
-                elif kind == "finish":
-                    if event.get("reason") != "stop":
-                        raise RuntimeError(f"finish/{event.get('reason')}: {event.get('message', '')}")
-                    break
+            for session in range(args.ws_sessions):
+                started = time.perf_counter()
+                ttfa, received, first_text_at = None, 0, None
+                await socket.send(ormsgpack.packb({"event": "start", "request": request}))
+                for text in text_events(args.text):
+                    if first_text_at is None:
+                        first_text_at = time.perf_counter()
+                    await socket.send(ormsgpack.packb({"event": "text", "text": text}))
+                await socket.send(ormsgpack.packb({"event": "stop"}))
+                while True:
+                    event = ormsgpack.unpackb(await socket.recv())
+                    kind = event.get("event")
+                    if kind == "audio":
+                        if ttfa is None and event.get("audio"):
+                            ttfa = time.perf_counter() - first_text_at
+                        received += len(event.get("audio") or b"")
+                    elif kind == "finish":
+                        if event.get("reason") != "stop":
+                            raise RuntimeError(f"finish/{event.get('reason')}: {event.get('message', '')}")
+                        break
+                seconds = time.perf_counter() - started
+                samples.append(Sample(ttfa, seconds, pcm_seconds(received, args), reused=session > 0))
     except Exception as error:
-        return Sample(ttfa, time.perf_counter() - started, pcm_seconds(received, args), describe(error))
-    return Sample(ttfa, time.perf_counter() - started, pcm_seconds(received, args))
+        seconds = time.perf_counter() - started
+        failed = Sample(ttfa, seconds, pcm_seconds(received, args), describe(error), reused=bool(samples))
+        samples.append(failed)
+    return samples
 
 
 def describe(error: BaseException) -> str:
@@ -196,8 +208,10 @@ async def run_requests(mode: str, concurrency: int, total: int, args: argparse.N
 
         async def worker() -> None:
             for _ in pending:
-                sample = await (one_http(client, args) if mode == "http" else one_websocket(args))
-                samples.append(sample)
+                if mode == "http":
+                    samples.append(await one_http(client, args))
+                else:
+                    samples.extend(await one_websocket(args))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -205,10 +219,16 @@ async def run_requests(mode: str, concurrency: int, total: int, args: argparse.N
     return samples, wall
 
 
-async def run_level(mode: str, concurrency: int, args: argparse.Namespace) -> LevelResult:
+async def run_level(mode: str, concurrency: int, args: argparse.Namespace) -> list[LevelResult]:
+    """One level's row; with `--ws-sessions` above 1 a second WebSocket row, `ws+`, for the
+    sessions that reused their socket and its prefilled voice."""
     total = max(args.requests_per_level, args.rounds * concurrency, concurrency)
     samples, wall = await run_requests(mode, concurrency, total, args)
-    return summarize(mode, concurrency, samples, wall)
+    first = [s for s in samples if not s.reused]
+    rows = [summarize(mode, concurrency, first, wall)]
+    if len(first) < len(samples):
+        rows.append(summarize(f"{mode}+", concurrency, [s for s in samples if s.reused], wall))
+    return rows
 
 
 def format_row(result: LevelResult) -> str:
@@ -261,11 +281,11 @@ async def sweep(args: argparse.Namespace) -> list[LevelResult]:
             failed = [s.error for s in samples if s.error]
             note = f", {len(failed)} failed: {failed[0]}" if failed else ""
             print(f"{mode:5} warm-up: {args.warmup} request(s) in {wall:.1f} s{note}", flush=True)
-        result = await run_level(mode, concurrency, args)
-        results.append(result)
-        print(format_row(result), flush=True)
-        for example in result.error_examples:
-            print(f"      error: {example}", flush=True)
+        for result in await run_level(mode, concurrency, args):
+            results.append(result)
+            print(format_row(result), flush=True)
+            for example in result.error_examples:
+                print(f"      error: {example}", flush=True)
         write_json(args.json_path, results, args)  # after every level: a cut-off run keeps its rows
     return results
 
@@ -323,6 +343,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="s2-pro", help="the `model` header")
     parser.add_argument("--sample-rate", type=int, default=44100, help="poisson: opus asks for 48000")
     parser.add_argument("--chunk-length", type=int, default=200)
+    parser.add_argument(
+        "--ws-sessions",
+        type=int,
+        default=1,
+        help="closed loop: sessions in turn on each WebSocket; above 1 the reused ones get a row "
+        "of their own (ws+: the voice already prefilled)",
+    )
     parser.add_argument(
         "--latency",
         choices=LATENCY_MODES,
