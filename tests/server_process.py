@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
+
+from shoal.server import audio
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_MB = 4
@@ -28,6 +31,24 @@ MAX_UPLOAD_MB = 2
 MAX_NEW_FRAMES = 24  # keeps every synthesis short on a CPU
 # The engine refuses batch-priority work outright: its real overload path (503) on demand.
 BATCH_QUEUE_LIMIT = 0
+
+
+def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    """A 300 Hz tone as a wav file: reference audio for the voices the tests create."""
+    t = np.arange(int(seconds * rate)) / rate
+    tone = (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
+    return audio.encode_audio(tone, "wav", input_sample_rate=rate, sample_rate=rate)
+
+
+def create_voice(server: ShoalServer, title: str = "agent", text: str = "a reference") -> str:
+    """A voice stored on `server` through `POST /model` (key A); its id."""
+    files = [("voices", ("clip.wav", wav_clip(), "audio/wav"))]
+    headers = {"Authorization": f"Bearer {server.key_a}"}
+    response = httpx.post(
+        f"{server.url}/model", data={"title": title, "texts": text}, files=files, headers=headers
+    )
+    assert response.status_code == 201, response.text
+    return response.json()["_id"]
 
 
 def free_port() -> int:

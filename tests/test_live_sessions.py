@@ -12,14 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
-import numpy as np
 import ormsgpack
 import pytest
-from server_process import MAX_NEW_FRAMES, ShoalServer, app_in_thread, demo_checkpoint
+from server_process import MAX_NEW_FRAMES, ShoalServer, app_in_thread, demo_checkpoint, wav_clip
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
-
-from shoal.server import audio
 
 pytestmark = pytest.mark.slow
 # 20 speaker turns of about 60 bytes: with chunk_length=100, S2 synthesizes them as 20 batches.
@@ -27,12 +24,6 @@ LONG_TEXT = "".join(
     f"<|speaker:{i % 2}|>Some text that takes a while to speak, turn {i}. " for i in range(20)
 )
 PCM = {"text": "", "format": "pcm", "chunk_length": 100, "seed": 3}
-
-
-def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    tone = (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
-    return audio.encode_audio(tone, "wav", input_sample_rate=rate, sample_rate=rate)
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "api-workers-2"])

@@ -12,23 +12,14 @@ import asyncio
 
 import aiohttp
 import httpx
-import numpy as np
 import pytest
 from livekit.agents import APIConnectOptions, APIStatusError, tts
 from livekit.plugins import fishaudio
-from server_process import ShoalServer
-
-from shoal.server import audio
+from server_process import ShoalServer, create_voice
 
 pytestmark = pytest.mark.slow
 NO_RETRY = APIConnectOptions(max_retry=0, timeout=30)
 TURNS = ("First turn. It has two sentences.", "Second turn here.", "And a third one!")
-
-
-def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    tone = (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
-    return audio.encode_audio(tone, "wav", input_sample_rate=rate, sample_rate=rate)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +31,7 @@ def server(tmp_path_factory) -> ShoalServer:
 @pytest.fixture(scope="module")
 def voice_id(server) -> str:
     """A voice stored on the server: what the plugin's `voice_id` names with Shoal."""
-    files = [("voices", ("clip.wav", wav_clip(), "audio/wav"))]
-    headers = {"Authorization": f"Bearer {server.key_a}"}
-    response = httpx.post(
-        f"{server.url}/model", data={"title": "agent", "texts": "a reference"}, files=files, headers=headers
-    )
-    assert response.status_code == 201, response.text
-    return response.json()["_id"]
+    return create_voice(server)
 
 
 def check_frames(events: list[tts.SynthesizedAudio], sample_rate: int) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import numpy as np
 import pytest
 from pipecat.frames.frames import (
@@ -34,21 +33,13 @@ from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.fish.tts import FishAudioTTSService
 from pipecat.tests.utils import QueuedFrameProcessor
 from pipecat.workers.runner import WorkerRunner
-from server_process import ShoalServer
-
-from shoal.server import audio
+from server_process import ShoalServer, create_voice
 
 pytestmark = pytest.mark.slow
 SAMPLE_RATE = 16000  # the pipeline's output rate: Pipecat asks Fish (here Shoal) for it in `start`
 # Pipecat ends a turn once no audio came for this long (its default is 3 s); a margin for a busy CPU.
 TURN_GAP_S = 4.0
 TURN_TIMEOUT_S = 120
-
-
-def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    tone = (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
-    return audio.encode_audio(tone, "wav", input_sample_rate=rate, sample_rate=rate)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +51,7 @@ def server(tmp_path_factory) -> ShoalServer:
 @pytest.fixture(scope="module")
 def voice_id(server) -> str:
     """A voice stored on the server: what the service's `Settings(voice=...)` names with Shoal."""
-    files = [("voices", ("clip.wav", wav_clip(), "audio/wav"))]
-    headers = {"Authorization": f"Bearer {server.key_a}"}
-    response = httpx.post(
-        f"{server.url}/model", data={"title": "agent", "texts": "a reference"}, files=files, headers=headers
-    )
-    assert response.status_code == 201, response.text
-    return response.json()["_id"]
+    return create_voice(server)
 
 
 def fish_service(server: ShoalServer, voice: str | None) -> FishAudioTTSService:

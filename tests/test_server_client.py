@@ -28,7 +28,7 @@ from fishaudio.exceptions import (
 )
 from fishaudio.types import FlushEvent, Prosody, ReferenceAudio, TextEvent, TTSConfig
 from httpx_ws import WebSocketUpgradeError
-from server_process import MAX_NEW_FRAMES, ShoalServer
+from server_process import MAX_NEW_FRAMES, ShoalServer, wav_clip
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -36,16 +36,6 @@ from shoal.server import audio
 
 pytestmark = pytest.mark.slow
 SHORT = TTSConfig(chunk_length=100, max_new_tokens=24)
-
-
-def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    return audio.encode_audio(
-        (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32),
-        "wav",
-        input_sample_rate=rate,
-        sample_rate=rate,
-    )
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "api-workers-2"])

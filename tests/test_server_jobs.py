@@ -12,6 +12,7 @@ import wave
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from server_process import wav_clip
 
 from shoal.engine.api import EngineOverloaded, EngineUnavailable, FinishReason, InvalidRequest, Priority
 from shoal.server import audio
@@ -157,12 +158,6 @@ def assert_fish_error(response, status: int) -> str:
     return body["message"]
 
 
-def wav_clip(seconds: float = 0.5, rate: int = 16000) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    samples = (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
-    return audio.encode_audio(samples, "wav", input_sample_rate=rate, sample_rate=rate)
-
-
 def test_job_synthesizes_every_item_at_batch_priority(client, engine, monkeypatch):
     recorder = Recorder(engine, monkeypatch)
     items = [{"id": "ch-1", "text": "It was a dark night."}, {"id": "ch-2", "text": "Then the sun rose."}]
@@ -223,7 +218,7 @@ def test_items_cut_short_by_an_engine_restart_start_over_and_are_kept_once(
 def test_restart_resumes_at_the_first_unfinished_item(checkpoint, engine, tmp_path, monkeypatch):
     """Item 0 finishes, then the queue stays full; the server stops. A new server process (new
     engine, new app, same data directory) finishes items 1 and 2 and never redoes item 0."""
-    clip = base64.b64encode(wav_clip()).decode()
+    clip = base64.b64encode(wav_clip(0.5)).decode()
     items = [{"id": f"line-{n}", "text": f"Line number {n}."} for n in range(3)]
     body = {"items": items, "references": [{"audio": clip, "text": "A voice."}], "format": "mp3", **SHORT}
     first = Recorder(engine, monkeypatch, allow=1)  # item 1 then waits for queue space, retrying

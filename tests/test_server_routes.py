@@ -17,6 +17,7 @@ import ormsgpack
 import pytest
 from fastapi.testclient import TestClient
 from server_fakes import ToneEngine
+from server_process import wav_clip
 from starlette.websockets import WebSocketDisconnect
 
 from shoal.server import audio
@@ -30,16 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 KEY_A = "shoal_test_key_tenant_a"
 KEY_B = "shoal_test_key_tenant_b"
-
-
-def wav_clip(seconds: float = 1.0, rate: int = 16000) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    return audio.encode_audio(
-        (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32),
-        "wav",
-        input_sample_rate=rate,
-        sample_rate=rate,
-    )
 
 
 @pytest.fixture()
