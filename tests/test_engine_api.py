@@ -16,7 +16,7 @@ from shoal.engine.api import FinishReason, InvalidRequest, SamplingOptions, Synt
 from shoal.engine.engine import LocalEngine
 from shoal.engine.playback import PlaybackClock
 from shoal.engine.request import SamplingParams
-from shoal.engine.vocoder import ChunkPolicy, Vocoder, graph_batch_sizes
+from shoal.engine.vocoder import ChunkPolicy, StreamState, Vocoder, graph_batch_sizes
 from shoal.models import load_model
 from shoal.models.codec import load_codec
 from shoal.models.prompt import (
@@ -283,13 +283,17 @@ def test_chunk_policy_feeds_captured_chunks():
     assert [graphs.take(n, True, True) for n in (1, 5, 8, 13)] == [1, 5, 8, 8]  # tail: pads to a graph
     # At most max_batch streams per call, first audio before steady chunks, then in order.
     assert graphs.plan(
-        [(8, True, False, None), (9, True, False, None), (4, False, False, None), (2, True, False, None)]
-    ) == {2: 4, 0: 8}
+        [StreamState(8, True, False), StreamState(9, True, False), StreamState(4, False, False),
+         StreamState(2, True, False)]
+    ) == {2: 4, 0: 8}  # fmt: skip
     # Then the listener with the least audio buffered: stream 1 (0.1 s) before stream 0 (2 s).
     buffered = {seconds: PlaybackClock() for seconds in (2.0, 0.1)}
     for seconds, clock in buffered.items():
         clock.deliver(seconds, now=0.0)
-    streams = [(8, True, False, buffered[2.0]), (9, True, False, buffered[0.1]), (8, True, False, None)]
+    streams = [
+        StreamState(8, True, False, buffered[2.0]), StreamState(9, True, False, buffered[0.1]),
+        StreamState(8, True, False),
+    ]  # fmt: skip
     assert graphs.plan(streams, now=0.0) == {1: 8, 0: 8}
 
 
@@ -394,7 +398,8 @@ def test_a_listener_running_low_gets_what_its_stream_holds(codec):
     low.deliver(0.2, now=10.0)  # 0.1 s left at 10.1
     full.deliver(2.0, now=10.0)  # 1.9 s left
     policy = ChunkPolicy(8, 4, (4, 8), refill_seconds=0.5)
-    streams = [(6, 1, False, low), (6, 1, False, full), (3, 1, False, low), (6, 0, False, None)]
+    streams = [StreamState(6, 1, False, low), StreamState(6, 1, False, full), StreamState(3, 1, False, low),
+               StreamState(6, 0, False)]  # fmt: skip
     assert policy.plan(streams, now=10.1) == {0: 4, 3: 4}
     assert ChunkPolicy(8, 4, refill_seconds=0.5).plan(streams[:2], now=10.1) == {0: 6}  # no graphs
     assert ChunkPolicy(8, 4, (4, 8)).plan(streams[:3], now=10.1) == {}  # refill off: the schedule

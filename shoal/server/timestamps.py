@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,17 +33,22 @@ import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import StreamingResponse
 
-from shoal.engine.api import AudioChunk, Engine, FinishReason, RequestHandle
+from shoal.engine.api import AudioChunk, FinishReason, RequestHandle
 from shoal.server import audio
 from shoal.server.alignment import CtcAligner, WordTiming, load_aligner
 from shoal.server.auth import Principal, request_priority, require_principal
-from shoal.server.errors import ApiError
-from shoal.server.limits import Limiter
 from shoal.server.openapi import body as request_body
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.settings import ServerSettings
-from shoal.server.synthesis import EncodedAudio, build_synthesis_request, make_encoder, parse_model
-from shoal.server.tts import SSE_MEDIA_TYPE, SYNTHESIS_ERRORS, AudioStreamResponse, sse_event, while_connected
+from shoal.server.synthesis import EncodedAudio, parse_model
+from shoal.server.tts import (
+    SSE_MEDIA_TYPE,
+    SYNTHESIS_ERRORS,
+    AudioStreamResponse,
+    event_stream_response,
+    open_synthesis,
+    sse_event,
+)
 
 log = logging.getLogger("shoal.server.timestamps")
 ROUTE = "/v1/tts/stream/with-timestamp"
@@ -299,18 +303,6 @@ class TimestampedStream:
         await self.audio.aclose()
 
 
-async def first_event_while_connected(request: Request, events: AsyncIterator[bytes]) -> bytes:
-    """The first event (b"" for none), abandoned with a 499 if the client disconnects first."""
-
-    async def first_event() -> bytes:
-        try:
-            return await events.__anext__()
-        except StopAsyncIteration:
-            return b""
-
-    return await while_connected(request, first_event)
-
-
 router = APIRouter(tags=["tts"])
 SECONDS_SCHEMA = {"type": "number", "minimum": 0}
 # What each event's `data` line holds (OpenAPI 3.1 describes an event stream event by event:
@@ -381,44 +373,17 @@ async def text_to_speech_with_timestamps(
     x_shoal_priority: Annotated[str | None, Header()] = None,
 ) -> AudioStreamResponse:
     """Fish `TTSRequest` in (msgpack or JSON), the audio and its timing out as Server-Sent Events."""
-    state = request.app.state
-    settings: ServerSettings = state.settings
-    engine: Engine = state.engine
-    limiter: Limiter = state.limiter
-    started = time.perf_counter()
     body = await parse_model(request, TTSRequestBody)
-    if not body.text.strip():
-        raise ApiError(400, "text is empty")
-    if len(body.text) > settings.max_text_length:
-        raise ApiError(413, f"text is longer than {settings.max_text_length} characters")
-    encoder = make_encoder(body, engine.sample_rate)
-    references = await state.voices.resolve(principal, body)
-    synthesis = build_synthesis_request(
-        body, references, request_priority(principal, x_shoal_priority), settings
+    timer = SegmentTimer.for_request(request.app.state, body)
+    opened = await open_synthesis(
+        request,
+        principal,
+        body,
+        request_priority(principal, x_shoal_priority),
+        "tts_timestamp",
+        lambda handle, encoder: TimestampedStream(handle, encoder, timer),
     )
-    limiter.acquire(principal)
-    try:
-        stream = TimestampedStream(engine.submit(synthesis), encoder, SegmentTimer.for_request(state, body))
-    except BaseException:
-        limiter.release(principal)
-        raise
-    events = stream.__aiter__()
-    try:
-        first = await first_event_while_connected(request, events)
-    except BaseException:
-        await stream.aclose()
-        limiter.release(principal)
-        raise
-    state.metrics.observe_first_audio("tts_timestamp", time.perf_counter() - started)
-
-    async def on_close() -> None:
-        await stream.aclose()
-        limiter.release(principal)
-        state.metrics.observe_audio(stream.audio_seconds)
-
-    response = AudioStreamResponse(first, events, SSE_MEDIA_TYPE, on_close)
-    response.headers["Cache-Control"] = "no-cache"
-    return response
+    return event_stream_response(opened.first, opened.rest, opened.on_close)
 
 
 def install(app: FastAPI, settings: ServerSettings) -> None:

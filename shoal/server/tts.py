@@ -15,14 +15,14 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, NamedTuple, Protocol, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from shoal.engine.api import Engine, Priority, SynthesisRequest
+from shoal.engine.api import Engine, Priority, RequestHandle, SynthesisRequest
 from shoal.server import audio
 from shoal.server.auth import Principal, request_priority, require_principal
 from shoal.server.errors import ApiError, exception_to_error
@@ -43,11 +43,25 @@ SSE_MEDIA_TYPE = "text/event-stream"
 T = TypeVar("T")
 
 
+class ResponseStream(Protocol):
+    """What a synthesis response streams: its bytes, the audio they hold, and an abort."""
+
+    audio_seconds: float
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+# Builds a response's stream from the engine's handle and the request's format encoder.
+StreamFactory = Callable[[RequestHandle, audio.AudioEncoder], ResponseStream]
+
+
 async def start_stream(
-    engine: Engine, synthesis: SynthesisRequest, encoder: audio.AudioEncoder
-) -> tuple[EncodedAudio, bytes, AsyncIterator[bytes]]:
+    engine: Engine, synthesis: SynthesisRequest, stream_of: Callable[[RequestHandle], ResponseStream]
+) -> tuple[ResponseStream, bytes, AsyncIterator[bytes]]:
     """Submit and wait for the first bytes, so errors before any audio become HTTP statuses."""
-    stream = EncodedAudio(engine.submit(synthesis), encoder)
+    stream = stream_of(engine.submit(synthesis))
     iterator = stream.__aiter__()
     try:
         first = await iterator.__anext__()
@@ -123,11 +137,53 @@ async def while_connected(request: Request, first: Callable[[], Awaitable[T]]) -
     return outcome
 
 
-async def start_stream_while_connected(
-    request: Request, engine: Engine, synthesis: SynthesisRequest, encoder: audio.AudioEncoder
-) -> tuple[EncodedAudio, bytes, AsyncIterator[bytes]]:
-    """`start_stream`, abandoned (and the engine request aborted) if the client disconnects first."""
-    return await while_connected(request, lambda: start_stream(engine, synthesis, encoder))
+class OpenedSynthesis(NamedTuple):
+    stream: ResponseStream
+    first: bytes  # its first bytes (b"" when it ended without any)
+    rest: AsyncIterator[bytes]
+    encoder: audio.AudioEncoder
+    on_close: Callable[[], Awaitable[None]]  # aborts the request, frees the slot, books the audio
+
+
+async def open_synthesis(
+    request: Request,
+    principal: Principal,
+    body: TTSRequestBody,
+    priority: Priority,
+    route: str,
+    stream_of: StreamFactory = EncodedAudio,
+) -> OpenedSynthesis:
+    """What every synthesis route does before its response starts: check the text, resolve the
+    voice, take a stream slot, submit, and wait for the first bytes while the client stays
+    connected."""
+    state = request.app.state
+    settings: ServerSettings = state.settings
+    engine: Engine = state.engine
+    limiter: Limiter = state.limiter
+    started = time.perf_counter()
+    if not body.text.strip():
+        raise ApiError(400, "text is empty")
+    if len(body.text) > settings.max_text_length:  # before any voice work (inline clips are encoded)
+        raise ApiError(413, f"text is longer than {settings.max_text_length} characters")
+    encoder = make_encoder(body, engine.sample_rate)
+    references = await state.voices.resolve(principal, body)
+    synthesis = build_synthesis_request(body, references, priority, settings)
+    limiter.acquire(principal)
+    try:
+        stream, first, rest = await while_connected(
+            request, lambda: start_stream(engine, synthesis, lambda handle: stream_of(handle, encoder))
+        )
+    except BaseException:
+        limiter.release(principal)
+        raise
+    state.metrics.observe_first_audio(route, time.perf_counter() - started)
+
+    async def on_close() -> None:
+        await stream.aclose()
+        limiter.release(principal)
+        state.metrics.observe_audio(stream.audio_seconds)
+
+    return OpenedSynthesis(stream, first, rest, encoder, on_close)
 
 
 def sse_event(payload: dict) -> bytes:
@@ -168,38 +224,21 @@ async def synthesize_response(
 ) -> AudioStreamResponse:
     """Shared by `/v1/tts` and `/v1/audio/speech`: resolve voice, check limits, stream audio
     (as OpenAI's speech events when `server_sent_events`)."""
-    state = request.app.state
-    settings: ServerSettings = state.settings
-    engine: Engine = state.engine
-    limiter: Limiter = state.limiter
-    started = time.perf_counter()
-    if not body.text.strip():
-        raise ApiError(400, "text is empty")
-    if len(body.text) > settings.max_text_length:  # before any voice work (inline clips are encoded)
-        raise ApiError(413, f"text is longer than {settings.max_text_length} characters")
-    encoder = make_encoder(body, engine.sample_rate)
-    references = await state.voices.resolve(principal, body)
-    synthesis = build_synthesis_request(body, references, priority, settings)
-    limiter.acquire(principal)
-    try:
-        stream, first, rest = await start_stream_while_connected(request, engine, synthesis, encoder)
-    except BaseException:
-        limiter.release(principal)
-        raise
-    state.metrics.observe_first_audio(route, time.perf_counter() - started)
-
-    async def on_close() -> None:
-        await stream.aclose()
-        limiter.release(principal)
-        state.metrics.observe_audio(stream.audio_seconds)
-
+    opened = await open_synthesis(request, principal, body, priority, route)
     if server_sent_events:
-        first_event = speech_audio_delta(first) if first else b""
-        events = speech_events(rest, stream, engine.frame_rate)
-        response = AudioStreamResponse(first_event, events, SSE_MEDIA_TYPE, on_close)
-        response.headers["Cache-Control"] = "no-cache"
-        return response
-    return AudioStreamResponse(first, rest, encoder.content_type, on_close)
+        first_event = speech_audio_delta(opened.first) if opened.first else b""
+        events = speech_events(opened.rest, opened.stream, request.app.state.engine.frame_rate)
+        return event_stream_response(first_event, events, opened.on_close)
+    return AudioStreamResponse(opened.first, opened.rest, opened.encoder.content_type, opened.on_close)
+
+
+def event_stream_response(
+    first: bytes, rest: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+) -> AudioStreamResponse:
+    """Server-Sent Events, streamed as `AudioStreamResponse` streams audio (proxies told not to cache)."""
+    response = AudioStreamResponse(first, rest, SSE_MEDIA_TYPE, on_close)
+    response.headers["Cache-Control"] = "no-cache"
+    return response
 
 
 router = APIRouter(tags=["tts"])
