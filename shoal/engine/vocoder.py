@@ -170,24 +170,23 @@ class ChunkPolicy:
         others = [frames for frames, done in takes if done > 0]
         return bool(firsts and others) and max(others) > 2 * max(firsts)
 
-    def plan(self, streams: Sequence[tuple], now: float | None = None) -> dict[int, int]:
-        """`streams`: a `StreamState` (or a tuple of its fields) per stream -> {index: frames
-        to take now}. When more are due than one call takes: first audio waiting
-        first, then the streams whose listeners have the least audio buffered at `now`, then in
-        order. Clocks are read only for streams that could refill early or must be ranked."""
+    def plan(self, streams: Sequence[StreamState], now: float | None = None) -> dict[int, int]:
+        """One `StreamState` per stream -> {index: frames to take now}. When more are due than
+        one call takes: first audio waiting first, then the streams whose listeners have the
+        least audio buffered at `now`, then in order. Clocks are read only for streams that
+        could refill early or must be ranked."""
         now = time.monotonic() if now is None else now
         headrooms: dict[int, float] = {}
 
         def headroom(index: int) -> float:
             if index not in headrooms:
-                clock = streams[index][3]
+                clock = streams[index].clock
                 value = clock.headroom(now) if clock is not None else None
                 headrooms[index] = math.inf if value is None else value
             return headrooms[index]
 
-        states = [StreamState(*state) for state in streams]
         due = []
-        for index, (pending, chunks_done, ending, _, first) in enumerate(states):
+        for index, (pending, chunks_done, ending, _, first) in enumerate(streams):
             count = self.take(pending, chunks_done, ending, first)
             if count == 0 and chunks_done > 0 and self.refill_seconds > 0 and pending > 0:
                 if headroom(index) < self.refill_seconds:
@@ -195,7 +194,7 @@ class ChunkPolicy:
             if count > 0:
                 due.append((index, count))
         if self.max_batch is not None and len(due) > self.max_batch:
-            due.sort(key=lambda item: (states[item[0]].chunks_done > 0, headroom(item[0])))  # stable
+            due.sort(key=lambda item: (streams[item[0]].chunks_done > 0, headroom(item[0])))  # stable
             due = due[: self.max_batch]
         return dict(due)
 
