@@ -10,6 +10,30 @@ PYTHON=${PYTHON:-python3}
 MODE=${1:-serve}
 [ "$MODE" = "--test" ] && MODE=test
 STAMP=".venv/.shoal-setup-$MODE"
+
+# The web page tests drive Debian's Chromium headless through Playwright, which never downloads a
+# browser of its own here. Installed where apt-get is usable (root on Debian or Ubuntu); anywhere
+# else the browser tests fail saying how to get one (SHOAL_SKIP_BROWSER_TESTS=1 skips them).
+ensure_chromium() {
+  if { command -v chromium || command -v chromium-browser; } >/dev/null 2>&1; then
+    return 0
+  fi
+  if [ "${SHOAL_SKIP_BROWSER_TESTS:-}" = "1" ]; then
+    return 0
+  fi
+  if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != "0" ]; then
+    echo "chromium is missing and apt-get is not usable: the browser tests will fail" >&2
+    return 0
+  fi
+  echo "installing Debian's chromium for the browser tests (about half a minute)" >&2
+  local install="apt-get install -y -q --no-install-recommends chromium"
+  # The package lists may be stale or missing on a fresh machine: refresh them and try again.
+  DEBIAN_FRONTEND=noninteractive $install >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $install >/dev/null; } ||
+    echo "could not install chromium: the browser tests will fail" >&2
+}
+[ "$MODE" = "test" ] && ensure_chromium
+
 FINGERPRINT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$FINGERPRINT" ]; then
   exit 0

@@ -3,10 +3,17 @@
 A key is `shoal_<random>`; only its SHA-256 is stored. Every request carries
 `Authorization: Bearer <key>`; the key names a tenant (voices belong to tenants) and a default
 priority. With `--no-auth` every caller is the `local` tenant.
+
+Browsers cannot set headers on a WebSocket handshake, so a browser's live socket carries the key
+in its offered subprotocols instead: `shoal.live` plus `shoal.key.<the key, base64url>`. The
+server selects `shoal.live` and never echoes the key, which stays out of URLs (and so out of
+proxy and access logs). The official clients send the header and offer no subprotocol.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import secrets
 from dataclasses import dataclass
@@ -24,6 +31,8 @@ from shoal.server.store import Store
 
 KEY_PREFIX = "shoal_"
 LOCAL_TENANT = "local"
+BROWSER_SUBPROTOCOL = "shoal.live"  # what the server selects for a browser's live socket
+KEY_SUBPROTOCOL_PREFIX = "shoal.key."  # + the key in base64url, any padding dropped
 
 
 def new_api_key() -> str:
@@ -48,8 +57,28 @@ def bearer_token(connection: HTTPConnection) -> str | None:
     header = connection.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return None
+        return subprotocol_key(connection)
     return token.strip()
+
+
+def offered_subprotocols(connection: HTTPConnection) -> list[str]:
+    """The subprotocols a WebSocket handshake offers (none for an HTTP request)."""
+    if connection.scope["type"] != "websocket":
+        return []
+    return list(connection.scope.get("subprotocols", ()))
+
+
+def subprotocol_key(connection: HTTPConnection) -> str | None:
+    """A browser's key, from its `shoal.key.<base64url>` subprotocol; undecodable: no key that any
+    row matches, so the caller gets the same 401 as for a wrong key."""
+    for offered in offered_subprotocols(connection):
+        if offered.startswith(KEY_SUBPROTOCOL_PREFIX):
+            encoded = offered.removeprefix(KEY_SUBPROTOCOL_PREFIX)
+            try:
+                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError):
+                return encoded
+    return None
 
 
 async def authenticate(connection: HTTPConnection) -> Principal:

@@ -23,6 +23,9 @@ A connection holds a stream slot, so one that goes quiet is ended: no `start` wi
 while nothing is being synthesized, ends the session with a `finish`/`error` event and close code
 1008. Between sessions (after a `finish`) the same silence closes the socket with code 1000 and
 no event, since no session is there to finish.
+
+A browser authenticates with subprotocols instead of the header (`shoal.server.auth`); since it
+cannot read a refused handshake's body, it is refused in-band: accepted, then told why.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from pydantic import ValidationError
 
 from shoal.engine.api import Engine, FinishReason, Priority, RequestHandle, VoiceReference
 from shoal.server.audio import AudioEncoder
-from shoal.server.auth import Principal, authenticate
+from shoal.server.auth import BROWSER_SUBPROTOCOL, Principal, authenticate, offered_subprotocols
 from shoal.server.errors import ApiError, error_response, exception_to_error
 from shoal.server.limits import Limiter
 from shoal.server.payload import MalformedPayload, decode_payload
@@ -455,20 +458,36 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
+async def refuse_in_band(websocket: WebSocket, error: ApiError) -> None:
+    """A browser cannot read a refused handshake's body, so a browser client (it offered
+    `shoal.live`) is accepted and told why in a `finish`/`error` event, then the socket closes."""
+    event = {"event": "finish", "reason": "error", "message": error.message, "status": error.status}
+    try:
+        await websocket.accept(subprotocol=BROWSER_SUBPROTOCOL)
+        await websocket.send_bytes(pack(event))
+        await websocket.close(1013 if error.status in (429, 503) else 1008)  # 1013: try again later
+    except (WebSocketDisconnect, OSError):
+        pass  # the browser left first
+
+
 @router.websocket(ROUTE)
 async def live_tts(websocket: WebSocket) -> None:
     state = websocket.app.state
     limiter: Limiter = state.limiter
+    from_browser = BROWSER_SUBPROTOCOL in offered_subprotocols(websocket)
     try:
         principal = await authenticate(websocket)
         limiter.acquire(principal)
     except ApiError as error:
         state.metrics.count(ROUTE, error.status)
-        await websocket.send_denial_response(error_response(error.status, error.message, error.headers))
+        if from_browser:
+            await refuse_in_band(websocket, error)
+        else:
+            await websocket.send_denial_response(error_response(error.status, error.message, error.headers))
         return
     connection = LiveConnection(websocket, principal)
     try:  # from here on the stream slot is held: every path, accept included, releases it
-        await websocket.accept()
+        await websocket.accept(subprotocol=BROWSER_SUBPROTOCOL if from_browser else None)
         await connection.run()
     except BaseException as error:
         if not (_is_disconnect(error) or isinstance(error, OSError)):  # OSError: client gone

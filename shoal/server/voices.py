@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import anyio.to_thread
 import numpy as np
 import ormsgpack
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 from shoal.engine.api import Engine, VoiceReference
@@ -339,6 +339,53 @@ async def delete_model(voice_id: str, principal: Principal_, resolver: Resolver_
     await owned_voice(resolver, principal, voice_id)
     await anyio.to_thread.run_sync(resolver.store.delete_voice, voice_id)
     return JSONResponse({"_id": voice_id, "deleted": True})
+
+
+# The media type of an uploaded sample, from its first bytes (uploads are stored as sent).
+SAMPLE_SIGNATURES = (
+    (b"RIFF", "audio/wav"),
+    (b"OggS", "audio/ogg"),
+    (b"fLaC", "audio/flac"),
+    (b"ID3", "audio/mpeg"),
+)
+SAMPLE_MEDIA_TYPES = ("audio/wav", "audio/ogg", "audio/flac", "audio/mpeg", "application/octet-stream")
+
+
+def sample_media_type(data: bytes) -> str:
+    for signature, media_type in SAMPLE_SIGNATURES:
+        if data.startswith(signature):
+            return media_type
+    if len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0:  # an MPEG audio frame sync
+        return "audio/mpeg"
+    return "application/octet-stream"
+
+
+@router.get(
+    "/model/{voice_id}/samples/{position}/audio",
+    responses={
+        200: {
+            "description": "the sample's audio as it was uploaded",
+            "content": {
+                media: {"schema": {"type": "string", "format": "binary"}} for media in SAMPLE_MEDIA_TYPES
+            },
+        },
+        **errors(401, 404, 422),
+    },
+)
+async def sample_audio(
+    voice_id: str, position: Annotated[int, Path(ge=0, le=1000)], principal: Principal_, resolver: Resolver_
+) -> Response:
+    """A voice's reference clip (position 0 is the first sample), for any voice the caller may use;
+    the voices page plays it. A voice's `samples[].audio` is empty: the clip is served only here."""
+    row = await resolver.visible_voice(principal, voice_id)
+    sample = next((sample for sample in row.samples if sample.position == position), None)
+    if sample is None:
+        raise ApiError(404, f"voice {voice_id} has no sample {position}")
+    try:
+        data = await anyio.to_thread.run_sync(resolver.store.blobs.get, sample.audio_blob)
+    except FileNotFoundError:  # deleted meanwhile
+        raise ApiError(404, f"voice {voice_id} has no sample {position}") from None
+    return Response(data, media_type=sample_media_type(data))
 
 
 # ---- fish-speech's self-hosted reference routes ------------------------------------------------
