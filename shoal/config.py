@@ -54,6 +54,31 @@ class RealtimePolicy:
             raise ValueError("step_time_smoothing must be in (0, 1]")
 
 
+ROUTING_MODES = ("voice", "capacity", "random")
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """How `shoal serve --gpus` spreads requests over its engines (`engine/router.py`).
+
+    `voice`: a request for a stored or inline voice goes to that voice's home engine (the same in
+    every API process, so its cached prefix pages are hit) while the home engine's load is within
+    `affinity_slack` requests, or `affinity_fraction` of the least loaded engine's load, of the
+    least loaded one; else, and for requests without a voice, to the engine with the most
+    capacity. `capacity`: always the engine with the most capacity. `random`: any answering
+    engine (the baseline the other two are measured against)."""
+
+    mode: str = "voice"
+    affinity_slack: int = 2
+    affinity_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTING_MODES:
+            raise ValueError(f"routing mode must be one of {ROUTING_MODES}, not {self.mode!r}")
+        if self.affinity_slack < 0 or self.affinity_fraction < 0:
+            raise ValueError("affinity slack and fraction must be >= 0")
+
+
 def _default_queue_limits() -> dict[str, int]:
     # Keyed by Priority name (lower case). Realtime traffic should never queue deeply: if it
     # cannot start soon it is better rejected so the client can retry elsewhere.

@@ -117,9 +117,52 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _patch_interpreter_if_interpreting()
 
 
+# Over about 10 s each on CI's 2-core CPU, and what they check runs on the GPU in `gpu` tests:
+# engine runs of GPU-only paths in the Triton interpreter (test_engine_gpu.py runs those paths for
+# real), and kernels at their larger test shapes (a smaller shape of the same test stays in the
+# default run). Marked `cpu_heavy`: `bash scripts/test.sh` leaves them out, `--all` runs them.
+CPU_HEAVY = {
+    "tests/test_engine_advance_on_device.py::test_steady_steps_upload_nothing_and_give_the_same_frames",
+    "tests/test_engine_prefill_batch.py::test_engine_with_static_prefill_equals_without[1]",
+    "tests/test_engine_prefill_batch.py::test_engine_with_static_prefill_equals_without[3]",
+    "tests/test_engine_prefill_batch.py::test_packed_chunks_equal_the_eager_varlen_prefill",
+    "tests/test_engine_first_frame.py::test_static_first_frames_equal_eager_frames[kernels]",
+    "tests/test_engine_fp8.py::test_consumers_summing_split_k_partials_equal_the_reducing_gemms[row-programs]",
+    "tests/test_engine_fp8.py::test_consumers_summing_split_k_partials_equal_the_reducing_gemms"
+    "[split-rows-unfused-fast]",
+    "tests/test_engine_fp8.py::test_fused_input_quantization_equals_separate_launches[split-rows]",
+    "tests/test_engine_fp8.py::test_fused_input_quantization_equals_separate_launches[wide]",
+    "tests/test_engine_decode_step.py::test_kernel_step_equals_torch_step[capped]",
+    "tests/test_engine_decode_step.py::test_kernel_step_equals_torch_step[full]",
+    "tests/test_engine_decode_step.py::test_kernel_step_with_wide_rows_equals_torch_step[4]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[s2-whole-64]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[s2-whole-2]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[bf16-ties-64]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[random-64]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[neg-inf-64]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[signed-zeros-64]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[ties-shuffled-ids-64]",
+    "tests/test_sample_kernel.py::test_chunked_draws_equal_one_program_per_row[codebook-4096-1-64-fp32-chunks0]",
+    "tests/test_sample_kernel.py::test_chunked_draws_equal_one_program_per_row[codebook-4096-1-32-bf16-chunks1]",
+    "tests/test_sample_kernel.py::test_chunked_draws_equal_one_program_per_row"
+    "[codebook-4096-1-8-bf16-ties-chunks2]",
+    "tests/test_sample_kernel.py::test_chunked_draws_equal_one_program_per_row[main-4097-3-8-fp32-chunks6]",
+    "tests/test_step_inputs_kernel.py::test_sum_order_is_sequential_and_torch_within_one_ulp[dtype1]",
+    "tests/test_fast_attention_kernel.py::test_frame_matches_two_kernel_path[g3-norm]",
+    "tests/test_fast_attention_kernel.py::test_frame_matches_two_kernel_path[g4-norm]",
+    "tests/test_fast_attention_kernel.py::test_frame_matches_two_kernel_path[g4]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`interpreter` tests hand CPU tensors to Triton kernels: on a machine with CUDA the kernels
+    """Marks the `CPU_HEAVY` tests (tests/test_cpu_heavy_list.py checks that each still exists).
+    `interpreter` tests hand CPU tensors to Triton kernels: on a machine with CUDA the kernels
     are compiled for the GPU and cannot read them, so these tests are skipped there."""
+    heavy = pytest.mark.cpu_heavy
+    for item in items:
+        if item.nodeid in CPU_HEAVY:
+            item.add_marker(heavy)
     if os.environ.get("TRITON_INTERPRET") == "1":
         return
     skip = pytest.mark.skip(reason="Triton kernels on CPU tensors: only in the interpreter (no CUDA)")

@@ -28,6 +28,9 @@ from shoal.server import audio
 REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_MB = 4
 MAX_UPLOAD_MB = 2
+# Per-engine metric names, exported only beside several engines (`shoal serve --gpus`;
+# tests/test_data_parallel.py checks the documented ones there).
+PER_ENGINE_METRIC = re.compile(r"shoal_engine_(?!up$)")
 MAX_NEW_FRAMES = 24  # keeps every synthesis short on a CPU
 # The engine refuses batch-priority work outright: its real overload path (503) on demand.
 BATCH_QUEUE_LIMIT = 0
@@ -200,13 +203,14 @@ class ShoalServer:
 
     def engine_pid(self) -> int:
         """The engine process of a server started with api_workers >= 1."""
-        pids = [
-            pid
-            for pid, command in child_processes(self.process.pid).items()
-            if "shoal.engine.process" in command
-        ]
+        pids = self.engine_pids()
         assert len(pids) == 1, child_processes(self.process.pid)
         return pids[0]
+
+    def engine_pids(self) -> list[int]:
+        """The engine processes (several with --data-parallel), in no particular order."""
+        children = child_processes(self.process.pid).items()
+        return [pid for pid, command in children if "shoal.engine.process" in command]
 
     def api_pids(self) -> set[int]:
         """The API processes uvicorn runs for a server started with api_workers >= 2 (with 1, the

@@ -47,7 +47,13 @@ NOT_IN_KUBERNETES_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "a Prometheus Operator CRD: SERVICE_MONITOR_SCHEMA",
 }
 # Environment variables of the serving container that are not `shoal serve` options.
-OTHER_ENVIRONMENT = {"HF_HUB_OFFLINE": "huggingface_hub: never download; the checkpoint is on a volume"}
+OTHER_ENVIRONMENT = {
+    "HF_HUB_OFFLINE": "huggingface_hub: never download; the checkpoint is on a volume",
+    "AWS_ACCESS_KEY_ID": "boto3: the blob bucket's credentials",
+    "AWS_SECRET_ACCESS_KEY": "boto3: the blob bucket's credentials",
+    "AWS_REGION": "boto3: the bucket's region",
+    "AWS_ENDPOINT_URL_S3": "boto3: an S3-compatible server other than AWS",
+}
 # SHOAL_* names that are not SHOAL_ + the option's dest in upper case.
 ENVIRONMENT_DESTS = {"QUEUE_LIMITS": "queue_limit"}
 DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
@@ -265,6 +271,7 @@ def check_serve_variables(monkeypatch, variables: dict[str, str | None]) -> None
 def test_container_environment_names_only_serve_options(resources, container, monkeypatch) -> None:
     variables = container_environment(resources, container)
     assert set(variables) >= {"SHOAL_CHECKPOINT", "SHOAL_DATA_DIR", "SHOAL_DATABASE_URL", "SHOAL_PORT"}
+    assert variables["SHOAL_BLOB_URL"].startswith("s3://")  # pods share the database and a bucket
     assert all(isinstance(value, str) for value in variables.values())  # YAML's `on` is not "on"
     check_serve_variables(monkeypatch, variables)
 
@@ -288,9 +295,9 @@ def test_volumes_checkpoint_data_and_gpu(resources, container) -> None:
     checkpoint_volume = volumes[checkpoint_mount["name"]]["persistentVolumeClaim"]
     assert checkpoint_mount["readOnly"] is True and checkpoint_volume["readOnly"] is True
     assert claims[checkpoint_volume["claimName"]]["spec"]["accessModes"] == ["ReadOnlyMany"]
+    # The pod keeps nothing: its data directory holds only the blob cache, on an emptyDir.
     data_mount = mounts[variables["SHOAL_DATA_DIR"]]
-    data_claim = claims[volumes[data_mount["name"]]["persistentVolumeClaim"]["claimName"]]
-    assert not data_mount.get("readOnly") and data_claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert not data_mount.get("readOnly") and "emptyDir" in volumes[data_mount["name"]]
     assert variables["HF_HUB_OFFLINE"] == "1"
     for kind in ("requests", "limits"):
         assert container["resources"][kind]["nvidia.com/gpu"] == 1

@@ -166,6 +166,7 @@ class EngineServer:
             "frame_rate": engine.frame_rate,
             "model_name": engine.model_name,
             "epoch": self.epoch,
+            "pid": os.getpid(),
         }
 
     def submit(self, identity: bytes, client: ClientState, message: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shoal.engine import wire
 from shoal.engine.api import (
@@ -107,6 +108,8 @@ class RemoteEngine(Engine):
         self.frame_rate = DEFAULT_FRAME_RATE
         self.model_name = ""
         self.epoch: str | None = None
+        self.pid: int | None = None  # the engine process's
+        self.restarts = 0  # engine process restarts seen (new epochs)
         self.available = False
         self.client_id = secrets.token_hex(6)
         self._request_ids = itertools.count()
@@ -140,10 +143,15 @@ class RemoteEngine(Engine):
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)  # audio is never dropped on the way in
         socket.setsockopt(zmq.LINGER, 0)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(self.address)
         self._socket = socket
         self._last_pong = time.monotonic()
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
+        self._tasks = [
+            asyncio.create_task(self._receive()),
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._watch_connection(monitor)),
+        ]
         if not await self.wait_available(self.start_timeout):
             message = f"no engine answered at {self.address} within {self.start_timeout:.0f} s"
             if not self.require_engine_at_start:
@@ -177,6 +185,7 @@ class RemoteEngine(Engine):
         self._fail_calls(EngineUnavailable("the client stopped"))
         self.available = False
         self._socket = None
+        socket.disable_monitor()
         socket.close(linger=CLOSE_LINGER_MS)
         context, self._context = self._context, None
         if context is not None:
@@ -246,11 +255,24 @@ class RemoteEngine(Engine):
                 self._set_unavailable(f"the engine has not answered for {silent:.1f} s")
             await asyncio.sleep(self.ping_interval)
 
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """A connection the engine's side closed (its process died) makes the engine unavailable
+        at once, rather than after `unavailable_after` seconds without pongs; pongs make it
+        available again once ZeroMQ has reconnected to the restarted process."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.available:
+                    self._set_unavailable("the engine process closed its connection")
+        finally:
+            monitor.close(linger=0)
+
     def _on_pong(self, message: dict[str, Any]) -> None:
         self._last_pong = time.monotonic()
         epoch = message["epoch"]
         if self.epoch is not None and epoch != self.epoch:
             log.warning("the engine process restarted (epoch %s -> %s)", self.epoch, epoch)
+            self.restarts += 1
             self._fail_handles(EngineUnavailable("the engine process restarted and lost this request"))
             self._fail_calls(EngineUnavailable("the engine process restarted"))
         self.epoch = epoch
@@ -258,6 +280,7 @@ class RemoteEngine(Engine):
         self.sample_rate = info.get("sample_rate", self.sample_rate)
         self.frame_rate = info.get("frame_rate", self.frame_rate)
         self.model_name = info.get("model_name", self.model_name)
+        self.pid = info.get("pid", self.pid)
         self._stats = wire.decode_stats(message["stats"])
         # Requests sent before this pong's ping that the engine no longer runs, and whose end has
         # not arrived (it would have: an engine sends to a client in order), were dropped there.

@@ -25,13 +25,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.engine.api import Engine, EngineStats, EngineUnavailable
 from shoal.engine.remote import RemoteEngine
-from shoal.server import jobs, live, timestamps, tts, voices
+from shoal.engine.router import RoutedEngine
+from shoal.server import jobs, live, timestamps, tts, voices, web
 from shoal.server.auth import Principal, require_principal
 from shoal.server.errors import error_response, install_error_handlers
 from shoal.server.limits import Limiter, StreamLimiter
 from shoal.server.metrics import RequestCounterMiddleware, ServerMetrics
 from shoal.server.openapi import errors, install_openapi
-from shoal.server.schemas import Credits, Health, Package
+from shoal.server.schemas import Credits, EngineHealth, Health, Package
 from shoal.server.settings import ServerSettings
 from shoal.server.store import Store
 
@@ -135,6 +136,7 @@ def create_app(
     app.include_router(jobs.router)
     timestamps.install(app, settings)  # /v1/tts/stream/with-timestamp and the --aligner model
     app.include_router(system_router())
+    app.include_router(web.router)  # the browser pages: /, /dashboard, /voices
     return app
 
 
@@ -145,7 +147,7 @@ async def current_stats(engine: Engine) -> EngineStats:
     """The engine's stats now. An engine in another process is asked (not its last heartbeat's,
     up to half a second old and different in each API process), so that every API process
     answers alike and `pages_used` is back at `prefix_cache_pages` as soon as requests end."""
-    if isinstance(engine, RemoteEngine):
+    if isinstance(engine, RemoteEngine | RoutedEngine):
         try:
             return await asyncio.wait_for(engine.refresh_stats(), HEALTH_STATS_TIMEOUT_SECONDS)
         except TimeoutError:
@@ -154,6 +156,30 @@ async def current_stats(engine: Engine) -> EngineStats:
             ) from None
     # LocalEngine.stats() may wait for the engine's current step to end: never on the event loop.
     return await anyio.to_thread.run_sync(engine.stats)
+
+
+def engine_health(engine: RoutedEngine) -> list[EngineHealth]:
+    """Each engine's last heartbeat (at most half a second old)."""
+    engines = []
+    for status in engine.statuses():
+        stats = status.stats
+        load = (
+            {}
+            if stats is None
+            else dict(
+                running=stats.running,
+                waiting=stats.waiting,
+                pages_used=stats.pages_used,
+                prefix_cache_pages=stats.prefix_cache_pages,
+                frames_per_second=stats.frames_per_second,
+                admitting=stats.admitting,
+                admitted=stats.queue_wait_count,
+            )
+        )
+        engines.append(
+            EngineHealth(index=status.index, up=status.up, pid=status.pid, restarts=status.restarts, **load)
+        )
+    return engines
 
 
 def system_router():
@@ -180,6 +206,7 @@ def system_router():
             frames_per_second=stats.frames_per_second,
             active_streams=limiter.total,
             api_process=os.getpid(),
+            engines=engine_health(engine) if isinstance(engine, RoutedEngine) else None,
         )
 
     @router.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": PROMETHEUS}})

@@ -14,7 +14,14 @@ import dataclasses
 import logging
 import os
 
-from shoal.config import KV_CACHE_DTYPES, EngineConfig, RealtimePolicy, default_overlap_steps
+from shoal.config import (
+    KV_CACHE_DTYPES,
+    ROUTING_MODES,
+    EngineConfig,
+    RealtimePolicy,
+    RoutingPolicy,
+    default_overlap_steps,
+)
 from shoal.server.keys_cli import add_storage_arguments
 from shoal.server.settings import ServerSettings
 from shoal.tuning import ENV_PREFIX, environment
@@ -57,7 +64,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"and the API in this one process. auto (default): min({MAX_DEFAULT_API_WORKERS}, cores) when the "
         "engine runs on a GPU, 0 on the CPU",
     )
+    parser.add_argument(
+        "--gpus",
+        type=gpu_list,
+        default=gpu_list(env("GPUS") or "") or None,
+        metavar="0,1,...",
+        help="one engine process per listed GPU (CUDA device indices) behind the same API processes; "
+        "requests are routed by voice and capacity (--routing). default: one engine",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        type=int,
+        default=int(env("DATA_PARALLEL") or 0) or None,
+        metavar="N",
+        help="N engine processes: on GPUs 0..N-1 (or those of --gpus), or N CPU engines without a GPU",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTING_MODES,
+        default=env("ROUTING", RoutingPolicy.mode),
+        help="with several engines: voice (default: a voice's requests stay on one engine while it has "
+        "headroom, else the engine with the most capacity), capacity (always the most capacity), "
+        "random (the A/B baseline)",
+    )
     add_storage_arguments(parser)
+    parser.add_argument(
+        "--blob-url",
+        type=blob_url,
+        default=env("BLOB_URL") or None,
+        metavar="URL",
+        help="where voice audio and job outputs live: a directory (default: DATA_DIR/blobs), or "
+        "s3://bucket[/prefix] for pods that share nothing but the database and the bucket "
+        "(credentials, region and endpoint from the standard AWS_* variables; a disk cache in "
+        "DATA_DIR/blob-cache, bounded by ?cache_mb=N, default 2048)",
+    )
     parser.add_argument(
         "--no-auth", action="store_true", default=env_flag("NO_AUTH"), help="accept requests without a key"
     )
@@ -112,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=float(env("LIVE_IDLE_TIMEOUT") or DEFAULTS.live_idle_timeout),
         help="seconds of client silence, with nothing left to synthesize, before a live session ends",
+    )
+    parser.add_argument(
+        "--job-lease-seconds",
+        type=float,
+        default=float(env("JOB_LEASE_SECONDS") or DEFAULTS.job_lease_seconds),
+        help="servers sharing a database (--database-url) each run the bulk jobs they hold a lease on; "
+        "a dead server's jobs resume on another after this long",
     )
     parser.add_argument(
         "--queue-limit",
@@ -206,6 +253,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PRIORITY_NAMES = ("realtime", "standard", "batch")
 
 
+def gpu_list(text: str) -> list[str]:
+    """`--gpus 0,1` -> ["0", "1"]: distinct CUDA device indices."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not all(item.isdigit() for item in items) or len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"expected distinct GPU indices like 0,1: {text!r}")
+    return items
+
+
+def engine_gpus(args: argparse.Namespace) -> list[str | None]:
+    """One entry per engine process: the GPU it sees alone, or None (one engine as this process
+    sees the devices, or a CPU engine)."""
+    count = args.data_parallel
+    if count is not None and count < 1:
+        raise SystemExit("--data-parallel must be at least 1")
+    if args.gpus:
+        if count is not None and count != len(args.gpus):
+            raise SystemExit(f"--data-parallel {count} does not match --gpus {','.join(args.gpus)}")
+        if args.device is not None and not args.device.startswith("cuda"):
+            raise SystemExit(f"--gpus needs a GPU engine, not --device {args.device}")
+        return list(args.gpus)
+    if count is None or count == 1:
+        return [None]
+    if engine_on_gpu(args.device):
+        return [str(index) for index in range(count)]
+    return [None] * count
+
+
 def api_worker_count(text: str) -> int | None:
     """`--api-workers`: a count >= 0, or None for "auto"."""
     if text.strip().lower() == "auto":
@@ -213,6 +287,31 @@ def api_worker_count(text: str) -> int | None:
     if not text.strip().isdigit():
         raise argparse.ArgumentTypeError(f"expected a number of processes or 'auto': {text!r}")
     return int(text)
+
+
+def blob_url(text: str) -> str:
+    """`--blob-url`: its form is checked here, before anything starts (the bucket itself by
+    `blob_storage_usable`)."""
+    from shoal.server.blobs import BlobStoreError, parse_blob_url
+
+    try:
+        parse_blob_url(text)
+    except BlobStoreError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text.strip()
+
+
+def blob_storage_usable(args: argparse.Namespace) -> bool:
+    """Open the blob storage once before the engine loads: a bucket that is missing or refused
+    stops `shoal serve` at once, with the reason, instead of after the warm-up."""
+    from shoal.server.blobs import BlobStoreError, blob_store_for
+
+    try:
+        blob_store_for(args.blob_url, args.data_dir).close()
+    except BlobStoreError as error:
+        log.error("blob storage: %s", error)
+        return False
+    return True
 
 
 def aligner_directory(text: str) -> str:
@@ -305,13 +404,20 @@ def engine_on_gpu(device: str | None) -> bool:
     return torch.cuda.is_available()
 
 
-def api_workers(args: argparse.Namespace) -> int:
-    """`--api-workers`, or its default (see the module's docstring)."""
+def api_workers(args: argparse.Namespace, engines: int = 1) -> int:
+    """`--api-workers`, or its default (see the module's docstring); at least one beside
+    several engines (they live in processes of their own)."""
     if args.api_workers is not None:
-        return args.api_workers
-    if engine_on_gpu(args.device):
-        return min(MAX_DEFAULT_API_WORKERS, os.cpu_count() or 1)
-    return 0
+        workers = args.api_workers
+    elif engine_on_gpu(args.device):
+        workers = min(MAX_DEFAULT_API_WORKERS, os.cpu_count() or 1)
+    else:
+        workers = 0
+    if engines > 1 and workers == 0:
+        if args.api_workers == 0:
+            log.warning("--api-workers 0 cannot hold %d engines: running one API process", engines)
+        return 1
+    return workers
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -325,6 +431,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_new_frames=args.max_new_frames,
         live_start_timeout=args.live_start_timeout,
         live_idle_timeout=args.live_idle_timeout,
+        job_lease_seconds=args.job_lease_seconds,
         aligner=args.aligner,
     )
 
@@ -335,15 +442,26 @@ def run(args: argparse.Namespace) -> int:
     )
     settings = server_settings(args)
     log.info("data directory: %s", args.data_dir)
-    workers = api_workers(args)
+    if not blob_storage_usable(args):
+        return 1
+    gpus = engine_gpus(args)
+    workers = api_workers(args, len(gpus))
     if workers > 0:
         from shoal.server.workers import serve_split
 
+        spec = engine_spec(args)
+        if gpus[0] is not None:
+            spec = dataclasses.replace(spec, device="cuda")
+        elif len(gpus) > 1:  # CPU engines share the cores
+            spec = dataclasses.replace(spec, torch_threads=max(1, (os.cpu_count() or 1) // len(gpus)))
         return serve_split(
-            engine_spec(args),
+            spec,
+            engine_gpus=gpus,
+            routing={"mode": args.routing},
             api_workers=workers,
             data_dir=args.data_dir,
             database_url=args.database_url,
+            blob_url=args.blob_url,
             settings=dataclasses.asdict(settings),
             host=args.host,
             port=args.port,
@@ -361,7 +479,7 @@ def serve_in_process(args: argparse.Namespace, settings: ServerSettings) -> int:
     from shoal.server.store import Store
     from shoal.server.workers import jobs_lock_path
 
-    store = Store.in_directory(args.data_dir, args.database_url)
+    store = Store.in_directory(args.data_dir, args.database_url, args.blob_url)
     engine = build_engine(args)
     app = create_app(engine, store, settings, jobs_lock=jobs_lock_path(args.data_dir))
     uvicorn.run(

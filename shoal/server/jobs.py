@@ -10,11 +10,18 @@ break a running job). `EngineOverloaded` means "the batch queue is full, come ba
 backoff (its partial audio dropped), it does not fail. Each job runs at most `job_concurrency`
 engine requests at once, and all jobs together at most `jobs_max_concurrency`.
 
-One process runs the jobs, however many API processes serve the routes: the one holding an
-exclusive `flock` on the data directory's `jobs.lock` (`JobLeadership`). The others try to take
-it every few seconds, so when the runner's process dies (the kernel drops its lock) another
-takes over and resumes its jobs. The runner learns of jobs created or cancelled in other
+One process per data directory runs jobs, however many API processes serve the routes: the one
+holding an exclusive `flock` on the data directory's `jobs.lock` (`JobLeadership`). The others
+try to take it every few seconds, so when the runner's process dies (the kernel drops its lock)
+another takes over and resumes its jobs. The runner learns of jobs created or cancelled in other
 processes by reading the database every `POLL_SECONDS`.
+
+Servers with data directories of their own sharing one database (pods) split the jobs: a runner
+works only on jobs it holds a lease on in the database (`Store.claim_job`), at most as many as
+its engine slots can run at once, renews the leases while it works, and stops a job whose lease
+another runner took over. A server that dies stops renewing; once its leases run out
+(`job_lease_seconds`) the other servers take its jobs and resume them at their first unfinished
+item.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import collections
 import fcntl
 import logging
 import os
+import secrets
+import socket
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -115,6 +125,11 @@ class JobRunner:
         self.store = store
         self.settings = settings
         self.leadership = leadership or JobLeadership(None)
+        self.runner_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # Jobs held at once: as many as the engine slots run together, so that other servers
+        # sharing the database take the rest.
+        self.max_jobs = max(1, settings.jobs_max_concurrency // max(1, settings.job_concurrency))
+        self._renewed_at = 0.0
         self._slots = asyncio.Semaphore(settings.jobs_max_concurrency)
         self._tasks: dict[str, asyncio.Task] = {}
         self._leading: asyncio.Task | None = None
@@ -149,21 +164,32 @@ class JobRunner:
             await asyncio.sleep(POLL_SECONDS)
 
     async def _follow_database(self) -> None:
-        """Run the active jobs not running here (new, resumed, or created by another process)
-        and stop the running ones no longer active (cancelled by another process)."""
+        """Renew the leases of the jobs running here and stop the ones lost; run the active jobs
+        not running here (new, resumed, or created by another process) while there is room; stop
+        the running ones no longer active (cancelled by another process)."""
         running = set(self._tasks)  # before the query: a job launched meanwhile is not "gone"
+        lease = self.settings.job_lease_seconds
+        if running and time.monotonic() - self._renewed_at >= lease / 3:
+            held = await anyio.to_thread.run_sync(self.store.renew_job_leases, self.runner_id, running, lease)
+            self._renewed_at = time.monotonic()
+            for job_id in running - held:
+                log.warning("job %s was taken over by another server: stopping it here", job_id)
+                self._stop_task(job_id)
         active = await anyio.to_thread.run_sync(self.store.active_job_ids)
         for job_id in active:
             self.launch(job_id)
         for job_id in running - set(active):
-            task = self._tasks.get(job_id)
-            if task is not None:
-                task.cancel()
+            self._stop_task(job_id)
+
+    def _stop_task(self, job_id: str) -> None:
+        task = self._tasks.get(job_id)
+        if task is not None:
+            task.cancel()
 
     def launch(self, job_id: str) -> None:
-        """Run the job now if this process is the runner (else the runner finds it in the
-        database within `POLL_SECONDS`)."""
-        if not self.leading or job_id in self._tasks:
+        """Run the job now if this process is the runner, has room and gets the job's lease
+        (else a runner finds it in the database within `POLL_SECONDS` once one has room)."""
+        if not self.leading or job_id in self._tasks or len(self._tasks) >= self.max_jobs:
             return
         task = asyncio.create_task(self._run(job_id), name=f"job-{job_id}")
         self._tasks[job_id] = task
@@ -179,6 +205,17 @@ class JobRunner:
             await asyncio.wait([task])
 
     async def _run(self, job_id: str) -> None:
+        """Run the job if its lease is ours; give the lease back however it ends."""
+        lease = self.settings.job_lease_seconds
+        if not await anyio.to_thread.run_sync(self.store.claim_job, job_id, self.runner_id, lease):
+            return  # another server runs it
+        try:
+            await self._run_claimed(job_id)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.store.release_job, job_id, self.runner_id)
+
+    async def _run_claimed(self, job_id: str) -> None:
         try:
             job = await anyio.to_thread.run_sync(self.store.get_job, job_id)
             if job is None or not await anyio.to_thread.run_sync(

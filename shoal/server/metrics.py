@@ -20,6 +20,7 @@ from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.engine.api import QUEUE_WAIT_BUCKETS, Engine, EngineStats, EngineUnavailable
+from shoal.engine.router import EngineStatus, RoutedEngine
 
 TTFA_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
@@ -46,6 +47,66 @@ class EngineCollector(Collector):
         yield gauge("shoal_active_streams", "Open synthesis streams", self.active_streams())
         if stats is not None:
             yield from engine_metrics(stats)
+        if isinstance(self.engine, RoutedEngine):
+            yield from per_engine_metrics(self.engine.statuses())
+
+
+def per_engine_metrics(statuses: list[EngineStatus]) -> Iterator[Metric]:
+    """With several engines (`--gpus`): the load of each, labelled `engine` (its place in
+    --gpus), beside the totals above."""
+    engine_label = ["engine"]
+    families = {
+        "up": GaugeMetricFamily("shoal_engine_process_up", "Whether it answers", labels=engine_label),
+        "restarts": CounterMetricFamily(
+            "shoal_engine_restarts", "Engine process restarts this API process saw", labels=engine_label
+        ),
+        "running": GaugeMetricFamily(
+            "shoal_engine_running_batch_size", "Requests in this engine's decode batch", labels=engine_label
+        ),
+        "waiting": GaugeMetricFamily(
+            "shoal_engine_queue_depth", "Requests waiting in this engine", labels=["engine", "priority"]
+        ),
+        "pages": GaugeMetricFamily(
+            "shoal_engine_kv_pages_used", "This engine's KV pages in use", labels=engine_label
+        ),
+        "prefix": GaugeMetricFamily(
+            "shoal_engine_prefix_cache_pages", "This engine's voice prefix pages", labels=engine_label
+        ),
+        "fps": GaugeMetricFamily(
+            "shoal_engine_frames_per_second", "Frames per second this engine generates", labels=engine_label
+        ),
+        "admitting": GaugeMetricFamily(
+            "shoal_engine_admitting", "Whether this engine admits new streams now", labels=engine_label
+        ),
+        "headroom": GaugeMetricFamily(
+            "shoal_engine_min_headroom_seconds",
+            "Least audio buffered by a listener of this engine",
+            labels=engine_label,
+        ),  # fmt: skip
+        "underruns": CounterMetricFamily(
+            "shoal_engine_streams_underrun",
+            "This engine's streams whose listener heard a gap",
+            labels=engine_label,
+        ),  # fmt: skip
+    }
+    for status in statuses:
+        engine = str(status.index)
+        families["up"].add_metric([engine], int(status.up))
+        families["restarts"].add_metric([engine], status.restarts)
+        stats = status.stats
+        if stats is None:
+            continue
+        families["running"].add_metric([engine], stats.running)
+        for priority, depth in sorted(stats.waiting.items()):
+            families["waiting"].add_metric([engine, priority], depth)
+        families["pages"].add_metric([engine], stats.pages_used)
+        families["prefix"].add_metric([engine], stats.prefix_cache_pages)
+        families["fps"].add_metric([engine], stats.frames_per_second)
+        families["admitting"].add_metric([engine], int(stats.admitting))
+        if stats.min_headroom_seconds is not None:
+            families["headroom"].add_metric([engine], stats.min_headroom_seconds)
+        families["underruns"].add_metric([engine], stats.streams_underrun)
+    yield from families.values()
 
 
 def engine_metrics(stats: EngineStats) -> Iterator[Metric]:

@@ -258,6 +258,22 @@ class Package(BaseModel):
     finished_at: str
 
 
+class EngineHealth(BaseModel):
+    """One engine process of several (`shoal serve --gpus`)."""
+
+    index: int  # its place in --gpus
+    up: bool  # answers now; while False its requests fail with 503 and it is restarting
+    pid: int | None = None
+    restarts: int = 0  # restarts the answering API process has seen
+    running: int = 0
+    waiting: dict[str, int] = {}
+    pages_used: int = 0
+    prefix_cache_pages: int = 0
+    frames_per_second: float = 0.0
+    admitting: bool = False
+    admitted: int = 0  # requests it has admitted since it started
+
+
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
     model: str
@@ -270,6 +286,7 @@ class Health(BaseModel):
     frames_per_second: float
     active_streams: int  # in every API process of the server
     api_process: int  # the process id of the API process that answered (--api-workers N: one of N)
+    engines: list[EngineHealth] | None = None  # per engine, with several (the fields above: all)
 
 
 # ---- bulk jobs ------------------------------------------------------------------------------

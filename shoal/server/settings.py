@@ -28,6 +28,9 @@ class ServerSettings:
     max_jobs_per_tenant: int = 16
     job_concurrency: int = 2
     jobs_max_concurrency: int = 8
+    # How long a server's claim on a job lasts without renewal (renewed every third of it while it
+    # runs): when servers share a database, a dead server's jobs move to another after this.
+    job_lease_seconds: float = 30.0
     # A local CTC model directory (wav2vec2-style) for word timestamps on
     # /v1/tts/stream/with-timestamp (server/alignment.py); None: text-chunk timings only.
     aligner: str | None = None

@@ -1,16 +1,14 @@
 """Durable state: API keys, voices and bulk jobs in SQL (SQLite by default, any SQLAlchemy URL works), voice
-audio and codec codes as blobs in a local directory. Nothing lives only in memory, so a restart
-loses nothing.
+audio, codec codes and job audio as blobs (`blobs.py`: a local directory by default, or an
+S3-compatible bucket with a disk cache). Nothing lives only in memory, so a restart loses nothing.
 
-All methods are synchronous (SQLAlchemy + file IO); async routes call them in a worker thread.
+All methods are synchronous (SQLAlchemy + file or S3 IO); async routes call them in a worker thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import io
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,16 +24,24 @@ from sqlalchemy import (
     String,
     Text,
     create_engine,
+    delete,
     func,
+    or_,
     select,
     update,
 )
+from sqlalchemy import text as sql_text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
+from shoal.server.blobs import BlobStore, blob_store_for
+
 # Blobs younger than this are never swept: their rows may be about to commit.
 ORPHAN_GRACE_SECONDS = 300.0
+# PostgreSQL advisory lock taken while the tables are created: pods starting together on an
+# empty database would otherwise race to create the same tables (and fail on a unique index).
+SCHEMA_LOCK_ID = 0x5348_4F41_4C00  # "SHOAL"
 
 
 def utc_now() -> dt.datetime:
@@ -142,52 +148,20 @@ class JobItemRow(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
+class JobLeaseRow(Base):
+    """Which job runner works on a job, and until when. Servers sharing the database (pods) each
+    run the jobs they hold a lease on and renew it while they work; a runner that died stops
+    renewing, and another takes the job over once the lease has run out, resuming at its first
+    unfinished item. A table of its own, so that databases made before it only gain a table."""
+
+    __tablename__ = "job_leases"
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    runner: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+
+
 class VoiceExistsError(ValueError):
     """A voice with this id exists already (the id is the name in fish-speech's routes)."""
-
-
-class BlobStore:
-    """Opaque byte blobs under one directory, addressed by relative keys like `voices/<id>/0.npy`."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        if self.root.resolve() not in path.parents:
-            raise ValueError(f"blob key escapes the blob directory: {key!r}")
-        return path
-
-    def put(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(path.suffix + ".tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, path)  # atomic: a crash never leaves half a blob
-
-    def get(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
-
-    def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
-
-    def sweep(self, keep: set[str], older_than: float) -> int:
-        """Delete every file not named in `keep` (a key, or a `.tmp` left by a crashed `put`)
-        last written before `older_than` (a `time.time()`), then the directories left empty;
-        returns the files deleted. Younger files may belong to a write whose row is about to
-        commit (in this process or another sharing the directory)."""
-        removed = 0
-        for path in sorted(self.root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            if path.is_dir():
-                with contextlib.suppress(OSError):  # not empty
-                    path.rmdir()
-                continue
-            key = path.relative_to(self.root).as_posix()
-            if key not in keep and path.stat().st_mtime < older_than:
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
 
 
 def codes_to_bytes(codes: np.ndarray) -> bytes:
@@ -220,24 +194,38 @@ def database_url_for(url: str) -> str:
 
 
 class Store:
-    """The SQL database and the blob directory behind keys and voices."""
+    """The SQL database and the blob store behind keys, voices and jobs."""
 
-    def __init__(self, database_url: str, blob_root: Path) -> None:
+    def __init__(self, database_url: str, blobs: BlobStore) -> None:
         database_url = database_url_for(database_url)
         connect_args = {"check_same_thread": False} if database_url.startswith("sqlite") else {}
         self.engine = create_engine(database_url, connect_args=connect_args, pool_pre_ping=True)
-        Base.metadata.create_all(self.engine)
+        with self.engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                connection.execute(sql_text("SELECT pg_advisory_xact_lock(:id)"), {"id": SCHEMA_LOCK_ID})
+            Base.metadata.create_all(connection)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self.blobs = BlobStore(blob_root)
+        self.blobs = blobs
 
     @classmethod
-    def in_directory(cls, data_dir: Path, database_url: str | None = None) -> Store:
+    def in_directory(
+        cls, data_dir: Path, database_url: str | None = None, blob_url: str | None = None
+    ) -> Store:
+        """The store of a data directory: its SQLite file unless `database_url` names another
+        database, its `blobs/` directory unless `blob_url` names other blob storage
+        (`blobs.blob_store_for`; an S3 bucket keeps its disk cache in the data directory)."""
         data_dir.mkdir(parents=True, exist_ok=True)
         url = database_url or f"sqlite:///{data_dir / 'shoal.db'}"
-        return cls(url, data_dir / "blobs")
+        blobs = blob_store_for(blob_url, data_dir)
+        try:
+            return cls(url, blobs)
+        except BaseException:
+            blobs.close()
+            raise
 
     def close(self) -> None:
         self.engine.dispose()
+        self.blobs.close()
 
     # ---- API keys -------------------------------------------------------------------------
 
@@ -552,6 +540,40 @@ class Store:
         with self.sessions() as session:
             return list(session.scalars(query))
 
+    def claim_job(self, job_id: str, runner: str, seconds: float) -> bool:
+        """Take (or keep) the job's lease for `seconds` if no other runner holds a live one."""
+        now = utc_now()
+        until = now + dt.timedelta(seconds=seconds)
+        takeover = update(JobLeaseRow).where(
+            JobLeaseRow.job_id == job_id, or_(JobLeaseRow.runner == runner, JobLeaseRow.expires_at < now)
+        )
+        with self.sessions.begin() as session:
+            if session.execute(takeover.values(runner=runner, expires_at=until)).rowcount > 0:
+                return True
+        try:
+            with self.sessions.begin() as session:
+                session.add(JobLeaseRow(job_id=job_id, runner=runner, expires_at=until))
+        except IntegrityError:  # another runner's lease, live (or one it took just now)
+            return False
+        return True
+
+    def renew_job_leases(self, runner: str, job_ids: set[str], seconds: float) -> set[str]:
+        """Extend this runner's leases on `job_ids`; returns the ones it still holds (a lease that
+        ran out and was taken over is lost: the runner must stop that job)."""
+        if not job_ids:
+            return set()
+        held = (JobLeaseRow.runner == runner, JobLeaseRow.job_id.in_(job_ids))
+        with self.sessions.begin() as session:
+            until = utc_now() + dt.timedelta(seconds=seconds)
+            session.execute(update(JobLeaseRow).where(*held).values(expires_at=until))
+            return set(session.scalars(select(JobLeaseRow.job_id).where(*held)))
+
+    def release_job(self, job_id: str, runner: str) -> None:
+        with self.sessions.begin() as session:
+            session.execute(
+                delete(JobLeaseRow).where(JobLeaseRow.job_id == job_id, JobLeaseRow.runner == runner)
+            )
+
     def set_job_status(
         self, job_id: str, status: str, error: str | None = None, only_if_active: bool = True
     ) -> bool:
@@ -574,7 +596,7 @@ class Store:
     ) -> None:
         """Checkpoint one item: its audio blob first, then (one transaction) the item and the
         job's totals, so a crash between the two leaves the item pending, never half recorded."""
-        key = f"jobs/{job_id}/{position}-{uuid.uuid4().hex[:8]}.{extension}"
+        key = f"jobs/{job_id}/{position}-{uuid.uuid4().hex}.{extension}"  # a retry never reuses a key
         self.blobs.put(key, audio)
         item_done = update(JobItemRow).where(
             JobItemRow.job_id == job_id, JobItemRow.position == position, JobItemRow.status != "done"

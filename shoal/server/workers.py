@@ -1,15 +1,17 @@
 """`shoal serve --api-workers N`: the engine in a process of its own and N API processes.
 
   main process   reads the options, creates the tables and sweeps orphan blobs once, starts the
-                 engine process (`EngineSupervisor`: restarted whenever it dies), then runs
-                 uvicorn's own multiprocess supervisor with N API processes (restarted whenever
-                 one dies); on exit it stops the API processes, then the engine.
+                 engine process, one per GPU with `--gpus` (`EngineSupervisor`: restarted
+                 whenever it dies), then runs uvicorn's own multiprocess supervisor with N API
+                 processes (restarted whenever one dies); on exit it stops the API processes,
+                 then the engines.
   engine         `python -m shoal.engine.process`: scheduler, GPU loop, vocoder; no web imports.
   API processes  `create_worker_app`: HTTP, WebSocket, auth, database, format encoding (mp3 and
-                 opus run here, in parallel), each with a `RemoteEngine` to the engine process.
+                 opus run here, in parallel), each with a `RemoteEngine` to the engine process
+                 (several: a `RoutedEngine` over them, `engine/router.py`).
 
 What the processes share lives in a runtime directory the main process creates and removes: the
-engine's ipc socket, the stream slots' lock files (`limits.SharedStreamLimiter`) and
+engines' ipc sockets, the stream slots' lock files (`limits.SharedStreamLimiter`) and
 prometheus_client's multiprocess files. The job runner's lock is `jobs.lock` in the data
 directory, so one process runs the jobs of a data directory (`jobs.JobLeadership`).
 
@@ -28,6 +30,8 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,14 +59,16 @@ PARENT_CHECK_SECONDS = 0.5
 class ApiWorkerConfig:
     """What every API process needs, as JSON (it crosses a process boundary)."""
 
-    engine_address: str
+    engine_addresses: list[str]  # one engine process per GPU (`--gpus`), in order
     runtime_dir: str
     data_dir: str
     database_url: str | None = None
+    blob_url: str | None = None  # `--blob-url`; None: the data directory's blobs/
     settings: dict[str, Any] = field(default_factory=dict)  # ServerSettings fields
     log_level: str = "info"
     api_workers: int = 1
     main_pid: int = 0  # the `shoal serve` process: an API process stops when it is gone
+    routing: dict[str, Any] = field(default_factory=dict)  # RoutingPolicy fields, several engines
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -101,7 +107,9 @@ def stop_when_parent_dies(parent: int) -> None:
 
 def create_worker_app() -> FastAPI:
     """One API process's app (uvicorn's factory): its config comes from the environment."""
+    from shoal.config import RoutingPolicy
     from shoal.engine.remote import RemoteEngine
+    from shoal.engine.router import RoutedEngine
     from shoal.server.app import create_app
     from shoal.server.limits import SharedStreamLimiter
     from shoal.server.settings import ServerSettings
@@ -118,12 +126,14 @@ def create_worker_app() -> FastAPI:
         stop_when_parent_dies(config.main_pid)
     settings = ServerSettings(**config.settings)
     data_dir = Path(config.data_dir)
-    engine = RemoteEngine(
-        config.engine_address, start_timeout=WORKER_ENGINE_WAIT_SECONDS, require_engine_at_start=False
-    )
+    engines = [
+        RemoteEngine(address, start_timeout=WORKER_ENGINE_WAIT_SECONDS, require_engine_at_start=False)
+        for address in config.engine_addresses
+    ]
+    engine = engines[0] if len(engines) == 1 else RoutedEngine(engines, RoutingPolicy(**config.routing))
     return create_app(
         engine,
-        Store.in_directory(data_dir, config.database_url),
+        Store.in_directory(data_dir, config.database_url, config.blob_url),
         settings,
         limiter=SharedStreamLimiter(config.streams_dir, settings.max_streams_per_key),
         metrics_dir=config.metrics_dir,
@@ -132,24 +142,59 @@ def create_worker_app() -> FastAPI:
     )
 
 
+def engine_environment(gpu: str | None) -> dict[str, str] | None:
+    """An engine process's environment: this one's, with only its GPU visible (so that CUDA
+    graphs, Triton and torch's current device are that GPU's without any device index)."""
+    if gpu is None:
+        return None
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+
+
+def start_engines(supervisors: list[EngineSupervisor]) -> None:
+    """Start every engine process at once (each loads and warms up for a while); raises the
+    first EngineNotReady after stopping the ones that did start."""
+    with ThreadPoolExecutor(max_workers=len(supervisors)) as pool:
+        outcomes = list(pool.map(lambda supervisor: _started(supervisor), supervisors))
+    failures = [outcome for outcome in outcomes if outcome is not None]
+    if failures:
+        for supervisor in supervisors:
+            supervisor.stop()
+        raise failures[0]
+
+
+def _started(supervisor: EngineSupervisor) -> EngineNotReady | None:
+    try:
+        supervisor.start()
+    except EngineNotReady as error:
+        return error
+    return None
+
+
 def serve_split(
     spec: EngineSpec,
     *,
+    engine_gpus: Sequence[str | None] = (None,),
+    routing: dict[str, Any] | None = None,
     api_workers: int,
     data_dir: Path,
     database_url: str | None,
+    blob_url: str | None = None,
     settings: dict[str, Any],
     host: str,
     port: int,
     ws_max_size: int,
     log_level: str,
 ) -> int:
-    """Run the engine process and `api_workers` API processes until SIGINT or SIGTERM."""
+    """Run one engine process per entry of `engine_gpus` (a CUDA_VISIBLE_DEVICES value, or
+    None: as this process sees the devices) and `api_workers` API processes until SIGINT or
+    SIGTERM. With several engines the API processes route between them (`routing`: the
+    RoutingPolicy's fields)."""
     import uvicorn
 
     from shoal.server.store import Store
 
-    store = Store.in_directory(data_dir, database_url)  # the tables exist before N processes open them
+    # The tables exist (and the bucket is known usable) before N processes open them.
+    store = Store.in_directory(data_dir, database_url, blob_url)
     try:
         removed = store.sweep_orphan_blobs()
         if removed:
@@ -159,30 +204,36 @@ def serve_split(
     runtime = Path(tempfile.mkdtemp(prefix="shoal-serve-"))
     try:
         config = ApiWorkerConfig(
-            engine_address=f"ipc://{runtime / 'engine.sock'}",
+            engine_addresses=[f"ipc://{runtime / f'engine-{i}.sock'}" for i in range(len(engine_gpus))],
             runtime_dir=str(runtime),
             data_dir=str(data_dir),
             database_url=database_url,
+            blob_url=blob_url,
             settings=settings,
             log_level=log_level,
             api_workers=api_workers,
             main_pid=os.getpid(),
+            routing=dict(routing or {}),
         )
         config.metrics_dir.mkdir()
         os.environ[MULTIPROC_VARIABLE] = str(config.metrics_dir)
         os.environ[ENV_PREFIX + WORKER_CONFIG_VARIABLE] = config.to_json()
-        supervisor = EngineSupervisor(dataclasses.replace(spec, address=config.engine_address))
-        log.info("starting the engine process")
+        supervisors = [
+            EngineSupervisor(dataclasses.replace(spec, address=address), env=engine_environment(gpu))
+            for address, gpu in zip(config.engine_addresses, engine_gpus, strict=True)
+        ]
+        log.info("starting %d engine process(es)", len(supervisors))
         try:
-            supervisor.start()
+            start_engines(supervisors)
         except EngineNotReady as error:
-            log.error("the engine process did not start: %s", error)
+            log.error("an engine process did not start: %s", error)
             return 1
         # uvicorn re-raises the SIGTERM it handled once it has shut down (with one API process it
         # runs in this one): as Ctrl+C, so that the engine is stopped and the directory removed.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
-            log.info("engine process %d ready; starting %d API processes", supervisor.pid, api_workers)
+            pids = ", ".join(str(supervisor.pid) for supervisor in supervisors)
+            log.info("engine process(es) %s ready; starting %d API processes", pids, api_workers)
             uvicorn.run(
                 APP_FACTORY,
                 factory=True,
@@ -196,7 +247,8 @@ def serve_split(
         except KeyboardInterrupt:
             pass
         finally:
-            supervisor.stop()
+            with ThreadPoolExecutor(max_workers=len(supervisors)) as pool:
+                list(pool.map(EngineSupervisor.stop, supervisors))
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     return 0
