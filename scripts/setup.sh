@@ -32,10 +32,19 @@ ensure_chromium() {
     { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $install >/dev/null; } ||
     echo "could not install chromium: the browser tests will fail" >&2
 }
-[ "$MODE" = "test" ] && ensure_chromium
+# In the background, beside pip; waited for before this script ends.
+chromium_pid=
+if [ "$MODE" = "test" ]; then
+  ensure_chromium &
+  chromium_pid=$!
+fi
+wait_for_chromium() {
+  if [ -n "$chromium_pid" ]; then wait "$chromium_pid" || true; fi
+}
 
 FINGERPRINT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$FINGERPRINT" ]; then
+  wait_for_chromium
   exit 0
 fi
 if [ ! -x .venv/bin/python ]; then
@@ -44,17 +53,19 @@ fi
 . .venv/bin/activate
 echo "setting up .venv ($MODE); later runs skip this while pyproject.toml is unchanged" >&2
 python -m pip install -q --upgrade pip
+# --no-compile: modules are byte-compiled when first imported instead of all at install.
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  python -m pip install -q "torch==2.13.0" "triton==3.6.0"
+  python -m pip install -q --no-compile "torch==2.13.0" "triton==3.6.0"
 fi
 if [ "$MODE" = "test" ]; then
-  python -m pip install -q -e ".[test]"
+  python -m pip install -q --no-compile -e ".[test]"
   # The S1-era reference implementation, used only as a parity oracle in the tests.
-  python -m pip install -q --no-deps "fish-speech==0.1.0"
+  python -m pip install -q --no-compile --no-deps "fish-speech==0.1.0"
 else
-  python -m pip install -q -e .
+  python -m pip install -q --no-compile -e .
 fi
 echo "$FINGERPRINT" > "$STAMP"
 # A test setup includes everything the server needs.
 [ "$MODE" = "test" ] && echo "$FINGERPRINT" > .venv/.shoal-setup-serve
+wait_for_chromium
 exit 0

@@ -112,6 +112,7 @@ def test_an_engine_killed_mid_run_fails_only_its_streams_and_comes_back(server):
     server.wait_healthy()
     client_headers = headers(server)
     outcomes: dict[int, str] = {}
+    streaming = [threading.Event(), threading.Event()]
 
     def long_stream(slot: int) -> None:
         try:
@@ -120,7 +121,7 @@ def test_an_engine_killed_mid_run_fails_only_its_streams_and_comes_back(server):
             ) as response:
                 assert response.status_code == 200
                 for _ in response.iter_raw():
-                    pass
+                    streaming[slot].set()  # audio came: a lost engine now cuts this stream
             outcomes[slot] = "whole"
         except httpx.RemoteProtocolError:
             outcomes[slot] = "cut"
@@ -129,6 +130,7 @@ def test_an_engine_killed_mid_run_fails_only_its_streams_and_comes_back(server):
     for thread in threads:
         thread.start()
     wait_for(lambda: all(engine["running"] >= 1 for engine in engines(server)), 60, "running on both engines")
+    assert all(event.wait(60) for event in streaming)
     job_headers = {"Authorization": f"Bearer {server.key_a}"}
     items = [{"id": f"line-{n}", "text": ITEM_TEXT.format(n=n)} for n in range(JOB_ITEMS)]
     job = {"items": items, "text": "", "format": "pcm", "chunk_length": 100, "seed": 3}

@@ -12,9 +12,11 @@ import pytest
 
 from shoal.config import RoutingPolicy
 from shoal.engine.api import (
+    AudioChunk,
     Engine,
     EngineStats,
     EngineUnavailable,
+    FinishReason,
     QueuedHandle,
     RequestHandle,
     SynthesisRequest,
@@ -37,6 +39,12 @@ def stats(running: int = 0, waiting: int = 0, *, admitting: bool = True, **field
 
 
 class SentHandle(QueuedHandle):
+    """What the test says the engine sends back: chunks, then a finish reason or an error."""
+
+    def deliver_all(self, *items) -> None:
+        for item in items:
+            self._queue.put_nowait(item)
+
     async def aclose(self) -> None:
         pass
 
@@ -52,6 +60,7 @@ class LoadedEngine(Engine):
         self.snapshot = snapshot or stats()
         self.up = True
         self.submitted: list[SynthesisRequest] = []
+        self.handles: list[SentHandle] = []
         self.aborted: list[str] = []
         self.prefilled = 0
 
@@ -65,7 +74,8 @@ class LoadedEngine(Engine):
         if not self.up:
             raise EngineUnavailable("down")
         self.submitted.append(request)
-        return SentHandle()
+        self.handles.append(SentHandle())
+        return self.handles[-1]
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -219,3 +229,43 @@ def test_combined_stats_sum_counts_and_keep_the_worst_stream():
     assert combined.min_headroom_seconds == 0.8 and combined.streams_underrun == 1
     assert combined.queue_wait_count == 6 and combined.queue_wait_buckets == (1, 3, 6)
     assert combine_stats([first]) is first
+
+
+def chunk(value: float) -> AudioChunk:
+    return AudioChunk(samples=np.full(4, value, dtype=np.float32), sample_rate=44100)
+
+
+async def received(handle: RequestHandle) -> list[float]:
+    return [float(item.samples[0]) async for item in handle]
+
+
+def test_a_request_whose_engine_is_lost_before_its_first_audio_goes_to_another():
+    async def scenario() -> None:
+        engines = [LoadedEngine(), LoadedEngine()]
+        router = routed(engines, mode="capacity")
+        handle = router.submit(request())
+        lost = engines[0].handles[0]
+        lost.deliver_all(EngineUnavailable("the engine process closed its connection"))
+        task = asyncio.ensure_future(received(handle))
+        await asyncio.sleep(0)
+        while not engines[1].handles:  # sent again, to the engine that had not had it
+            await asyncio.sleep(0)
+        engines[1].handles[0].deliver_all(chunk(1.0), chunk(2.0), FinishReason.STOP)
+        assert await task == [1.0, 2.0] and handle.finish_reason is FinishReason.STOP
+
+        # Lost after its first audio: the stream ends with the error, and is not sent again.
+        streaming = router.submit(request())
+        first = next(engine for engine in engines if len(engine.handles) == 2).handles[1]
+        first.deliver_all(chunk(3.0), EngineUnavailable("gone"))
+        with pytest.raises(EngineUnavailable):
+            await received(streaming)
+        assert sum(len(engine.handles) for engine in engines) == 3
+
+        # No other engine to try: the request fails as the lone engine's would.
+        alone = routed([LoadedEngine()])
+        single = alone.submit(request())
+        alone.engines[0].handles[0].deliver_all(EngineUnavailable("gone"))
+        with pytest.raises(EngineUnavailable):
+            await received(single)
+
+    asyncio.run(scenario())

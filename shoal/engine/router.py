@@ -14,9 +14,10 @@ Where a request goes (`RoutingPolicy`):
   the requests this router sent it since, so that a burst is spread instead of piled on the
   engine that looked idle.
 
-An engine that dies fails its own requests (`EngineUnavailable`, the server's 503; job items
-retry and land on another engine) and is left out until its supervisor has it answering again;
-the others keep serving.
+An engine that dies is left out until its supervisor has it answering again; the others keep
+serving. Its requests that had not sent audio yet are sent again to another engine (so a crash
+costs them a prefill, not a 503); those already streaming fail with `EngineUnavailable` (a cut
+stream; job items retry and land on another engine).
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from shoal.config import RoutingPolicy
 from shoal.engine.api import (
+    AudioChunk,
     Engine,
     EngineStats,
     EngineUnavailable,
+    FinishReason,
     RequestHandle,
     SynthesisRequest,
     VoiceReference,
@@ -101,6 +104,45 @@ def combine_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
         queue_wait_count=sum(stats.queue_wait_count for stats in snapshots),
         queue_wait_buckets=buckets,
     )
+
+
+class RoutedHandle(RequestHandle):
+    """A request's handle on the engine it was sent to; if that engine is lost before the first
+    audio, the request is sent to another engine that has not had it, and the stream goes on
+    from there. After the first audio a lost engine ends the stream (EngineUnavailable)."""
+
+    def __init__(
+        self, router: RoutedEngine, request: SynthesisRequest, index: int, handle: RequestHandle
+    ) -> None:
+        self._router = router
+        self._request = request
+        self._handle = handle
+        self._tried = {index}
+
+    @property
+    def request_id(self) -> str:  # type: ignore[override]
+        return self._handle.request_id
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._handle.finish_reason
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        started = False
+        while True:
+            try:
+                async for chunk in self._handle:
+                    started = True
+                    yield chunk
+                return
+            except EngineUnavailable as error:
+                if started:
+                    raise
+                log.warning("engine lost before a request's first audio (%s): sending it to another", error)
+                _, self._handle = self._router._send(self._request, self._tried)
+
+    async def aclose(self) -> None:
+        await self._handle.aclose()
 
 
 @dataclass(frozen=True)
@@ -199,7 +241,11 @@ class RoutedEngine(Engine):
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         """Send the request to the engine `choose` picks; one that has just stopped answering
         is skipped for the next."""
-        tried: set[int] = set()
+        return RoutedHandle(self, request, *self._send(request, set()))
+
+    def _send(self, request: SynthesisRequest, tried: set[int]) -> tuple[int, RequestHandle]:
+        """(engine index, handle) of the request sent to the best engine not in `tried` (which
+        gains it); EngineUnavailable when every answering engine was tried."""
         while True:
             index = self.choose(request.references)
             if index in tried:
@@ -211,7 +257,7 @@ class RoutedEngine(Engine):
                 log.warning("engine %d refused a request: %s", index, error)
                 continue
             self._pending[index] += 1
-            return handle
+            return index, handle
 
     def abort(self, request_id: str) -> None:
         """Sent to every engine: only the one running the request has it (request ids are unique
@@ -276,4 +322,4 @@ class RoutedEngine(Engine):
         return statuses
 
 
-__all__ = ["EngineStatus", "RoutedEngine", "combine_stats", "rendezvous_weight", "voice_key"]
+__all__ = ["EngineStatus", "RoutedEngine", "RoutedHandle", "combine_stats", "rendezvous_weight", "voice_key"]

@@ -70,6 +70,7 @@ UNAVAILABLE_RETRY_MAX_SECONDS = 1.0
 JOB_LIMIT_RETRY_AFTER_SECONDS = 30  # a 429 for too many unfinished jobs: jobs take minutes
 POLL_SECONDS = 0.5  # how often the runner reads which jobs are active (created, cancelled elsewhere)
 LEADERSHIP_RETRY_SECONDS = 2.0  # how often a process without the runner's role tries to take it
+RUNNER_ID_NAME = "jobs.runner"  # beside jobs.lock: the data directory's name in job leases
 # Fields of the request that are not job options: the texts are items, the voice is a snapshot.
 NOT_OPTIONS = {"text", "items", "references", "reference_id"}
 
@@ -113,6 +114,29 @@ class JobLeadership:
             os.close(self._fd)
             self._fd = None
 
+    def runner_id(self) -> str:
+        """This runner's name in the database's job leases: the same for every process that
+        takes the role on this data directory (kept in a file beside the lock), so a process
+        taking over from a dead one resumes its jobs at once instead of waiting for their
+        leases to run out; another data directory (another pod) has a name of its own."""
+        if self.path is None:
+            return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        name_file = self.path.with_name(RUNNER_ID_NAME)
+        try:
+            return name_file.read_text().strip()
+        except FileNotFoundError:
+            pass
+        name = f"{socket.gethostname()}:{secrets.token_hex(6)}"
+        temporary = name_file.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(name)
+        try:
+            os.link(temporary, name_file)  # the first process to name the directory wins
+        except FileExistsError:
+            pass
+        finally:
+            temporary.unlink()
+        return name_file.read_text().strip()
+
 
 class JobRunner:
     """Runs every queued or running job in background tasks on the server's event loop, in the
@@ -125,7 +149,7 @@ class JobRunner:
         self.store = store
         self.settings = settings
         self.leadership = leadership or JobLeadership(None)
-        self.runner_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.runner_id = self.leadership.runner_id()
         # Jobs held at once: as many as the engine slots run together, so that other servers
         # sharing the database take the rest.
         self.max_jobs = max(1, settings.jobs_max_concurrency // max(1, settings.job_concurrency))
