@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import ormsgpack
 import pytest
+from browser_testing import PageErrors, artifacts_dir, chromium
 from server_process import REPO, ShoalServer, create_voice
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,22 @@ def test_health_and_metrics_show_each_engine(server):
     exported = set(re.findall(r"^# TYPE (\w+) ", text, re.MULTILINE))
     documented = set(re.findall(r"`(shoal_engine_\w+)", (REPO / "docs" / "deployment.md").read_text()))
     assert len(documented) > 5 and documented <= exported, documented - exported
+
+
+def test_the_dashboard_shows_each_engine(server):
+    """The dashboard page (docs/playground.md) in Chromium, on this server's own /metrics: the
+    server's totals and one group per engine, both up."""
+    server.wait_healthy()
+    with chromium() as browser:
+        page = browser.new_page()
+        errors = PageErrors(page)
+        page.set_default_timeout(30_000)
+        page.goto(f"{server.url}/dashboard?interval=300")
+        for engine in ("0", "1"):
+            page.wait_for_selector(f"[data-engine='{engine}'] [data-metric=running] .value[data-value]")
+            assert "up" in page.inner_text(f"[data-engine='{engine}'] h2")
+        page.screenshot(path=str(artifacts_dir() / "dashboard-two-engines.png"), full_page=True)
+        errors.assert_none()
 
 
 def test_a_voices_requests_stay_on_the_engine_that_holds_its_prefix(server):

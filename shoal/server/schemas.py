@@ -85,14 +85,16 @@ class TTSRequestBody(LenientModel):
     format: AudioFormat = "mp3"
     sample_rate: int | None = Field(None, ge=8000, le=48000)
     mp3_bitrate: Literal[64, 128, 192] = 128
-    opus_bitrate: int = -1000  # kbps (SDK) or bps (cloud schema); audio.create_encoder checks it
+    # kbps (SDK) or bps (cloud schema); audio.create_encoder checks the value, the bounds keep it
+    # within what msgpack (the SDK's body) can carry.
+    opus_bitrate: int = Field(-1000, ge=-(2**31), lt=2**31)
     latency: Literal["low", "normal", "balanced"] = "normal"
     max_new_tokens: int = Field(1024, ge=1, le=8192)
     repetition_penalty: float = Field(1.2, ge=0.5, le=2.0)
     min_chunk_length: int = Field(50, ge=0, le=1000)
     condition_on_previous_chunks: bool = True
     early_stop_threshold: float = Field(1.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # the engine's seeds are int64
 
     @field_validator("format")
     @classmethod
