@@ -53,16 +53,19 @@ fi
 . .venv/bin/activate
 echo "setting up .venv ($MODE); later runs skip this while pyproject.toml is unchanged" >&2
 python -m pip install -q --upgrade pip
+# pip byte-compiles what it installs one file at a time; compileall below does it on every core.
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  python -m pip install -q "torch==2.13.0" "triton==3.6.0"
+  python -m pip install -q --no-compile "torch==2.13.0" "triton==3.6.0"
 fi
 if [ "$MODE" = "test" ]; then
-  python -m pip install -q -e ".[test]"
+  python -m pip install -q --no-compile -e ".[test]"
   # The S1-era reference implementation, used only as a parity oracle in the tests.
-  python -m pip install -q --no-deps "fish-speech==0.1.0"
+  python -m pip install -q --no-compile --no-deps "fish-speech==0.1.0"
 else
-  python -m pip install -q -e .
+  python -m pip install -q --no-compile -e .
 fi
+# -qq: a few packages ship files for other Python versions, which do not compile (nor import).
+python -m compileall -qq -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 echo "$FINGERPRINT" > "$STAMP"
 # A test setup includes everything the server needs.
 [ "$MODE" = "test" ] && echo "$FINGERPRINT" > .venv/.shoal-setup-serve

@@ -6,6 +6,8 @@ the test's own process instead (an engine the test configures or inspects)."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import os
 import re
 import shlex
@@ -23,7 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from shoal.server import audio
+from shoal.server import audio, keys_cli
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_MB = 4
@@ -91,9 +93,16 @@ def shoal(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def create_key(data_dir: Path, tenant: str, *extra: str) -> str:
-    output = shoal("keys", "--data-dir", str(data_dir), "create", "--tenant", tenant, *extra).stdout
-    match = re.search(r"^key:\s+(\S+)$", output, re.MULTILINE)
-    assert match, output
+    """`shoal keys create` with these options, run in this process (a server start makes four;
+    test_server_store.py runs the CLI as its own process): the new key. Thread-safe: what it
+    prints goes to a buffer of its own, not through sys.stdout."""
+    parser = argparse.ArgumentParser()
+    keys_cli.add_arguments(parser)
+    args = parser.parse_args(["--data-dir", str(data_dir), "create", "--tenant", tenant, *extra])
+    output = io.StringIO()
+    assert keys_cli.run(args, output) == 0, output.getvalue()
+    match = re.search(r"^key:\s+(\S+)$", output.getvalue(), re.MULTILINE)
+    assert match, output.getvalue()
     return match.group(1)
 
 

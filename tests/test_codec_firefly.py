@@ -261,7 +261,9 @@ def test_load_engine_streams_1_5_audio_equal_to_one_decode(v15_checkpoint) -> No
     assert handle.finish_reason == FinishReason.LENGTH
     frames = np.concatenate([c.frames for c in chunks])
     audio = np.concatenate([c.samples for c in chunks])
-    assert frames.shape == (13, 5) and len(chunks) > 3  # a batch's last frame is not spoken
+    # A batch's last frame is not spoken. How many chunks depends on how far the vocoder falls
+    # behind on a busy machine (it decodes what has accumulated); more than one is streaming.
+    assert frames.shape == (13, 5) and len(chunks) >= 2
     want = engine.codec.decode(torch.from_numpy(frames[:, 1:].T.copy()))[0, 0].numpy()
     assert audio.shape == want.shape == (13 * 2048,) and np.abs(want).max() > 0
     np.testing.assert_allclose(audio, want, rtol=0, atol=1e-4 * np.abs(want).max())

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
+from typing import TextIO
 
 from shoal.server.auth import hash_api_key, new_api_key
 from shoal.server.store import Store
@@ -58,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     revoke.add_argument("key_id")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """The action; what it prints goes to `out` (default: standard output)."""
+    out = out or sys.stdout
     store = Store.in_directory(args.data_dir, args.database_url)
     try:
         if args.action == "create":
@@ -70,11 +74,14 @@ def run(args: argparse.Namespace) -> int:
                 priority=args.priority,
                 max_streams=args.max_streams,
             )
-            print(f"id:     {row.id}\ntenant: {row.tenant}\nkey:    {key}")
-            print("Store the key now: it cannot be shown again.")
+            print(f"id:     {row.id}\ntenant: {row.tenant}\nkey:    {key}", file=out)
+            print("Store the key now: it cannot be shown again.", file=out)
             return 0
         if args.action == "list":
-            print(f"{'id':22} {'tenant':16} {'priority':9} {'streams':7} {'created':20} {'status':8} name")
+            print(
+                f"{'id':22} {'tenant':16} {'priority':9} {'streams':7} {'created':20} {'status':8} name",
+                file=out,
+            )
             for row in store.list_keys():
                 status = "revoked" if row.revoked_at else "active"
                 streams = str(row.max_streams or "-")
@@ -86,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
                     f"{streams:7}",
                     f"{created:20}",
                 )
-                print(*columns, f"{status:8}", row.name)
+                print(*columns, f"{status:8}", row.name, file=out)
             return 0
         if store.revoke_key(args.key_id):
-            print(f"revoked {args.key_id}")
+            print(f"revoked {args.key_id}", file=out)
             return 0
-        print(f"no active key with id {args.key_id}")
+        print(f"no active key with id {args.key_id}", file=out)
         return 1
     finally:
         store.close()
