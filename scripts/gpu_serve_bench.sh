@@ -21,7 +21,7 @@
 # [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]),
 # OVERLOAD (after the search, one run at this multiple of the sustainable rate, 1.5 [none]),
 # HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default; CLOSED_ARGS more
-# of its options, e.g. "--ws-sessions 3 --latency low"), PYSPY_S
+# of its options, e.g. "--ws-sessions 3"; LATENCIES one sweep per mode, e.g. "low balanced normal"), PYSPY_S
 # (seconds of py-spy sampling of the server 15 s into the open-loop sweep, 0 = none; needs a
 # py-spy wheel among the carried ones).
 set -uo pipefail
@@ -150,11 +150,16 @@ if [ -n "$HTTP_LEVELS$WS_LEVELS" ] && [ "$closed_limit" -gt 10 ]; then
   mode=both
   [ -z "$HTTP_LEVELS" ] && mode=ws
   [ -z "$WS_LEVELS" ] && mode=http
-  say "closed loop: http ${HTTP_LEVELS:--} ws ${WS_LEVELS:--}"
-  timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
-    --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
-    --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop.json" ${CLOSED_ARGS:-} 2>&1 \
-    | tee -a "$OUT/bench.log"
+  # LATENCIES: one sweep per `latency` mode (e.g. "low balanced normal"); none: the bench's default.
+  for latency in ${LATENCIES:-default}; do
+    latency_args=()
+    [ "$latency" != default ] && latency_args=(--latency "$latency")
+    say "closed loop: http ${HTTP_LEVELS:--} ws ${WS_LEVELS:--} latency $latency"
+    timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
+      --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
+      --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_$latency.json" \
+      "${latency_args[@]}" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+  done
 fi
 if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
   # 15 s into the load; --nonblocking reads the server without pausing it.
