@@ -245,11 +245,15 @@ def test_a_request_whose_engine_is_lost_before_its_first_audio_goes_to_another()
         router = routed(engines, mode="capacity")
         handle = router.submit(request())
         lost = engines[0].handles[0]
+        engines[1].heartbeat(stats(running=5))  # engine 0 still looks best, and still answers
         lost.deliver_all(EngineUnavailable("the engine process closed its connection"))
         task = asyncio.ensure_future(received(handle))
         await asyncio.sleep(0)
-        while not engines[1].handles:  # sent again, to the engine that had not had it
+        for _ in range(1000):  # sent again, to the engine that had not had it
+            if engines[1].handles or task.done():
+                break
             await asyncio.sleep(0)
+        assert engines[1].handles, task.exception() if task.done() else "not sent again"
         engines[1].handles[0].deliver_all(chunk(1.0), chunk(2.0), FinishReason.STOP)
         assert await task == [1.0, 2.0] and handle.finish_reason is FinishReason.STOP
 

@@ -163,6 +163,9 @@ def test_a_job_lease_belongs_to_one_runner_until_it_runs_out(open_store):
     assert first.claim_job(job.id, "runner-1", 30)  # its holder may claim again
     assert second.claim_job(other.id, "runner-2", 30)
     assert first.renew_job_leases("runner-1", {job.id, other.id}, 30) == {job.id}
+    # What each runner may run: its own jobs and the unleased ones, never another's live lease.
+    assert first.active_job_ids("runner-1") == [job.id] and second.active_job_ids("runner-2") == [other.id]
+    assert first.active_job_ids() == [job.id, other.id]
     first.release_job(job.id, "runner-2")  # not its lease: nothing happens
     assert not second.claim_job(job.id, "runner-2", 30)
     first.release_job(job.id, "runner-1")

@@ -26,7 +26,7 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,11 +195,14 @@ class RoutedEngine(Engine):
 
     # Routing -----------------------------------------------------------------------------------
 
-    def _answering(self) -> list[tuple[int, EngineStats]]:
-        """(index, stats) of the engines that answer now, with the router's pending requests
-        folded into each snapshot's count until the engine's next snapshot includes them."""
+    def _answering(self, exclude: Set[int] = frozenset()) -> list[tuple[int, EngineStats]]:
+        """(index, stats) of the engines that answer now, less `exclude`, with the router's
+        pending requests folded into each snapshot's count until the engine's next snapshot
+        includes them."""
         answering = []
         for index, engine in enumerate(self.engines):
+            if index in exclude:
+                continue
             try:
                 stats = engine.stats()
             except EngineUnavailable:
@@ -217,10 +220,10 @@ class RoutedEngine(Engine):
         headroom = stats.min_headroom_seconds
         return (stats.admitting, -self._load(index, stats), float("inf") if headroom is None else headroom)
 
-    def choose(self, references: tuple[VoiceReference, ...] = ()) -> int:
-        """The index of the engine this request (of this voice) goes to; EngineUnavailable when
-        no engine answers."""
-        answering = self._answering()
+    def choose(self, references: tuple[VoiceReference, ...] = (), exclude: Set[int] = frozenset()) -> int:
+        """The index of the engine this request (of this voice) goes to, among those not in
+        `exclude`; EngineUnavailable when none of them answers."""
+        answering = self._answering(exclude)
         if not answering:
             raise EngineUnavailable("no engine is answering")
         if len(answering) == 1:
@@ -247,9 +250,7 @@ class RoutedEngine(Engine):
         """(engine index, handle) of the request sent to the best engine not in `tried` (which
         gains it); EngineUnavailable when every answering engine was tried."""
         while True:
-            index = self.choose(request.references)
-            if index in tried:
-                raise EngineUnavailable("no engine is answering")
+            index = self.choose(request.references, exclude=tried)
             tried.add(index)
             try:
                 handle = self.engines[index].submit(request)

@@ -199,7 +199,9 @@ class JobRunner:
             for job_id in running - held:
                 log.warning("job %s was taken over by another server: stopping it here", job_id)
                 self._stop_task(job_id)
-        active = await anyio.to_thread.run_sync(self.store.active_job_ids)
+        # Jobs another server holds are left out: trying them would fill this runner's room with
+        # claims that fail, and the jobs after them would never be reached.
+        active = await anyio.to_thread.run_sync(self.store.active_job_ids, self.runner_id)
         for job_id in active:
             self.launch(job_id)
         for job_id in running - set(active):

@@ -534,9 +534,15 @@ class Store:
         with self.sessions() as session:
             return int(session.scalar(query) or 0)
 
-    def active_job_ids(self) -> list[str]:
-        """Jobs with work left (queued or running), oldest first: what a restart resumes."""
+    def active_job_ids(self, runner: str | None = None) -> list[str]:
+        """Jobs with work left (queued or running), oldest first: what a restart resumes. With
+        `runner`, only those it may run: without a live lease of another runner's."""
         query = select(JobRow.id).where(JobRow.status.in_(JOB_ACTIVE)).order_by(JobRow.created_at)
+        if runner is not None:
+            held_elsewhere = select(JobLeaseRow.job_id).where(
+                JobLeaseRow.runner != runner, JobLeaseRow.expires_at >= utc_now()
+            )
+            query = query.where(JobRow.id.not_in(held_elsewhere))
         with self.sessions() as session:
             return list(session.scalars(query))
 
