@@ -21,7 +21,8 @@
 # [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]),
 # OVERLOAD (after the search, one run at this multiple of the sustainable rate, 1.5 [none]),
 # HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default; CLOSED_ARGS more
-# of its options, e.g. "--ws-sessions 3"; LATENCIES one sweep per mode, e.g. "low balanced normal"), PYSPY_S
+# of its options, e.g. "--ws-sessions 3"; LATENCIES one sweep per mode, e.g. "low balanced normal";
+# CLOSED_VOICE=1 one more with a stored voice), PYSPY_S
 # (seconds of py-spy sampling of the server 15 s into the open-loop sweep, 0 = none; needs a
 # py-spy wheel among the carried ones).
 set -uo pipefail
@@ -160,6 +161,30 @@ if [ -n "$HTTP_LEVELS$WS_LEVELS" ] && [ "$closed_limit" -gt 10 ]; then
       --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_$latency.json" \
       "${latency_args[@]}" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
   done
+  # CLOSED_VOICE=1: one more sweep speaking with a stored voice (what `ws+` rows save is its prefill)
+  if [ "${CLOSED_VOICE:-0}" = 1 ]; then
+    voice_id=$("$PY" - "$URL" <<'EOF'
+import asyncio, sys
+
+import httpx
+
+from shoal.bench.open_loop import create_voices
+
+
+async def main() -> None:
+    async with httpx.AsyncClient(base_url=sys.argv[1], timeout=60) as client:
+        print((await create_voices(client, 1, 10.0))[0])
+
+
+asyncio.run(main())
+EOF
+)
+    say "closed loop with stored voice ${voice_id:-(not created)}"
+    [ -n "$voice_id" ] && timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
+      --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
+      --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_voice.json" \
+      --reference-id "$voice_id" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+  fi
 fi
 if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
   # 15 s into the load; --nonblocking reads the server without pausing it.

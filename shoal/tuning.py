@@ -94,6 +94,11 @@ class Tuning:
     # GPU measures it against cuDNN's dilated kernels (docs/codec.md, plan item 1).
     codec_phase_split_dilations: bool = False
 
+    # Codec: the transformer's streaming step through torch.compile (TorchInductor fuses the
+    # norms, RoPE, layer scales and SiLU around cuBLAS GEMMs and attention). Off until the GPU
+    # measures it (docs/codec.md, plan item 2).
+    codec_compile_transformer: bool = False
+
     # Kernel configs replacing a tuned table's entry: decode attention by batch bucket (bf16 and
     # e4m3 KV), the FP8 GEMM by (N, K, M bucket). Empty: the tables in the kernel modules.
     attention_configs: Mapping[int, Any] = field(default_factory=_frozen)

@@ -122,6 +122,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # real), and kernels at their larger test shapes (a smaller shape of the same test stays in the
 # default run). Marked `cpu_heavy`: `bash scripts/test.sh` leaves them out, `--all` runs them.
 CPU_HEAVY = {
+    "tests/test_codec_stream.py::test_compiled_transformer_step_equals_the_full_decode",
     "tests/test_engine_advance_on_device.py::test_steady_steps_upload_nothing_and_give_the_same_frames",
     "tests/test_engine_prefill_batch.py::test_engine_with_static_prefill_equals_without[1]",
     "tests/test_engine_prefill_batch.py::test_engine_with_static_prefill_equals_without[3]",

@@ -238,3 +238,25 @@ def test_dilated_convs_as_phases_equal_the_dilated_convs(codec):
         for module in dilated:
             module.phase_split = False
     torch.testing.assert_close(audio, full, atol=1e-5, rtol=0)
+
+
+def test_compiled_transformer_step_equals_the_full_decode(codec, monkeypatch):
+    """`Tuning.codec_compile_transformer`: the transformer's streaming step through torch.compile
+    still carries the right keys/values (uneven chunks, two streams in one batch)."""
+    import dataclasses
+
+    from shoal.models import codec_modules
+
+    monkeypatch.setattr(
+        codec_modules, "TUNING", dataclasses.replace(codec_modules.TUNING, codec_compile_transformer=True)
+    )
+    transformer = codec.quantizer.post_module
+    codes = [random_codes(codec, FRAMES, seed=21), random_codes(codec, FRAMES, seed=22)]
+    full = [codec.decode(c)[0, 0] for c in codes]
+    try:
+        _, audio = stream_decode(codec.stream_pool(2), codes, [[5, 3, 8, 7, 9, 8], [8] * 5])
+        assert transformer._compiled is not None
+    finally:
+        transformer._compiled = None
+    for got, expected in zip(audio, full, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -42,6 +42,7 @@ from shoal.models.codec_modules import (
     WindowLimitedTransformer,
 )
 from shoal.models.codec_stream import CodecStreamPool, decode_step, stream_state_shapes
+from shoal.models.layers import embedding
 
 # Re-exported: callers import the shared checkpoint helpers and the error from here.
 __all__ = [
@@ -127,7 +128,7 @@ class VectorQuantize(nn.Module):
         self.in_proj = nn.Conv1d(dim, codebook_dim, 1)
         self.out_proj = nn.Conv1d(codebook_dim, dim, 1)
         self.in_proj.weight_norm = self.out_proj.weight_norm = "legacy"
-        self.codebook = nn.Embedding(codebook_size, codebook_dim)
+        self.codebook = embedding(codebook_size, codebook_dim)
 
     def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """z [B, D, T] -> (out_proj(quantized) [B, D, T], codes [B, T])."""

@@ -448,6 +448,7 @@ class WindowLimitedTransformer(nn.Module):
         self.cfg, self.window = cfg, window_size
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self._compiled = None
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.transpose(1, 2)
@@ -470,12 +471,35 @@ class WindowLimitedTransformer(nn.Module):
         distance = qpos[:, :, None] - kpos[:, None, :]
         mask = ((distance >= 0) & (distance < self.window) & (kpos[:, None, :] >= 0))[:, None]
         cos, sin = rope_cos_sin(qpos, self.cfg.head_dim, self.cfg.rope_base)
-        for i, layer in enumerate(self.layers):
+        names = [(f"{key}.layers.{i}.k", f"{key}.layers.{i}.v") for i in range(len(self.layers))]
+        carried = [(ctx.states[k_name], ctx.states[v_name]) for k_name, v_name in names]
+        x, saved = self._step_layers()(x, cos, sin, mask, carried, valid)
+        for (k_name, v_name), (k, v) in zip(names, saved, strict=True):
+            ctx.new_states[k_name], ctx.new_states[v_name] = k, v
+        return x
+
+    def _step_layers(self):
+        """The layers' step, compiled by TorchInductor (norms, RoPE, residuals and SiLU fused
+        around the GEMMs and attention) when `Tuning.codec_compile_transformer` is on."""
+        if not TUNING.codec_compile_transformer:
+            return self._layers_step
+        if self._compiled is None:
+            self._compiled = torch.compile(self._layers_step, fullgraph=True)
+        return self._compiled
+
+    def _layers_step(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, carried: list[tuple[Tensor, Tensor]],
+        valid: Tensor,
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:  # fmt: skip
+        saved = []
+        for layer, (k_carried, v_carried) in zip(self.layers, carried, strict=True):
             q, k, v = layer.attention.qkv(layer.attention_norm(x), cos, sin)
-            k = ctx.extend(f"{key}.layers.{i}.k", k, valid, dim=2)
-            v = ctx.extend(f"{key}.layers.{i}.v", v, valid, dim=2)
+            k, v = torch.cat([k_carried, k], dim=2), torch.cat([v_carried, v], dim=2)
+            saved.append(
+                (take_window(k, valid, k_carried.shape[2], 2), take_window(v, valid, v_carried.shape[2], 2))
+            )
             x = layer.finish(x, layer.attention.out(q, k, v, mask))
-        return self.norm(x)
+        return self.norm(x), saved
 
     def state_shapes(self, key: str) -> dict[str, tuple[int, ...]]:
         kv = (self.cfg.n_head, self.window - 1, self.cfg.head_dim)

@@ -24,6 +24,7 @@ from shoal.models.layers import (
     ReferenceOps,
     RMSNorm,
     TransformerBlock,
+    embedding,
     rope_table,
     run_blocks,
 )
@@ -35,8 +36,8 @@ class DualARTransformer(nn.Module):
         self.config = config
         self.tokenizer = tokenizer
         # Slow transformer.
-        self.embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.codebook_embeddings = nn.Embedding(config.codebook_size * config.num_codebooks, config.dim)
+        self.embeddings = embedding(config.vocab_size, config.dim)
+        self.codebook_embeddings = embedding(config.codebook_size * config.num_codebooks, config.dim)
         self.layers = nn.ModuleList(
             TransformerBlock(
                 i,
@@ -60,7 +61,7 @@ class DualARTransformer(nn.Module):
             self.fast_project_in: nn.Module = nn.Linear(config.dim, config.fast_dim)
         else:
             self.fast_project_in = nn.Identity()
-        self.fast_embeddings = nn.Embedding(config.codebook_size, config.fast_dim)
+        self.fast_embeddings = embedding(config.codebook_size, config.fast_dim)
         self.fast_layers = nn.ModuleList(
             TransformerBlock(
                 j,
@@ -83,13 +84,20 @@ class DualARTransformer(nn.Module):
 
     def _codebook_offsets(self, device: torch.device | str | None = None) -> Tensor:
         n, size = self.config.num_codebooks, self.config.codebook_size
-        return torch.arange(n, device=device or self.embeddings.weight.device) * size
+        device = torch.device(device or self.embeddings.weight.device)
+        if device.type == "meta":  # the shape only, as for the RoPE tables
+            return torch.empty(n, dtype=torch.long, device=device)
+        return torch.arange(n, device=device) * size
 
     def build_rope_tables(self, device: torch.device | str) -> None:
         """(Re)compute the non-persistent buffers, e.g. after loading weights onto meta-built modules."""
         c = self.config
-        slow = rope_table(c.max_seq_len, c.head_dim, c.rope_base, device)
-        fast = rope_table(c.num_codebooks, c.fast_head_dim, c.rope_base, device)  # slow rope_base
+        if torch.device(device).type == "meta":  # shapes only (the meta kernels import torch._dynamo)
+            slow = torch.empty(c.max_seq_len, c.head_dim // 2, 2, dtype=torch.bfloat16, device=device)
+            fast = torch.empty(c.num_codebooks, c.fast_head_dim // 2, 2, dtype=torch.bfloat16, device=device)
+        else:
+            slow = rope_table(c.max_seq_len, c.head_dim, c.rope_base, device)
+            fast = rope_table(c.num_codebooks, c.fast_head_dim, c.rope_base, device)  # slow rope_base
         self.register_buffer("rope", slow, persistent=False)
         self.register_buffer("fast_rope", fast, persistent=False)
         if hasattr(self, "codebook_offsets"):
