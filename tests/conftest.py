@@ -122,6 +122,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # real), and kernels at their larger test shapes (a smaller shape of the same test stays in the
 # default run). Marked `cpu_heavy`: `bash scripts/test.sh` leaves them out, `--all` runs them.
 CPU_HEAVY = {
+    "tests/test_sample_kernel.py::test_chunked_draws_equal_one_program_per_row"
+    "[codebook-256-16-8-bf16-ties-chunks4]",
+    "tests/test_sample_kernel.py::test_radix_draws_equal_the_reference_on_random_rows[64-300-True]",
+    "tests/test_sample_kernel.py::test_radix_draws_equal_the_reference_on_random_rows[64-1000-False]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[bf16-ties-2]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[random-2]",
+    "tests/test_sample_kernel.py::test_radix_select_returns_the_keys_topk_returns[outliers-last-64]",
+    "tests/test_sample_kernel.py::test_row_one_past_a_power_of_two_splits_off_its_last_column[random]",
+    "tests/test_sample_kernel.py::test_row_one_past_a_power_of_two_splits_off_its_last_column[mostly-inf]",
+    "tests/test_sample_kernel.py::test_the_benchmarks_sampler_inputs_draw_like_the_reference[codebook]",
+    "tests/test_fast_attention_kernel.py::test_split_k_partials_give_the_reduced_qkvs_bits[norm-bf16-partials]",
+    "tests/test_engine_fp8.py::test_triton_projections_equal_reference[planted-w8a8_inline]",
     "tests/test_codec_stream.py::test_compiled_transformer_step_equals_the_full_decode",
     "tests/test_engine_advance_on_device.py::test_steady_steps_upload_nothing_and_give_the_same_frames",
     "tests/test_engine_prefill_batch.py::test_engine_with_static_prefill_equals_without[1]",

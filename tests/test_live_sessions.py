@@ -1,8 +1,8 @@
 """`/v1/tts/live` sessions that outlive an utterance, on a real server (the demo checkpoint):
 sessions one after another on one socket, several utterances per session on one voice prefill,
 and Shoal's barge-in (`cancel` -> `cancelled`), which aborts the engine request at once, frees its
-KV pages and lets the session go on. Against `shoal serve` in one process and split into an
-engine process and two API processes, plus an app in this process where the test sees the engine."""
+KV pages and lets the session go on. Against `shoal serve` split into an engine process and two
+API processes, plus an app in this process where the test sees the engine."""
 
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ LONG_TEXT = "".join(
 PCM = {"text": "", "format": "pcm", "chunk_length": 100, "seed": 3}
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "api-workers-2"])
-def server(request, tmp_path_factory) -> ShoalServer:
-    with ShoalServer.start(tmp_path_factory.mktemp("shoal-live"), api_workers=request.param) as running:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> ShoalServer:
+    """The split server (the default layout); the engine-in-process path is the `in_process` app's
+    below, and the one-process server's live sessions are LiveKit's and Pipecat's tests'."""
+    with ShoalServer.start(tmp_path_factory.mktemp("shoal-live"), api_workers=2) as running:
         yield running
 
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 llama = pytest.importorskip("fish_speech.models.text2semantic.llama")
-inference = pytest.importorskip("fish_speech.models.text2semantic.inference")
 fish_tokenizer = pytest.importorskip("fish_speech.tokenizer")
 
 from shoal.models import load_model  # noqa: E402
@@ -100,7 +99,14 @@ def prompt(s1_pair):
     return build_prompt(ours.config, ours.tokenizer, "hello world, this is the test.", reference_voice)
 
 
+def reference_inference():
+    """The reference's generation module, imported when a test needs it, not at collection (it
+    imports TorchInductor: seconds in every test worker)."""
+    return pytest.importorskip("fish_speech.models.text2semantic.inference")
+
+
 def _reference_generate(reference, prompt, **sampling) -> torch.Tensor:
+    inference = reference_inference()
     reference.max_seq_len = -1  # fresh caches
     reference.setup_caches(max_batch_size=1, max_seq_len=reference.config.max_seq_len, dtype=torch.float32)
     with torch.no_grad():
@@ -155,7 +161,7 @@ def test_sampled_frames_match_with_shared_uniforms(s1_pair, prompt, monkeypatch)
         uniforms = counter_uniform(torch.tensor([seed]), torch.tensor([frame]), slot, probs.shape[-1])
         return exponential_race(probs[None].float(), uniforms).to(torch.int)
 
-    monkeypatch.setattr(inference, "multinomial_sample_one_no_sync", counter_race)
+    monkeypatch.setattr(reference_inference(), "multinomial_sample_one_no_sync", counter_race)
     sampling = dict(temperature=0.8, top_p=0.8, repetition_penalty=1.1)
     expected = _reference_generate(reference, prompt, **sampling)
     got = generate(ours, prompt, max_frames=FRAMES, seed=seed, **sampling)
