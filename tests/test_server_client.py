@@ -185,7 +185,7 @@ def test_websocket_live_new_client(client, server):
     wav = b"".join(client.tts.stream_websocket(events, config=SHORT.model_copy(update={"format": "wav"})))
     assert wav[:4] == b"RIFF"
     assert list(client.tts.stream_websocket(iter([]), config=SHORT)) == []
-    large = wav_clip(seconds=35, rate=22050)  # a start message over websockets' default 1 MiB cap
+    large = wav_clip(seconds=12, rate=48000)  # a start message over websockets' default 1 MiB cap
     assert len(large) > 1_048_576
     cloned = SHORT.model_copy(update={"references": [ReferenceAudio(audio=large, text="long reference")]})
     assert list(client.tts.stream_websocket(iter(["Cloned live."]), config=cloned))
