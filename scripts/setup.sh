@@ -66,9 +66,9 @@ if [ "$MODE" = "test" ]; then
 else
   uv_install -e .
 fi
-# Byte-compiled on every core (uv, like pip --no-compile, leaves it to the first import); -qq: a
-# few packages ship files for other Python versions, which do not compile (nor import).
-python -m compileall -qq -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+# Nothing is byte-compiled here: the first import of each module writes its .pyc (a few seconds
+# once), where compiling all of site-packages (torch's many unused files) takes most of a minute.
+# scripts/test.sh lets the suite write them even where the environment sets PYTHONDONTWRITEBYTECODE.
 echo "$FINGERPRINT" > "$STAMP"
 # A test setup includes everything the server needs.
 [ "$MODE" = "test" ] && echo "$FINGERPRINT" > .venv/.shoal-setup-serve

@@ -13,8 +13,9 @@ ruff format --check . || { echo "ruff format: run 'ruff format .'"; exit 1; }
 # One torch/OpenMP thread per process: two workers with a thread per core each oversubscribe the
 # cores (OpenMP threads spin while they wait), which made the CPU suite about a third slower.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# The suite starts a hundred-odd Python processes (servers, engines, CLIs): let the first compile
-# Shoal's own modules once for all the others, whatever the environment says.
+# The suite starts a hundred-odd Python processes (servers, engines, CLIs): let the first to import
+# a module write its bytecode for all the others (setup.sh compiles nothing ahead), whatever the
+# environment says.
 unset PYTHONDONTWRITEBYTECODE
 # `--all` also runs the `cpu_heavy` tests (tests/conftest.py: interpreter runs of what the GPU
 # tests cover, several minutes on two cores); by default they are left out.
