@@ -38,6 +38,12 @@ pytestmark = pytest.mark.slow
 SHORT = TTSConfig(chunk_length=100, max_new_tokens=24)
 
 
+# Each test runs on the split server (the default layout); those where the engine's place matters
+# (streaming, aborts, live sockets, refusals) also on one process. `SPLIT_ONLY` keeps the rest on
+# the split server alone.
+SPLIT_ONLY = pytest.mark.parametrize("server", [2], ids=["api-workers-2"], indirect=True)
+
+
 @pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "api-workers-2"])
 def server(request, tmp_path_factory) -> ShoalServer:
     with ShoalServer.start(tmp_path_factory.mktemp("shoal-client"), api_workers=request.param) as running:
@@ -80,7 +86,8 @@ def test_convert_every_format(client, fmt):
         assert len(audio.decode_audio(data, silence_peak_dbfs=-200)) > 0
 
 
-def test_convert_options_models_and_stream(client):
+@SPLIT_ONLY
+def test_convert_options_models_and_stream(client, server):
     config = SHORT.model_copy(
         update={
             "format": "wav",
@@ -99,6 +106,7 @@ def test_convert_options_models_and_stream(client):
     assert streamed[:3] == b"ID3" or streamed[0] == 0xFF
 
 
+@SPLIT_ONLY
 def test_async_client_convert_and_stream(server):
     async def main() -> tuple[bytes, bytes]:
         client = AsyncFishAudio(api_key=server.key_a, base_url=server.url)
@@ -110,6 +118,7 @@ def test_async_client_convert_and_stream(server):
     assert converted and streamed
 
 
+@SPLIT_ONLY
 def test_inline_references_and_voice_lifecycle(client, server):
     clip = wav_clip()
     inline = client.tts.convert(
@@ -159,6 +168,7 @@ def test_legacy_session_streams_incrementally(server):
     assert asyncio.run(awaitable())
 
 
+@SPLIT_ONLY
 def test_legacy_voices_and_account(server):
     session = legacy.Session(server.key_a, base_url=server.url)
     created = session.create_model(title="Legacy", voices=[wav_clip()], texts=["hello"])
@@ -173,7 +183,8 @@ def test_legacy_voices_and_account(server):
     assert isinstance(session.get_package().finished_at, str)
 
 
-def test_credit_endpoints(client):
+@SPLIT_ONLY
+def test_credit_endpoints(client, server):
     assert client.account.get_credits(check_free_credit=True).credit > 0
     assert client.account.get_package().balance > 0
 
@@ -201,6 +212,7 @@ def test_websocket_live_new_client(client, server):
     wait_for_idle(server)
 
 
+@SPLIT_ONLY
 def test_websocket_live_legacy_client(server):
     request = legacy.TTSRequest(text="", format="pcm", chunk_length=100)
     with legacy.WebSocketSession(server.key_a, base_url=server.url) as session:
@@ -245,6 +257,7 @@ def test_error_classes(client, server):
         list(client.tts.stream_websocket(iter(["x"]), config=SHORT.model_copy(update={"sample_rate": 12345})))
 
 
+@SPLIT_ONLY
 def test_rate_limit_429(server):
     """The limited key may hold one stream: an open live session (started, not stopped) holds it."""
     limited = FishAudio(api_key=server.key_limited, base_url=server.url)
@@ -264,6 +277,7 @@ def test_rate_limit_429(server):
     assert limited.tts.convert(text="Free again.", config=SHORT)
 
 
+@SPLIT_ONLY
 def test_malformed_and_oversized_bodies_keep_serving(client, server):
     headers = {"Authorization": f"Bearer {server.key_a}"}
     cases = [
@@ -378,6 +392,7 @@ class _nothing:
         return None
 
 
+@SPLIT_ONLY
 def test_openai_compatible_speech(client, server):
     """`POST /v1/audio/speech` as OpenAI-style clients call it: `voice` is a stored voice id."""
     voice = client.voices.create(title="OpenAI voice", voices=[wav_clip()], texts=["a reference"])
@@ -400,6 +415,7 @@ def test_openai_compatible_speech(client, server):
     wait_for_idle(server)
 
 
+@SPLIT_ONLY
 def test_shoal_synth_speaks_what_the_server_speaks(server, tmp_path, tmp_path_factory):
     """`shoal synth` runs the server's engine path in process: the same text, voice-less, seed
     and options give the same samples as `/v1/tts`, long text split into the same batches."""
