@@ -122,6 +122,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # real), and kernels at their larger test shapes (a smaller shape of the same test stays in the
 # default run). Marked `cpu_heavy`: `bash scripts/test.sh` leaves them out, `--all` runs them.
 CPU_HEAVY = {
+    "tests/test_engine_decode_step.py::test_kernel_step_equals_torch_step[head-kernel]",
+    "tests/test_inspect_norm_script.py::test_decode_norms_load_in_one_round_with_the_register_limit[args1]",
+    "tests/test_inspect_norm_script.py::test_decode_norms_load_in_one_round_with_the_register_limit[args2]",
     "tests/test_sample_kernel.py::test_chunked_draws_equal_one_program_per_row"
     "[codebook-256-16-8-bf16-ties-chunks4]",
     "tests/test_sample_kernel.py::test_radix_draws_equal_the_reference_on_random_rows[64-300-True]",
