@@ -151,15 +151,20 @@ if [ -n "$HTTP_LEVELS$WS_LEVELS" ] && [ "$closed_limit" -gt 10 ]; then
   mode=both
   [ -z "$HTTP_LEVELS" ] && mode=ws
   [ -z "$WS_LEVELS" ] && mode=http
+  sweep() {  # sweep NAME [bench serve options...]: one closed-loop sweep -> closed_loop_NAME.json
+    local name=$1
+    shift
+    timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
+      --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
+      --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_$name.json" \
+      "$@" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+  }
   # LATENCIES: one sweep per `latency` mode (e.g. "low balanced normal"); none: the bench's default.
   for latency in ${LATENCIES:-default}; do
     latency_args=()
     [ "$latency" != default ] && latency_args=(--latency "$latency")
     say "closed loop: http ${HTTP_LEVELS:--} ws ${WS_LEVELS:--} latency $latency"
-    timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
-      --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
-      --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_$latency.json" \
-      "${latency_args[@]}" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+    sweep "$latency" "${latency_args[@]}"
   done
   # CLOSED_VOICE=1: one more sweep speaking with a stored voice (what `ws+` rows save is its prefill)
   if [ "${CLOSED_VOICE:-0}" = 1 ]; then
@@ -180,10 +185,7 @@ asyncio.run(main())
 EOF
 )
     say "closed loop with stored voice ${voice_id:-(not created)}"
-    [ -n "$voice_id" ] && timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
-      --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
-      --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_voice.json" \
-      --reference-id "$voice_id" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+    [ -n "$voice_id" ] && sweep voice --reference-id "$voice_id"
   fi
 fi
 if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then

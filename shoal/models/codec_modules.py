@@ -105,9 +105,10 @@ class StepContext:
         """Prepend the carried last samples of this row's stream along `dim`; save the new ones.
         `joined`: x already starts with them (a filled `StepContext.joined` buffer)."""
         carried = self.states[key]
-        if not joined:
-            x = torch.cat([carried, x], dim=dim)
-        self.new_states[key] = take_window(x, valid, carried.shape[dim], dim)
+        if joined:
+            self.new_states[key] = take_window(x, valid, carried.shape[dim], dim)
+            return x
+        x, self.new_states[key] = append_window(carried, x, valid, dim)
         return x
 
     def joined(self, key: str, new: int, align: int = 1) -> Tensor:
@@ -122,6 +123,13 @@ class StepContext:
         buffer = carried.new_empty(batch, -(-rows // align) * align, channels)
         buffer[:, :context] = carried
         return buffer[:, :rows]
+
+
+def append_window(carried: Tensor, x: Tensor, valid: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """(carried then x along `dim`, the state to carry next: the last carried-length entries up to
+    each row's valid end). `StepContext.extend` as a pure function, for compiled code."""
+    joined = torch.cat([carried, x], dim=dim)
+    return joined, take_window(joined, valid, carried.shape[dim], dim)
 
 
 def take_window(x: Tensor, start: Tensor, length: int, dim: int = -1) -> Tensor:
@@ -494,10 +502,9 @@ class WindowLimitedTransformer(nn.Module):
         saved = []
         for layer, (k_carried, v_carried) in zip(self.layers, carried, strict=True):
             q, k, v = layer.attention.qkv(layer.attention_norm(x), cos, sin)
-            k, v = torch.cat([k_carried, k], dim=2), torch.cat([v_carried, v], dim=2)
-            saved.append(
-                (take_window(k, valid, k_carried.shape[2], 2), take_window(v, valid, v_carried.shape[2], 2))
-            )
+            k, k_saved = append_window(k_carried, k, valid, 2)
+            v, v_saved = append_window(v_carried, v, valid, 2)
+            saved.append((k_saved, v_saved))
             x = layer.finish(x, layer.attention.out(q, k, v, mask))
         return self.norm(x), saved
 

@@ -84,20 +84,14 @@ class DualARTransformer(nn.Module):
 
     def _codebook_offsets(self, device: torch.device | str | None = None) -> Tensor:
         n, size = self.config.num_codebooks, self.config.codebook_size
-        device = torch.device(device or self.embeddings.weight.device)
-        if device.type == "meta":  # the shape only, as for the RoPE tables
-            return torch.empty(n, dtype=torch.long, device=device)
-        return torch.arange(n, device=device) * size
+        # One arange with a step: on the meta device a multiply would import torch._dynamo.
+        return torch.arange(0, n * size, size, device=device or self.embeddings.weight.device)
 
     def build_rope_tables(self, device: torch.device | str) -> None:
         """(Re)compute the non-persistent buffers, e.g. after loading weights onto meta-built modules."""
         c = self.config
-        if torch.device(device).type == "meta":  # shapes only (the meta kernels import torch._dynamo)
-            slow = torch.empty(c.max_seq_len, c.head_dim // 2, 2, dtype=torch.bfloat16, device=device)
-            fast = torch.empty(c.num_codebooks, c.fast_head_dim // 2, 2, dtype=torch.bfloat16, device=device)
-        else:
-            slow = rope_table(c.max_seq_len, c.head_dim, c.rope_base, device)
-            fast = rope_table(c.num_codebooks, c.fast_head_dim, c.rope_base, device)  # slow rope_base
+        slow = rope_table(c.max_seq_len, c.head_dim, c.rope_base, device)
+        fast = rope_table(c.num_codebooks, c.fast_head_dim, c.rope_base, device)  # slow rope_base
         self.register_buffer("rope", slow, persistent=False)
         self.register_buffer("fast_rope", fast, persistent=False)
         if hasattr(self, "codebook_offsets"):

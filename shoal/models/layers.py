@@ -59,7 +59,10 @@ def embedding(count: int, dim: int) -> nn.Embedding:
 
 def rope_table(length: int, head_dim: int, base: float, device: torch.device | str | None = None) -> Tensor:
     """cos/sin for positions 0..length-1 as `[length, head_dim // 2, 2]` (cos, sin), computed in
-    fp32 and rounded to bf16 as the reference does (an fp32 table drifts from it)."""
+    fp32 and rounded to bf16 as the reference does (an fp32 table drifts from it). On the meta
+    device, the shape only: the meta kernels of the arithmetic would import torch._dynamo."""
+    if device is not None and torch.device(device).type == "meta":
+        return torch.empty(length, head_dim // 2, 2, dtype=torch.bfloat16, device=device)
     exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
     inverse_frequencies = 1.0 / (base**exponents)
     positions = torch.arange(length, device=device)
