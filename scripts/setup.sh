@@ -52,7 +52,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 echo "setting up .venv ($MODE); later runs skip this while pyproject.toml is unchanged" >&2
-# uv resolves and installs in parallel (about a minute less than pip for the test extras); the
+# uv resolves and installs in parallel, much faster than pip for the test extras; the
 # CPU torch is installed by pip first, which finds the machine's local wheel where there is one.
 python -m pip install -q --no-compile uv
 if ! command -v nvidia-smi >/dev/null 2>&1; then
@@ -66,8 +66,8 @@ if [ "$MODE" = "test" ]; then
 else
   uv_install -e .
 fi
-# Nothing is byte-compiled here: the first import of each module writes its .pyc (a few seconds
-# once), where compiling all of site-packages (torch's many unused files) takes most of a minute.
+# Nothing is byte-compiled here: the first import of each module writes its .pyc, where compiling
+# all of site-packages would spend most of the time on files nothing imports (torch's, say).
 # scripts/test.sh lets the suite write them even where the environment sets PYTHONDONTWRITEBYTECODE.
 echo "$FINGERPRINT" > "$STAMP"
 # A test setup includes everything the server needs.

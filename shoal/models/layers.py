@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 
 def embedding(count: int, dim: int) -> nn.Embedding:
     """`nn.Embedding` with its usual init, skipped on the meta device (a checkpoint's weights
-    replace it there, and that init imports torch._dynamo: 1.5 s per process that loads a model)."""
+    replace it there, and that init imports torch._dynamo into every process that loads a model)."""
     weight = torch.empty(count, dim)
     if weight.device.type != "meta":
         nn.init.normal_(weight)
