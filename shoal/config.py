@@ -44,6 +44,13 @@ class RealtimePolicy:
     grace_seconds: float = 0.5
     max_queue_wait_seconds: float = 2.0
     step_time_smoothing: float = 0.2  # weight of the newest step in the moving average
+    # While a listened stream plays, a step's prefill tokens are capped so that the step keeps
+    # `min_speed` (from the measured decode time and prefill cost per token), never below this.
+    min_prefill_tokens: int = 256
+    # Once the oldest waiting request has waited this long, the newest is admitted first: under
+    # overload the admitted start fast and the excess expires (503), instead of every admitted
+    # request having waited nearly `max_queue_wait_seconds`.
+    newest_first_after_seconds: float = 0.25
 
     def __post_init__(self) -> None:
         if self.min_speed < 0 or self.min_headroom_seconds < 0 or self.grace_seconds < 0:
@@ -52,6 +59,8 @@ class RealtimePolicy:
             raise ValueError("max_queue_wait_seconds must be > 0")
         if not 0 < self.step_time_smoothing <= 1:
             raise ValueError("step_time_smoothing must be in (0, 1]")
+        if self.min_prefill_tokens < 1 or self.newest_first_after_seconds < 0:
+            raise ValueError("min_prefill_tokens must be >= 1 and newest_first_after_seconds >= 0")
 
 
 ROUTING_MODES = ("voice", "capacity", "random")

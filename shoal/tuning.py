@@ -90,14 +90,14 @@ class Tuning:
     pdl_skip: frozenset[str] = frozenset()
 
     # Codec: a dilated streaming conv runs as an undilated (k x 1) conv over its rows viewed as
-    # [rows / d, d] phases (`models.codec_modules.CausalConv1d`); same arithmetic. Off until the
-    # GPU measures it against cuDNN's dilated kernels (docs/codec.md, plan item 1).
-    codec_phase_split_dilations: bool = False
+    # [rows / d, d] phases (`models.codec_modules.CausalConv1d`); same arithmetic, faster than
+    # cuDNN's dilated kernels (docs/codec.md, plan item 1). None: on CUDA only.
+    codec_phase_split_dilations: bool | None = None
 
     # Codec: the transformer's streaming step through torch.compile (TorchInductor fuses the
-    # norms, RoPE, layer scales and SiLU around cuBLAS GEMMs and attention). Off until the GPU
-    # measures it (docs/codec.md, plan item 2).
-    codec_compile_transformer: bool = False
+    # norms, RoPE, layer scales and SiLU around cuBLAS GEMMs and attention; docs/codec.md, plan
+    # item 2). None: on CUDA only (on the CPU Inductor's C++ build costs minutes of start-up).
+    codec_compile_transformer: bool | None = None
 
     # Kernel configs replacing a tuned table's entry: decode attention by batch bucket (bf16 and
     # e4m3 KV), the FP8 GEMM by (N, K, M bucket). Empty: the tables in the kernel modules.

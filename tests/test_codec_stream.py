@@ -214,12 +214,12 @@ def test_dilated_convs_as_phases_equal_the_dilated_convs(codec):
         try:
             plain = conv.step(x, StepContext({"c": carried}, valid), "c", valid)
             ctx = StepContext({"c": carried}, valid)
-            joined = ctx.joined("c", new, align=conv.row_alignment)
+            joined = ctx.joined("c", new, align=conv.row_alignment(x.device))
             assert joined.stride(0) % (3 * 6) == 0  # rows rounded up: the conv pads nothing
             joined[:, conv.context :] = x
             in_place = conv.step(joined, ctx, "c", valid, joined=True)
         finally:
-            conv.phase_split = False
+            conv.phase_split = None
         torch.testing.assert_close(plain, expected, atol=1e-12, rtol=0)
         torch.testing.assert_close(in_place, expected, atol=1e-12, rtol=0)
         reference = StepContext({"c": carried}, valid)
@@ -228,6 +228,10 @@ def test_dilated_convs_as_phases_equal_the_dilated_convs(codec):
 
     dilated = [m for m in codec.modules() if isinstance(m, CausalConv1d) and m.phase_alignment_possible]
     assert dilated  # the tiny codec's residual units are dilated
+    # By default (None) the phases run on CUDA only.
+    assert all(m.phase_split is None for m in dilated)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert dilated[0].splits_phases(cuda) and not dilated[0].splits_phases(cpu)
     codes = random_codes(codec, FRAMES, seed=11)
     full = codec.decode(codes)[0, 0]
     for module in dilated:
@@ -236,7 +240,7 @@ def test_dilated_convs_as_phases_equal_the_dilated_convs(codec):
         _, (audio,) = stream_decode(codec.stream_pool(2), [codes], [[5, 3, 8, 7, 9, 8]])
     finally:
         for module in dilated:
-            module.phase_split = False
+            module.phase_split = None
     torch.testing.assert_close(audio, full, atol=1e-5, rtol=0)
 
 

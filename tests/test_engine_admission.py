@@ -67,6 +67,29 @@ def test_admissions_are_charged_before_their_steps_are_measured() -> None:
     assert RealtimeGate(RealtimePolicy(enabled=False), 20.0).admits(1000)
 
 
+def test_prefill_budget_keeps_a_step_within_the_realtime_speed() -> None:
+    """At 20 frames/s and 1.5x a step may take 1/30 s: with decode steps of 10 ms and 20 us
+    per prefill token, about 1,166 tokens fit beside the decode; never below the policy's floor
+    nor above the engine's limit, and the limit itself until both costs are measured."""
+    policy = RealtimePolicy(enabled=True, min_speed=1.5, min_prefill_tokens=64, step_time_smoothing=1.0)
+    gate = RealtimeGate(policy, frame_rate=20.0)
+    assert gate.prefill_token_budget(8192) == 8192  # nothing measured
+    gate.observe_step(0.03, rows=4, prefill_tokens=1000)  # no decode-only step yet: no cost
+    assert gate.prefill_seconds_per_token is None and gate.prefill_token_budget(8192) == 8192
+    gate.observe_step(0.01, rows=4)
+    assert gate.prefill_token_budget(8192) == 8192  # the decode alone: still no cost per token
+    gate.observe_step(0.03, rows=4, prefill_tokens=1000)
+    assert gate.prefill_seconds_per_token == pytest.approx(2e-5)
+    assert gate.decode_seconds == pytest.approx(0.01)  # a prefill step leaves the decode time alone
+    assert gate.prefill_token_budget(8192) == int((1 / 30 - 0.01) / 2e-5)
+    assert gate.prefill_token_budget(500) == 500
+    gate.observe_step(0.04, rows=64)  # the decode alone exceeds the step: the floor
+    assert gate.prefill_token_budget(8192) == 64 and gate.prefill_token_budget(16) == 16
+    gate.idle()  # a new batch: its decode time is measured afresh, the cost per token stays
+    assert gate.prefill_token_budget(8192) == 8192 and gate.prefill_seconds_per_token is not None
+    assert RealtimeGate(RealtimePolicy(enabled=False), 20.0).prefill_token_budget(8192) == 8192
+
+
 def test_disabled_policy_admits_by_memory_alone() -> None:
     gate = RealtimeGate(RealtimePolicy(enabled=False), frame_rate=20.0)
     gate.observe_step(1.0)
@@ -173,3 +196,75 @@ def test_one_open_gate_admits_only_what_keeps_the_batch_up(golden_dir) -> None:
     admitted = [r for r in burst if r.status.value == "running"]
     assert admitted == burst[:2]  # 4 rows at 1.5x; a fifth would run at 1.2x
     assert {r for r, _ in plan.prefills} == set(admitted)
+
+
+def _core_with(golden_dir, policy: RealtimePolicy):
+    import torch
+    from model_testing import tiny_s2
+
+    from shoal.config import EngineConfig
+    from shoal.engine.api import Priority
+    from shoal.engine.core import EngineCore
+    from shoal.engine.request import SamplingParams
+    from shoal.models.prompt import build_prompt
+
+    model = tiny_s2(golden_dir, torch.float32)
+    settings = EngineConfig(device="cpu", dtype="float32", num_pages=128, page_size=16, realtime=policy)
+    core = EngineCore(model, settings)
+
+    def new(name: str, text: str = ""):
+        prompt = build_prompt(model.config, model.tokenizer, text or f"text {name}")
+        request = core.new_request(
+            prompt, SamplingParams(seed=1), max_new_frames=50, priority=Priority.STANDARD, request_id=name
+        )
+        core.add(request)
+        return request
+
+    return core, new
+
+
+def test_a_playing_stream_caps_the_prefill_of_new_ones(golden_dir) -> None:
+    """While a listened stream plays, a step prefills only what its measured costs allow beside
+    the decode; before its first audio nothing caps the prefill."""
+    policy = RealtimePolicy(enabled=True, min_speed=1.5, min_prefill_tokens=4)
+    core, new = _core_with(golden_dir, policy)
+    playing = new("playing")
+    for _ in range(3):
+        core.step()
+    gate = core.scheduler.gate
+    gate.decode_seconds = 1 / (1.5 * gate.frame_rate) - 10 * 1e-3  # room for 10 tokens at 1 ms each
+    gate.prefill_seconds_per_token = 1e-3
+    long_text = "a much longer text that needs many more prompt tokens than ten of them"
+    waiting = new("waiting", long_text)
+    plan = core.scheduler.schedule()  # the stream has no audio yet: the engine's whole budget
+    assert dict(plan.prefills)[waiting] == waiting.num_pending > 10
+    core.scheduler.remove(waiting)
+    playing.playback = PlaybackClock()
+    playing.playback.deliver(0.5)  # its first audio: now someone listens
+    again = new("again", long_text)
+    plan = core.scheduler.schedule()
+    assert sum(n for _, n in plan.prefills) == 10 and dict(plan.prefills)[again] == 10
+
+
+def test_a_queue_that_is_not_draining_admits_the_newest_first(golden_dir) -> None:
+    """Once the oldest waiting request has waited `newest_first_after_seconds`, the newest is
+    admitted first (the stale ones expire with a 503 instead of every admitted one starting
+    late); a queue that drains in time stays first come, first served."""
+    import time
+
+    policy = RealtimePolicy(enabled=True, min_speed=1.5, newest_first_after_seconds=0.25)
+    core, new = _core_with(golden_dir, policy)
+    running = new("running")
+    core.step()
+    gate = core.scheduler.gate
+    gate.observe_step(1 / (3.0 * gate.frame_rate), rows=1)  # 3x over 1 row: room for one more
+    fresh = [new(f"fresh{i}") for i in range(3)]
+    core.scheduler.schedule()
+    assert [r.status.value for r in fresh] == ["running", "waiting", "waiting"]  # in time: FIFO
+    core.scheduler.remove(fresh[0])
+    stale = fresh[1]
+    stale.arrival_time = time.monotonic() - 1.0
+    newest = new("newest")
+    core.scheduler.schedule()
+    assert newest.status.value == "running" and stale.status.value == "waiting"
+    assert fresh[2].status.value == "waiting" and running.status.value == "running"

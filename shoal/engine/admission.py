@@ -14,6 +14,13 @@ the admitted streams would not keep up:
   also sees what the step time does not (the codec, the host falling behind): a stream older than
   `grace_seconds` with less than `min_headroom_seconds` buffered is about to underrun.
 
+The gate also bounds each step, not only the average: a step that prefills a burst of admissions
+(thousands of tokens) stalls every playing stream for its whole length, and a stream that has just
+started has a fraction of a second buffered. While one plays, `prefill_token_budget` caps a step's
+prefill tokens at what fits beside its decode within 1 / (`min_speed` x frame rate), from the
+measured decode time and prefill cost per token (chunked prefill under a step-time target, as
+Sarathi-Serve bounds its stalls).
+
 While the gate is closed, batch-priority streams pause their decoding (they keep their pages) so
 that the steps are spent on the streams someone is listening to; they resume when it reopens.
 """
@@ -61,16 +68,35 @@ class RealtimeGate:
         self.frame_rate = frame_rate
         self.step_seconds: float | None = None  # moving average over decoding steps
         self.rows = 0.0  # moving average of the rows those steps decoded
+        self.decode_seconds: float | None = None  # ... over the steps without prefill
+        self.prefill_seconds_per_token: float | None = None  # what a step's prefill added, per token
 
-    def observe_step(self, seconds: float, rows: int = 1) -> None:
-        """Book one decoding step's wall time (from its start to the next step's start) and the
-        rows it decoded."""
+    def observe_step(self, seconds: float, rows: int = 1, prefill_tokens: int = 0) -> None:
+        """Book one decoding step's wall time (from its start to the next step's start), the
+        rows it decoded and the prefill tokens it ran beside them."""
+        weight = self.policy.step_time_smoothing
         if self.step_seconds is None:
             self.step_seconds, self.rows = seconds, float(rows)
         else:
-            weight = self.policy.step_time_smoothing
             self.step_seconds += weight * (seconds - self.step_seconds)
             self.rows += weight * (rows - self.rows)
+        if not prefill_tokens:
+            self.decode_seconds = _average(self.decode_seconds, seconds, weight)
+        elif self.decode_seconds is not None:
+            per_token = max(0.0, seconds - self.decode_seconds) / prefill_tokens
+            self.prefill_seconds_per_token = _average(self.prefill_seconds_per_token, per_token, weight)
+
+    def prefill_token_budget(self, limit: int) -> int:
+        """Prefill tokens for the next step while listened streams play: as many as keep the
+        step within 1 / (min_speed x frame rate) beside its decode, at least
+        `min_prefill_tokens` (requests mid-prefill must progress), at most `limit`. `limit`
+        itself until both costs are measured."""
+        policy = self.policy
+        if not policy.enabled or self.decode_seconds is None or not self.prefill_seconds_per_token:
+            return limit
+        slack = 1.0 / (policy.min_speed * self.frame_rate) - self.decode_seconds
+        tokens = int(slack / self.prefill_seconds_per_token) if slack > 0 else 0
+        return max(min(policy.min_prefill_tokens, limit), min(tokens, limit))
 
     @property
     def speed(self) -> float:
@@ -91,9 +117,10 @@ class RealtimeGate:
 
     def idle(self) -> None:
         """Nothing is decoding: the next batch starts afresh (an old slow average must not keep
-        the gate closed over an empty engine)."""
+        the gate closed over an empty engine). The prefill cost per token is the model's and stays."""
         self.step_seconds = None
         self.rows = 0.0
+        self.decode_seconds = None
 
     def state(self, now: float, playing: Iterable[PlaybackClock]) -> GateState:
         """Open or closed for the next admission; `playing`: the running streams' clocks."""
@@ -111,3 +138,8 @@ class RealtimeGate:
         if lowest is not None and lowest < self.policy.min_headroom_seconds:
             return GateState(False, speed, lowest, f"a stream has {lowest * 1000:.0f} ms of audio buffered")
         return GateState(True, speed, lowest)
+
+
+def _average(current: float | None, sample: float, weight: float) -> float:
+    """Exponential moving average; the first sample starts it."""
+    return sample if current is None else current + weight * (sample - current)

@@ -324,7 +324,8 @@ class EngineCore:
         # The decoding streams' pace, for realtime admission: time between booked decode steps.
         if plan.decodes:
             if self._last_decode_booked is not None:
-                self.scheduler.gate.observe_step(now - self._last_decode_booked, len(plan.decodes))
+                seconds, prefilled = now - self._last_decode_booked, sum(n for _, n in plan.prefills)
+                self.scheduler.gate.observe_step(seconds, len(plan.decodes), prefilled)
             self._last_decode_booked = now
         else:
             self._last_decode_booked = None

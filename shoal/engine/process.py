@@ -209,6 +209,9 @@ class EngineServer:
             ending = {"type": "finish", "id": request_id, "reason": wire.encode_reason(handle.finish_reason)}
         except asyncio.CancelledError:
             raise  # shutdown: the handle's own cleanup aborts the request
+        except EngineError as error:  # an answer the client gets (503, 400), not a fault here
+            log.debug("request %s ended: %s", request_id, error)
+            ending = {"type": "error", "id": request_id, "error": wire.encode_error(error)}
         except Exception as error:
             log.exception("request %s failed while streaming", request_id)
             ending = {"type": "error", "id": request_id, "error": wire.encode_error(error)}

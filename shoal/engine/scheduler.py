@@ -190,8 +190,11 @@ class Scheduler:
                 continue
             if self._reserve(request, request.seq_len, now, plan, any_victim=True):
                 plan.decodes.append(request)
-        # 2. Prefill chunks: running requests mid-prefill, then admissions.
+        # 2. Prefill chunks: running requests mid-prefill, then admissions; while someone listens,
+        #    no more than keeps the step within the realtime speed.
         budget = self.config.max_prefill_tokens
+        if self._listened_playing():
+            budget = self.gate.prefill_token_budget(budget)
         prefilling = [r for r in self.running if not r.is_decoding]
         for request in sorted(prefilling, key=lambda r: self._urgency(r, now)):
             if budget <= 0:
@@ -217,6 +220,13 @@ class Scheduler:
             budget -= self._plan_chunk(candidate, budget, now, plan)
         return plan
 
+    def _listened_playing(self) -> bool:
+        """Whether a running stream someone listens to has started playing."""
+        return any(
+            r.priority is not Priority.BATCH and (r.playback and r.playback.first_audio_at) is not None
+            for r in self.running
+        )
+
     def _plan_chunk(self, request: Request, budget: int, now: float, plan: StepPlan) -> int:
         count = min(request.num_pending, budget)
         if count <= 0 or not self._reserve(request, request.num_computed + count, now, plan, False):
@@ -227,15 +237,23 @@ class Scheduler:
     def _next_waiting(self, now: float, fresh: bool = True) -> Request | None:
         """The most urgent waiting request; with `fresh` False (the realtime gate is closed) only
         those of streams already admitted: preempted ones and later text batches."""
-        if fresh:
-            heads = [q[0] for q in self.waiting.values() if q]
-        else:
-            heads = [
-                next(r for r in q if r.num_frames or r.continuation)
-                for q in self.waiting.values()
-                if any(r.num_frames or r.continuation for r in q)
-            ]
+        heads = [head for q in self.waiting.values() if (head := self._queue_head(q, now, fresh))]
         return min(heads, key=lambda r: self._urgency(r, now)) if heads else None
+
+    def _queue_head(self, queue: list[Request], now: float, fresh: bool) -> Request | None:
+        """A class's next request: a stream already admitted (preempted, a later text batch)
+        first; then, with `fresh`, the oldest new one, or the newest once the oldest that may
+        expire has waited `newest_first_after_seconds` (the queue is not draining: serve the
+        requests still in time, let the stale ones expire)."""
+        resumed = next((r for r in queue if r.num_frames or r.continuation), None)
+        if resumed is not None or not fresh or not queue:
+            return resumed
+        oldest = queue[0]
+        policy = self.gate.policy
+        stale = now - oldest.arrival_time > policy.newest_first_after_seconds
+        if policy.enabled and oldest.may_expire and stale:
+            return queue[-1]
+        return oldest
 
     def _admit(self, request: Request, now: float, plan: StepPlan) -> bool:
         """Move the most urgent waiting request into the running set if a slot and the pages

@@ -178,7 +178,7 @@ def snake_then_conv(
     if not conv.context:
         total, h = snake_module.step(x, pending, need_sum=need_sum)
         return total, conv.step(h, ctx, key, valid, bias=bias)
-    joined = ctx.joined(key, x.shape[1], align=conv.row_alignment)
+    joined = ctx.joined(key, x.shape[1], align=conv.row_alignment(x.device))
     total, _ = snake_module.step(x, pending, need_sum=need_sum, out=joined[:, conv.context :])
     return total, conv.step(joined, ctx, key, valid, bias=bias, joined=True)
 
@@ -202,8 +202,14 @@ class CausalConv1d(nn.Module):
         self.stride = stride
         self.receptive = (kernel_size - 1) * dilation + 1
         self.context = self.receptive - stride  # left padding == carried samples when streaming
-        # Streaming: run the dilation as phases of an undilated conv (`_phase_split`).
-        self.phase_split = TUNING.codec_phase_split_dilations and self.phase_alignment_possible
+        # Streaming: run the dilation as phases of an undilated conv (`_phase_split`); None:
+        # on CUDA only.
+        self.phase_split: bool | None = TUNING.codec_phase_split_dilations
+
+    def splits_phases(self, device: torch.device) -> bool:
+        """Whether the streaming step on `device` runs this conv as phases."""
+        wanted = device.type == "cuda" if self.phase_split is None else self.phase_split
+        return wanted and self.phase_alignment_possible
 
     @property
     def phase_alignment_possible(self) -> bool:
@@ -211,10 +217,9 @@ class CausalConv1d(nn.Module):
         conv = self.conv
         return conv.dilation[0] > 1 and conv.groups == 1 and conv.stride[0] == 1
 
-    @property
-    def row_alignment(self) -> int:
-        """Rows the streaming input is best allocated in multiples of (no padding copy)."""
-        return self.conv.dilation[0] if self.phase_split else 1
+    def row_alignment(self, device: torch.device) -> int:
+        """Rows the streaming input on `device` is best allocated in multiples of (no padding copy)."""
+        return self.conv.dilation[0] if self.splits_phases(device) else 1
 
     def forward(self, x: Tensor) -> Tensor:
         length = x.shape[-1]
@@ -233,7 +238,7 @@ class CausalConv1d(nn.Module):
         conv = self.conv
         if conv.groups > 1:  # depthwise (ConvNeXt): see `_depthwise`
             return self._depthwise(x, bias)
-        if self.phase_split:
+        if self.splits_phases(x.device):
             return self._phase_split(x, bias)
         weight, bias_ = conv.weight.unsqueeze(2), conv.bias if bias else None
         y = F.conv2d(channels_last_2d(x), weight, bias_, 1, 0, (1, *conv.dilation), conv.groups)
@@ -286,7 +291,9 @@ class CausalConvTranspose1d(nn.Module):
         self.trim = kernel_size - stride
         self.context = math.ceil(kernel_size / stride) - 1  # earlier inputs reaching a new output
 
-    row_alignment = 1  # streaming inputs need no rounding (see `CausalConv1d.row_alignment`)
+    def row_alignment(self, device: torch.device) -> int:
+        """Streaming inputs need no rounding (see `CausalConv1d.row_alignment`)."""
+        return 1
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.conv(x)
@@ -481,15 +488,17 @@ class WindowLimitedTransformer(nn.Module):
         cos, sin = rope_cos_sin(qpos, self.cfg.head_dim, self.cfg.rope_base)
         names = [(f"{key}.layers.{i}.k", f"{key}.layers.{i}.v") for i in range(len(self.layers))]
         carried = [(ctx.states[k_name], ctx.states[v_name]) for k_name, v_name in names]
-        x, saved = self._step_layers()(x, cos, sin, mask, carried, valid)
+        x, saved = self._step_layers(x.device)(x, cos, sin, mask, carried, valid)
         for (k_name, v_name), (k, v) in zip(names, saved, strict=True):
             ctx.new_states[k_name], ctx.new_states[v_name] = k, v
         return x
 
-    def _step_layers(self):
+    def _step_layers(self, device: torch.device):
         """The layers' step, compiled by TorchInductor (norms, RoPE, residuals and SiLU fused
-        around the GEMMs and attention) when `Tuning.codec_compile_transformer` is on."""
-        if not TUNING.codec_compile_transformer:
+        around the GEMMs and attention) when `Tuning.codec_compile_transformer` says so for
+        `device` (None: on CUDA)."""
+        wanted = TUNING.codec_compile_transformer
+        if not (device.type == "cuda" if wanted is None else wanted):
             return self._layers_step
         if self._compiled is None:
             self._compiled = torch.compile(self._layers_step, fullgraph=True)
