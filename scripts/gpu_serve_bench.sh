@@ -20,6 +20,7 @@
 # [1500]), MAX_UNDERRUN_SHARE (0.01 [1]), CAPACITY_CONCURRENCY (64 [4]), CAPACITY_S (window, 10
 # [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]),
 # OVERLOAD (after the search, one run at this multiple of the sustainable rate, 1.5 [none]),
+# SEARCH=0 (no search: only RATES, then the overload),
 # HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default; CLOSED_ARGS more
 # of its options, e.g. "--ws-sessions 3"; LATENCIES one sweep per mode, e.g. "low balanced normal";
 # CLOSED_VOICE=1 one more with a stored voice), PYSPY_S
@@ -215,12 +216,14 @@ if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
   done
 fi
 budget=$(($(left) - CAPACITY_RESERVE_S - 15))
+SEARCH_ARG=--find-sustainable
+[ "${SEARCH:-1}" = 0 ] && SEARCH_ARG=  # SEARCH=0: only the RATES given (and the overload)
 say "open loop: rates $RATES, ${DURATION} s each, frames $FRAMES, $FORMATS, ws share $WS_SHARE," \
   "voice share $VOICE_SHARE; sustainable-rate search within ${budget} s"
 # shellcheck disable=SC2086  # RATES is a list
 timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
   --duration "$DURATION" --frames "$FRAMES" --formats "$FORMATS" --ws-share "$WS_SHARE" \
-  --voice-share "$VOICE_SHARE" --voices "$VOICES" --find-sustainable --max-p95-ms "$MAX_P95_MS" \
+  --voice-share "$VOICE_SHARE" --voices "$VOICES" ${SEARCH_ARG} --max-p95-ms "$MAX_P95_MS" \
   --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$budget" --drain-timeout 15 --timeout 60 \
   ${OVERLOAD:+--overload "$OVERLOAD"} \
   --json "$OUT/open_loop.json" --traces "$OUT/open_loop_traces.jsonl" 2>&1 | tee -a "$OUT/bench.log"

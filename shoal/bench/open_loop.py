@@ -611,6 +611,8 @@ async def sweep(args: argparse.Namespace) -> list[RateResult]:
             while rates:
                 rate = rates.pop(0)
                 left = args.time_budget - (time.perf_counter() - started) if args.time_budget else math.inf
+                if args.overload and results:  # the overload run's time is kept for it
+                    left -= probe_wall
                 if left < probe_wall:
                     print(f"{rate:6.2f}  skipped: {left:.0f} s left of --time-budget", flush=True)
                     break
