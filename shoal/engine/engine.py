@@ -146,11 +146,22 @@ class LocalEngine(Engine):
                 low_latency_first_chunk_frames=config.vocoder_low_latency_first_chunk_frames,
             )
             # Before the KV pool is sized from free memory, so the codec's graphs are counted.
+            started = time.perf_counter()
             if config.use_cuda_graphs and self.vocoder.capture_graphs():
                 torch.cuda.empty_cache()
+                logger.info(
+                    "codec graphs captured in %.1f s (chunks %s)",
+                    time.perf_counter() - started, list(self.vocoder.policy.graph_chunks),
+                )  # fmt: skip
         self.sample_rate = codec.sample_rate if codec is not None else 44100
         self.frame_rate = self.sample_rate / codec.frame_length if codec is not None else DEFAULT_FRAME_RATE
+        started = time.perf_counter()
         self.core = EngineCore(model, config, self.frame_rate)
+        logger.info(
+            "engine core ready in %.1f s: %d KV pages of %d tokens, CUDA graphs %s",
+            time.perf_counter() - started, self.core.kv.pool.num_pages, config.page_size,
+            "on" if config.use_cuda_graphs and self.core.runner.device.type == "cuda" else "off",
+        )  # fmt: skip
         self.model_name = model_name
         self.v15_max_length = V15_MAX_LENGTH  # 1.5 long text: `reference.generate_long`'s max_length
         self._handles: dict[str, SynthesisHandle] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 from shoal.config import WEIGHT_FORMATS, EngineConfig
@@ -123,7 +124,10 @@ def load_engine(
     if weight_format is None and config is not None and config.weight_format != "bf16":
         weight_format = config.weight_format
     checkpoint_dir = resolve_checkpoint_dir(checkpoint)
+    started = time.perf_counter()
     model, weight_format = load_engine_model(checkpoint_dir, device, dtype, weight_format, validate_fp8)
+    weights = "FP8" if weight_format == "fp8" else dtype
+    log.info("model loaded in %.1f s (%s weights on %s)", time.perf_counter() - started, weights, device)
     codec_path = Path(codec) if codec is not None else codec_file(checkpoint_dir)
     if not codec_path.exists():
         raise FileNotFoundError(f"no codec at {codec_path} (pass codec=...)")

@@ -175,6 +175,10 @@ class RemoteEngine(Engine):
         if socket is None:
             return
         self._send({"type": "bye"})
+        # Stop the monitor while its receiving end is still open: ZeroMQ's I/O thread sends each
+        # event with a blocking send under the lock disable_monitor takes, so an event sent to a
+        # receiver already closed would block both for good.
+        socket.disable_monitor()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -185,7 +189,6 @@ class RemoteEngine(Engine):
         self._fail_calls(EngineUnavailable("the client stopped"))
         self.available = False
         self._socket = None
-        socket.disable_monitor()
         socket.close(linger=CLOSE_LINGER_MS)
         context, self._context = self._context, None
         if context is not None:
