@@ -429,3 +429,35 @@ def test_measure_wire_throughput_and_latency(tmp_path):
         f"in process: encode+pack {encode * 1e6:.0f} us, unpack+decode {decode * 1e6:.0f} us a chunk; "
         f"call round trip {round_trip * 1e6:.0f} us"
     )
+
+
+def test_an_engine_process_orphaned_while_loading_exits(tmp_path):
+    """Loading may take minutes before the serving loop watches its parent: a process whose
+    supervisor is gone (its parent pid changed) exits within a reap interval; one that finished
+    loading is left to the serving loop."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading, time\n"
+        "from shoal.engine.process import exit_if_orphaned_while_loading\n"
+        "loaded = threading.Event()\n"
+        "if sys.argv[1] == 'loaded': loaded.set()\n"
+        "parent = -1 if sys.argv[1] == 'orphan' else __import__('os').getppid()\n"
+        "watch = threading.Thread(target=exit_if_orphaned_while_loading, args=(parent, loaded))\n"
+        "watch.daemon = True\n"
+        "watch.start()\n"
+        "time.sleep(3)\n"
+        "print('still here')\n"
+    )
+
+    def launch(case: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", script, case]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    orphan = launch("orphan")
+    assert orphan.returncode == 1 and "still here" not in orphan.stdout  # gone before its 3 s sleep
+    assert "gone while loading" in orphan.stderr
+    for case in ("loaded", "parent alive"):
+        kept = launch(case)
+        assert kept.returncode == 0 and "still here" in kept.stdout, kept.stderr

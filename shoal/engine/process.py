@@ -377,6 +377,16 @@ class EngineSpec:
         return EngineConfig(**values)
 
 
+def exit_if_orphaned_while_loading(parent_pid: int, loaded: threading.Event) -> None:
+    """Loading takes minutes on a GPU (weights, FP8 check, graph capture), before the serving
+    loop's reaper watches the parent. A supervisor killed meanwhile must not leave this process
+    holding the GPU: exit at once (nothing is served yet, nothing to stop cleanly)."""
+    while not loaded.wait(REAP_INTERVAL):
+        if os.getppid() != parent_pid:
+            log.error("the supervising process %d is gone while loading: exiting", parent_pid)
+            os._exit(1)
+
+
 def engine_process_main(spec: EngineSpec) -> int:
     """The engine process: load the engine, serve it until SIGTERM or SIGINT, stop it cleanly."""
     logging.basicConfig(
@@ -388,6 +398,11 @@ def engine_process_main(spec: EngineSpec) -> int:
 
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
+    loaded = threading.Event()
+    if spec.parent_pid is not None:
+        threading.Thread(
+            target=exit_if_orphaned_while_loading, args=(spec.parent_pid, loaded), daemon=True
+        ).start()
     engine = load_engine(
         spec.checkpoint,
         codec=spec.codec,
@@ -397,6 +412,7 @@ def engine_process_main(spec: EngineSpec) -> int:
         weight_format=spec.weight_format,
         warmup=spec.warmup,
     )
+    loaded.set()
 
     async def serve() -> None:
         stop = asyncio.Event()
