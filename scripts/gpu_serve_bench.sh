@@ -169,13 +169,15 @@ def read(text):
     out = {}
     for kind, route, value in re.findall(r"shoal_time_to_first_audio_seconds_(sum|count)[{]route=\"(\w+)\"[}] (\S+)", text):
         out[(kind, route)] = float(value)
+    for kind, value in re.findall(r"^shoal_engine_time_to_first_audio_seconds_(sum|count) (\S+)", text, re.M):
+        out[(kind, "inside the engine")] = float(value)
     return out
 before, after = read(open(sys.argv[1]).read()), read(sys.stdin.read())
 for route in sorted({r for _, r in after}):
     count = after.get(("count", route), 0) - before.get(("count", route), 0)
     total = after.get(("sum", route), 0) - before.get(("sum", route), 0)
     if count:
-        print(f"server-side first audio, route {route}: mean {total / count * 1000:.1f} ms over {count:.0f} requests")
+        print(f"server-side first audio, {route}: mean {total / count * 1000:.1f} ms over {count:.0f} requests")
 ' "$OUT/metrics_before_$name.txt" | tee -a "$OUT/bench.log"
   }
   # LATENCIES: one sweep per `latency` mode (e.g. "low balanced normal"); none: the bench's default.

@@ -87,6 +87,8 @@ def test_prefill_budget_keeps_a_step_within_the_realtime_speed() -> None:
     assert gate.prefill_token_budget(8192) == 64 and gate.prefill_token_budget(16) == 16
     gate.idle()  # a new batch: its decode time is measured afresh, the cost per token stays
     assert gate.prefill_token_budget(8192) == 8192 and gate.prefill_seconds_per_token is not None
+    gate.forget()
+    assert gate.prefill_seconds_per_token is None and gate.step_seconds is None
     assert RealtimeGate(RealtimePolicy(enabled=False), 20.0).prefill_token_budget(8192) == 8192
 
 
@@ -232,6 +234,7 @@ def test_a_playing_stream_caps_the_prefill_of_new_ones(golden_dir) -> None:
     for _ in range(3):
         core.step()
     gate = core.scheduler.gate
+    gate.step_seconds, gate.rows = 1e-3, 1.0  # fast: the gate is open (not this CPU's step time)
     gate.decode_seconds = 1 / (1.5 * gate.frame_rate) - 10 * 1e-3  # room for 10 tokens at 1 ms each
     gate.prefill_seconds_per_token = 1e-3
     long_text = "a much longer text that needs many more prompt tokens than ten of them"

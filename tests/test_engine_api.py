@@ -220,6 +220,8 @@ def test_load_engine_warms_up_and_leaves_no_trace(demo_checkpoint):
     core = engine.core
     assert not core.has_work and not core.requests and core.kv.pool.num_used == 0
     assert core.kv.prefix_cache_pages == 0 and core.steps == core.frames_out == 0
+    gate = core.scheduler.gate  # the warm-up's steps compiled kernels: their times are dropped
+    assert gate.step_seconds is None and gate.prefill_seconds_per_token is None
     stats = engine.stats()
     assert stats.running == 0 and set(stats.waiting.values()) == {0} and stats.pages_used == 0
     assert stats.steps_per_second == stats.frames_per_second == 0.0

@@ -102,8 +102,14 @@ def test_metrics_sum_every_api_process_and_show_the_engine_once(server):
         assert len(connections) == 2
         route = 'shoal_requests_total{route="/wallet/{user_id}/package",status="200"}'
         first_audio = 'shoal_time_to_first_audio_seconds_count{route="tts"}'
+        api_sum, engine_sum = (
+            'shoal_time_to_first_audio_seconds_sum{route="tts"}',
+            "shoal_engine_time_to_first_audio_seconds_sum",
+        )
+        engine_count = "shoal_engine_time_to_first_audio_seconds_count"
         page = httpx.get(f"{server.url}/metrics").text
         before, audio_before = metric(page, route), metric(page, first_audio)
+        sums_before = metric(page, api_sum), metric(page, engine_sum), metric(page, engine_count)
         headers = {**bearer(server.key_a), "Content-Type": "application/msgpack"}
         for count, client in zip((3, 2), connections.values(), strict=True):
             for _ in range(count):
@@ -125,6 +131,15 @@ def test_metrics_sum_every_api_process_and_show_the_engine_once(server):
                 assert len(re.findall(rf"^{name} ", page, re.MULTILINE)) == 1, name
             assert metric(page, "shoal_engine_up") == 1.0
             assert 'shoal_queue_wait_seconds_bucket{le="+Inf"}' in page
+        # The engine's own first-audio time (booked as each stream ends, seen with the next
+        # heartbeat) lies inside the server's for the same two requests.
+        deadline = time.monotonic() + 10
+        while metric(page, engine_count) < sums_before[2] + 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            page = httpx.get(f"{server.url}/metrics").text
+        assert metric(page, engine_count) == sums_before[2] + 2
+        engine_part = metric(page, engine_sum) - sums_before[1]
+        assert 0 < engine_part < metric(page, api_sum) - sums_before[0]
         names = set(re.findall(r"^# TYPE (\w+) ", page, re.MULTILINE))
         documented = set(re.findall(r"`(shoal_\w+)", (REPO / "docs" / "deployment.md").read_text()))
         documented = {name for name in documented if not PER_ENGINE_METRIC.match(name)}

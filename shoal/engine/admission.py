@@ -115,6 +115,11 @@ class RealtimeGate:
         predicted = self.speed * min(1.0, self.rows / max(rows, 1))
         return predicted >= self.policy.min_speed
 
+    def forget(self) -> None:
+        """Drop every measurement (after the warm-up, whose first steps compile kernels)."""
+        self.idle()
+        self.prefill_seconds_per_token = None
+
     def idle(self) -> None:
         """Nothing is decoding: the next batch starts afresh (an old slow average must not keep
         the gate closed over an empty engine). The prefill cost per token is the model's and stays."""

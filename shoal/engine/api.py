@@ -126,6 +126,10 @@ class EngineStats:
     queue_wait_sum: float = 0.0
     queue_wait_count: int = 0
     queue_wait_buckets: tuple[int, ...] = ()
+    # Since start: ended streams' time from submission to their first audio, inside the engine
+    # (the server's `shoal_time_to_first_audio_seconds` adds the API's own part).
+    first_audio_sum: float = 0.0
+    first_audio_count: int = 0
 
 
 # Upper bounds (seconds) of the queue-wait histogram in `EngineStats.queue_wait_buckets`.

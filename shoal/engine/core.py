@@ -110,6 +110,8 @@ class EngineCore:
         self.expired = 0  # requests that waited past the realtime policy's maximum (503)
         self.streams_underrun = 0  # ended streams whose listener heard a gap
         self.underrun_seconds = 0.0
+        self.first_audio_seconds = 0.0  # ended streams' time from submission to first audio
+        self.first_audio_streams = 0
         self._last_decode_booked: float | None = None
         self.runner = ModelRunner(model, config, num_pages, self.max_seq_len)
         self.im_end_id = model.config.im_end_id
@@ -379,13 +381,19 @@ class EngineCore:
             queue_wait_sum=waits.total,
             queue_wait_count=waits.count,
             queue_wait_buckets=tuple(waits.counts),
+            first_audio_sum=self.first_audio_seconds,
+            first_audio_count=self.first_audio_streams,
         )
 
-    def book_playback(self, clock: PlaybackClock) -> None:
-        """A stream has ended: count its listener's gaps (any thread; the totals only grow)."""
+    def book_playback(self, clock: PlaybackClock, submitted_at: float | None = None) -> None:
+        """A stream has ended: count its listener's gaps and, given when it was submitted, its
+        time to first audio inside the engine (any thread; the totals only grow)."""
         if clock.underruns:
             self.streams_underrun += 1
             self.underrun_seconds += clock.stalled_seconds
+        if submitted_at is not None and clock.first_delivered_at is not None:
+            self.first_audio_seconds += clock.first_delivered_at - submitted_at
+            self.first_audio_streams += 1
 
     def prefill_voice(self, prefix: torch.Tensor, key: str | None = None) -> bool:
         """Compute a voice prefix's whole pages now and keep them in the prefix cache under `key`

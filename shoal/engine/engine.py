@@ -232,6 +232,7 @@ class LocalEngine(Engine):
             raise RuntimeError("warm-up changed the prefix cache")
         core.steps = core.frames_out = core.steps_ahead = core.rows_discarded = 0
         core._rate_window.clear()
+        core.scheduler.gate.forget()  # its steps compiled kernels: not what serving will cost
         core.runner.host.reset()  # no rows on the device: the next fill sends everything
         self._publish()
         report = WarmupReport(time.perf_counter() - start, lengths, prefill_tokens, steps, chunks)
@@ -505,8 +506,16 @@ class LocalEngine(Engine):
 
     def stats(self) -> EngineStats:
         """The engine thread's last snapshot (at most one step old), submitted requests not
-        yet drained counted as waiting."""
-        return self._admission.snapshot()
+        yet drained counted as waiting, with the playback totals as they are now: streams end
+        on the vocoder's thread, often after the engine's last step, when no snapshot follows."""
+        core = self.core
+        return dataclasses.replace(
+            self._admission.snapshot(),
+            streams_underrun=core.streams_underrun,
+            underrun_seconds=core.underrun_seconds,
+            first_audio_sum=core.first_audio_seconds,
+            first_audio_count=core.first_audio_streams,
+        )
 
     # Frame-level API (tests, benchmarks) ---------------------------------------------------
 

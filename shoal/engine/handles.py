@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -39,8 +40,9 @@ class EngineLink:
     abort: Callable[[str], None]
     # A SynthesisHandle has ended: the engine forgets its id.
     handle_ended: Callable[[str], None]
-    # A stream has ended: book its listener's playback (underruns) in the engine's counters.
-    book_playback: Callable[[PlaybackClock], None] = lambda clock: None
+    # A stream has ended: book its listener's playback (underruns, and its first audio against
+    # the time it was submitted) in the engine's counters.
+    book_playback: Callable[[PlaybackClock, float], None] = lambda clock, submitted_at: None
 
 
 class FrameStream:
@@ -104,6 +106,7 @@ class SynthesisHandle(QueuedHandle):
         # The listener's playback across the text batches: booked by the vocoder at each
         # delivery, read by the scheduler (realtime admission, most urgent first).
         self.playback = PlaybackClock()
+        self.submitted_at = time.monotonic()
 
     def next_request(self) -> Request:
         """The engine Request of the current text batch."""
@@ -182,7 +185,7 @@ class SynthesisHandle(QueuedHandle):
     def finished(self, reason: FinishReason) -> None:
         """End the handle with `reason` (the last item its consumer reads)."""
         self._link.handle_ended(self.request_id)
-        self._link.book_playback(self.playback)
+        self._link.book_playback(self.playback, self.submitted_at)
         self._to_loop(reason)
 
     def _to_loop(self, item) -> bool:

@@ -19,7 +19,8 @@ class PlaybackClock:
     """One stream's playback as the strictest listener hears it. Written by the vocoder thread
     (`deliver`), read by the engine thread (`headroom`); the lock keeps the pair consistent."""
 
-    first_audio_at: float | None = None
+    first_audio_at: float | None = None  # moved later by each gap (playback resumes after it)
+    first_delivered_at: float | None = None  # when the first audio was handed over; never moved
     delivered_seconds: float = 0.0
     underruns: int = 0  # gaps heard so far
     stalled_seconds: float = 0.0  # total length of those gaps
@@ -32,7 +33,7 @@ class PlaybackClock:
         gap = None
         with self._lock:
             if self.first_audio_at is None:
-                self.first_audio_at = now
+                self.first_audio_at = self.first_delivered_at = now
             else:
                 ahead = self.first_audio_at + self.delivered_seconds - now
                 if ahead < 0:

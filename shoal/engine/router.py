@@ -99,6 +99,8 @@ def combine_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
         paused_batch=sum(stats.paused_batch for stats in snapshots),
         streams_underrun=sum(stats.streams_underrun for stats in snapshots),
         underrun_seconds=sum(stats.underrun_seconds for stats in snapshots),
+        first_audio_sum=sum(stats.first_audio_sum for stats in snapshots),
+        first_audio_count=sum(stats.first_audio_count for stats in snapshots),
         queue_timeouts=sum(stats.queue_timeouts for stats in snapshots),
         queue_wait_sum=sum(stats.queue_wait_sum for stats in snapshots),
         queue_wait_count=sum(stats.queue_wait_count for stats in snapshots),

@@ -14,7 +14,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess, values
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -153,6 +159,13 @@ def engine_metrics(stats: EngineStats) -> Iterator[Metric]:
         "shoal_queue_timeouts", "Requests ended with a 503 after waiting too long", value=stats.queue_timeouts
     )
     yield queue_wait_histogram(stats)
+    yield SummaryMetricFamily(
+        "shoal_engine_time_to_first_audio_seconds",
+        "Ended streams' time from submission to first audio inside the engine (the server's "
+        "shoal_time_to_first_audio_seconds adds the API's part)",
+        count_value=stats.first_audio_count,
+        sum_value=stats.first_audio_sum,
+    )
 
 
 def queue_wait_histogram(stats: EngineStats) -> HistogramMetricFamily:
