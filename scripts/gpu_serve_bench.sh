@@ -153,32 +153,35 @@ if [ -n "$HTTP_LEVELS$WS_LEVELS" ] && [ "$closed_limit" -gt 10 ]; then
   [ -z "$HTTP_LEVELS" ] && mode=ws
   [ -z "$WS_LEVELS" ] && mode=http
   metrics() { "$PY" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$URL/metrics').read().decode())"; }
-  sweep() {  # sweep NAME [bench serve options...]: one closed-loop sweep -> closed_loop_NAME.json
-    local name=$1
+  sweep() {  # sweep NAME [bench serve options...]: closed-loop sweeps -> closed_loop_NAME_MODE.json
+    local name=$1 one
     shift
-    metrics >"$OUT/metrics_before_$name.txt"
-    timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$mode" \
-      --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
-      --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_$name.json" \
-      "$@" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
-    # The server's own first-audio mean over the sweep (parsed request to first bytes), beside the
-    # client's figures above: what lies outside the server (client, HTTP, sockets) is the rest.
-    metrics | "$PY" -c '
+    # One run per transport, so that the server's and the engine's means below are each one's.
+    for one in $([ "$mode" = both ] && echo "http ws" || echo "$mode"); do
+      metrics >"$OUT/metrics_before_${name}_$one.txt"
+      timeout "$closed_limit" "$PY" -m shoal.cli bench serve --url "$URL" --mode "$one" \
+        --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
+        --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_${name}_$one.json" \
+        "$@" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+      # The server's own first-audio mean over the run (parsed request to first bytes) and the
+      # engine's (submission to first audio), beside the client's figures above.
+      metrics | "$PY" -c '
 import re, sys
 def read(text):
     out = {}
     for kind, route, value in re.findall(r"shoal_time_to_first_audio_seconds_(sum|count)[{]route=\"(\w+)\"[}] (\S+)", text):
-        out[(kind, route)] = float(value)
+        out[(kind, "server, " + route)] = float(value)
     for kind, value in re.findall(r"^shoal_engine_time_to_first_audio_seconds_(sum|count) (\S+)", text, re.M):
         out[(kind, "inside the engine")] = float(value)
     return out
 before, after = read(open(sys.argv[1]).read()), read(sys.stdin.read())
-for route in sorted({r for _, r in after}):
-    count = after.get(("count", route), 0) - before.get(("count", route), 0)
-    total = after.get(("sum", route), 0) - before.get(("sum", route), 0)
+for place in sorted({p for _, p in after}):
+    count = after.get(("count", place), 0) - before.get(("count", place), 0)
+    total = after.get(("sum", place), 0) - before.get(("sum", place), 0)
     if count:
-        print(f"server-side first audio, {route}: mean {total / count * 1000:.1f} ms over {count:.0f} requests")
-' "$OUT/metrics_before_$name.txt" | tee -a "$OUT/bench.log"
+        print(f"    first audio {place}: mean {total / count * 1000:.1f} ms over {count:.0f} requests")
+' "$OUT/metrics_before_${name}_$one.txt" | tee -a "$OUT/bench.log"
+    done
   }
   # LATENCIES: one sweep per `latency` mode (e.g. "low balanced normal"); none: the bench's default.
   for latency in ${LATENCIES:-default}; do
