@@ -20,7 +20,6 @@ class PlaybackClock:
     (`deliver`), read by the engine thread (`headroom`); the lock keeps the pair consistent."""
 
     first_audio_at: float | None = None  # moved later by each gap (playback resumes after it)
-    first_delivered_at: float | None = None  # when the first audio was handed over; never moved
     delivered_seconds: float = 0.0
     underruns: int = 0  # gaps heard so far
     stalled_seconds: float = 0.0  # total length of those gaps
@@ -33,7 +32,7 @@ class PlaybackClock:
         gap = None
         with self._lock:
             if self.first_audio_at is None:
-                self.first_audio_at = self.first_delivered_at = now
+                self.first_audio_at = now
             else:
                 ahead = self.first_audio_at + self.delivered_seconds - now
                 if ahead < 0:
@@ -43,6 +42,12 @@ class PlaybackClock:
                     self.first_audio_at += gap  # the listener waited, then resumed
             self.delivered_seconds += seconds
         return gap
+
+    @property
+    def first_delivered_at(self) -> float | None:
+        """When the first audio was handed over: `first_audio_at` before the gaps moved it."""
+        with self._lock:
+            return None if self.first_audio_at is None else self.first_audio_at - self.stalled_seconds
 
     def headroom(self, now: float | None = None) -> float | None:
         """Seconds of audio delivered but not yet played; None before the first audio."""

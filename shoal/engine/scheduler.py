@@ -114,7 +114,7 @@ class Scheduler:
     def gate_state(self, now: float) -> GateState:
         """Realtime admission over the running streams someone listens to (not batch work, which
         only fills what they leave): open when there are none."""
-        listened = [r for r in self.running if r.priority is not Priority.BATCH]
+        listened = self._listened()
         if not listened:
             return GateState(True, self.gate.speed, None)
         return self.gate.state(now, [r.playback for r in listened if r.playback is not None])
@@ -176,7 +176,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         now = time.monotonic()
         plan = StepPlan()
-        if not any(r.priority is not Priority.BATCH for r in self.running):
+        if not self._listened():
             self.gate.idle()  # a new batch of listened streams starts from a fresh measurement
         gate = self.last_gate = self.gate_state(now)
         self.last_paused = plan.paused
@@ -222,10 +222,11 @@ class Scheduler:
 
     def _listened_playing(self) -> bool:
         """Whether a running stream someone listens to has started playing."""
-        return any(
-            r.priority is not Priority.BATCH and (r.playback and r.playback.first_audio_at) is not None
-            for r in self.running
-        )
+        return any(r.playback is not None and r.playback.first_audio_at is not None for r in self._listened())
+
+    def _listened(self) -> list[Request]:
+        """The running streams someone listens to (all but batch work)."""
+        return [r for r in self.running if r.priority is not Priority.BATCH]
 
     def _plan_chunk(self, request: Request, budget: int, now: float, plan: StepPlan) -> int:
         count = min(request.num_pending, budget)

@@ -125,6 +125,11 @@ class StepContext:
         return buffer[:, :rows]
 
 
+def chosen_for(setting: bool | None, device: torch.device) -> bool:
+    """A codec `Tuning` switch on `device`: None means on CUDA only."""
+    return device.type == "cuda" if setting is None else setting
+
+
 def append_window(carried: Tensor, x: Tensor, valid: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """(carried then x along `dim`, the state to carry next: the last carried-length entries up to
     each row's valid end). `StepContext.extend` as a pure function, for compiled code."""
@@ -208,8 +213,7 @@ class CausalConv1d(nn.Module):
 
     def splits_phases(self, device: torch.device) -> bool:
         """Whether the streaming step on `device` runs this conv as phases."""
-        wanted = device.type == "cuda" if self.phase_split is None else self.phase_split
-        return wanted and self.phase_alignment_possible
+        return chosen_for(self.phase_split, device) and self.phase_alignment_possible
 
     @property
     def phase_alignment_possible(self) -> bool:
@@ -497,8 +501,7 @@ class WindowLimitedTransformer(nn.Module):
         """The layers' step, compiled by TorchInductor (norms, RoPE, residuals and SiLU fused
         around the GEMMs and attention) when `Tuning.codec_compile_transformer` says so for
         `device` (None: on CUDA)."""
-        wanted = TUNING.codec_compile_transformer
-        if not (device.type == "cuda" if wanted is None else wanted):
+        if not chosen_for(TUNING.codec_compile_transformer, device):
             return self._layers_step
         if self._compiled is None:
             self._compiled = torch.compile(self._layers_step, fullgraph=True)
