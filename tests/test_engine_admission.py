@@ -161,46 +161,9 @@ def test_core_pauses_batch_work_holds_new_streams_and_expires_them(golden_dir) -
     assert late_bulk.status.value == "running"
 
 
-def test_one_open_gate_admits_only_what_keeps_the_batch_up(golden_dir) -> None:
-    """A burst of new requests against a measured speed: the scheduler admits those the charged
-    speed allows in one step and keeps the rest waiting (and may still resume admitted work)."""
-    import torch
-    from model_testing import tiny_s2
-
-    from shoal.config import EngineConfig
-    from shoal.engine.api import Priority
-    from shoal.engine.core import EngineCore
-    from shoal.engine.request import SamplingParams
-    from shoal.models.prompt import build_prompt
-
-    model = tiny_s2(golden_dir, torch.float32)
-    policy = RealtimePolicy(enabled=True, min_speed=1.5)
-    config = EngineConfig(device="cpu", dtype="float32", num_pages=128, page_size=16, realtime=policy)
-    core = EngineCore(model, config)
-
-    def new(name: str):
-        prompt = build_prompt(model.config, model.tokenizer, f"text {name}")
-        request = core.new_request(
-            prompt, SamplingParams(seed=1), max_new_frames=50, priority=Priority.STANDARD, request_id=name
-        )
-        core.add(request)
-        return request
-
-    running = [new("a"), new("b")]
-    for _ in range(3):
-        core.step()
-    assert all(r.num_frames > 0 for r in running)
-    gate = core.scheduler.gate
-    gate.idle()
-    gate.observe_step(1 / (3.0 * gate.frame_rate), rows=2)  # 3x real time over 2 rows
-    burst = [new(f"burst{i}") for i in range(5)]
-    plan = core.scheduler.schedule()
-    admitted = [r for r in burst if r.status.value == "running"]
-    assert admitted == burst[:2]  # 4 rows at 1.5x; a fifth would run at 1.2x
-    assert {r for r, _ in plan.prefills} == set(admitted)
-
-
 def _core_with(golden_dir, policy: RealtimePolicy):
+    """An engine core on the golden tiny model with `policy`, and a function queueing a standard
+    request (50 frames) by name."""
     import torch
     from model_testing import tiny_s2
 
@@ -223,6 +186,24 @@ def _core_with(golden_dir, policy: RealtimePolicy):
         return request
 
     return core, new
+
+
+def test_one_open_gate_admits_only_what_keeps_the_batch_up(golden_dir) -> None:
+    """A burst of new requests against a measured speed: the scheduler admits those the charged
+    speed allows in one step and keeps the rest waiting (and may still resume admitted work)."""
+    core, new = _core_with(golden_dir, RealtimePolicy(enabled=True, min_speed=1.5))
+    running = [new("a"), new("b")]
+    for _ in range(3):
+        core.step()
+    assert all(r.num_frames > 0 for r in running)
+    gate = core.scheduler.gate
+    gate.idle()
+    gate.observe_step(1 / (3.0 * gate.frame_rate), rows=2)  # 3x real time over 2 rows
+    burst = [new(f"burst{i}") for i in range(5)]
+    plan = core.scheduler.schedule()
+    admitted = [r for r in burst if r.status.value == "running"]
+    assert admitted == burst[:2]  # 4 rows at 1.5x; a fifth would run at 1.2x
+    assert {r for r, _ in plan.prefills} == set(admitted)
 
 
 def test_a_playing_stream_caps_the_prefill_of_new_ones(golden_dir) -> None:
