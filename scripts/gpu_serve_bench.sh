@@ -24,8 +24,8 @@
 # HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default; CLOSED_ARGS more
 # of its options, e.g. "--ws-sessions 3"; LATENCIES one sweep per mode, e.g. "low balanced normal";
 # CLOSED_VOICE=1 one more with a stored voice), PYSPY_S
-# (seconds of py-spy sampling of the server 15 s into the open-loop sweep, 0 = none; needs a
-# py-spy wheel among the carried ones).
+# (seconds of py-spy sampling of the server and its engine and API processes 15 s into the
+# open-loop sweep, 0 = none; needs a py-spy wheel among the carried ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${SIZE:-s2-pro}
@@ -66,6 +66,19 @@ left() { echo $((BUDGET_S - (SECONDS - T0))); }
 say "size=$SIZE device=$DEVICE budget=${BUDGET_S}s out=$OUT serve args: ${SERVE_ARGS:-none}" \
   "commit=$(git rev-parse --short HEAD 2>/dev/null || echo -)"
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# GPU busy share (nvidia-smi's utilization: time with a kernel running) every 0.5 s, stamped, so
+# each phase's mean tells a GPU-bound phase from a host-bound one.
+util_pid=
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 2>/dev/null \
+    | while read -r busy; do echo "$(date +%s.%N) $busy"; done >"$OUT/gpu_util.txt" &
+  util_pid=$!
+fi
+gpu_busy() {  # mean GPU busy % between two epoch times
+  [ -s "$OUT/gpu_util.txt" ] || { echo "-"; return; }
+  awk -v a="$1" -v b="$2" '$1 >= a && $1 <= b { s += $2; n++ } END { if (n) printf "%.0f%% (%d samples)", s / n, n; else print "-" }' \
+    "$OUT/gpu_util.txt"
+}
 
 # (1) the web stack's wheels, in the background while the checkpoint is written (the writer needs
 # only torch, safetensors and tokenizers, so it runs without /tmp/site on its path).
@@ -110,7 +123,7 @@ stop_server() {
   wait "$server_pid" 2>/dev/null
   server_pid=
 }
-trap stop_server EXIT
+trap 'stop_server; [ -n "$util_pid" ] && kill "$util_pid" 2>/dev/null' EXIT
 
 # Ready once /v1/health answers 200; gives up when the server exits or too little time is left.
 wait_limit=$(($(left) - CAPACITY_RESERVE_S - 60))
@@ -216,7 +229,7 @@ if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
   # 15 s into the load; --nonblocking reads the server without pausing it.
   for mode in gil idle; do
     (sleep 15; /tmp/site/bin/py-spy record --pid "$server_pid" --duration "$PYSPY_S" --rate 200 \
-      --format raw --threads --nonblocking "--$mode" -o "$OUT/pyspy_$mode.txt" \
+      --format raw --threads --subprocesses --nonblocking "--$mode" -o "$OUT/pyspy_$mode.txt" \
       >"$OUT/pyspy_$mode.log" 2>&1) &
   done
 fi
@@ -225,6 +238,7 @@ SEARCH_ARG=--find-sustainable
 [ "${SEARCH:-1}" = 0 ] && SEARCH_ARG=  # SEARCH=0: only the RATES given (and the overload)
 say "open loop: rates $RATES, ${DURATION} s each, frames $FRAMES, $FORMATS, ws share $WS_SHARE," \
   "voice share $VOICE_SHARE; sustainable-rate search within ${budget} s"
+open_loop_start=$(date +%s.%N)
 # shellcheck disable=SC2086  # RATES is a list
 timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
   --duration "$DURATION" --frames "$FRAMES" --formats "$FORMATS" --ws-share "$WS_SHARE" \
@@ -232,7 +246,7 @@ timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals 
   --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$budget" --drain-timeout 15 --timeout 60 \
   ${OVERLOAD:+--overload "$OVERLOAD"} \
   --json "$OUT/open_loop.json" --traces "$OUT/open_loop_traces.jsonl" 2>&1 | tee -a "$OUT/bench.log"
-say "open loop exit ${PIPESTATUS[0]}"
+say "open loop exit ${PIPESTATUS[0]}; GPU busy during it: $(gpu_busy "$open_loop_start" "$(date +%s.%N)")"
 
 # (5) what the server saw, then stop it (the capacity run needs the GPU to itself)
 "$PY" - "$URL" >"$OUT/after.txt" 2>&1 <<'EOF'
@@ -255,12 +269,15 @@ stop_server
 capacity_limit=$(($(left) - 10))
 if [ "$capacity_limit" -gt 20 ]; then
   say "in-process capacity: $CAPACITY_CONCURRENCY in flight, ${CAPACITY_S} s window (limit ${capacity_limit} s)"
+  capacity_start=$(date +%s.%N) window_start= window_end=
   # shellcheck disable=SC2086
   timeout "$capacity_limit" "$PY" -m shoal.bench.capacity --checkpoint "$CKPT" --device "$DEVICE" $SERVE_ARGS \
     --concurrency "$CAPACITY_CONCURRENCY" --frames "$FRAMES" --voice-share "$VOICE_SHARE" --voices "$VOICES" \
     --seconds "$CAPACITY_S" --warmup-seconds 3 --json "$OUT/capacity.json" 2>&1 | tee "$OUT/capacity.log" \
     | grep -vE "^\s*$" | tail -n 5
-  say "capacity exit ${PIPESTATUS[0]}"
+  capacity_exit=${PIPESTATUS[0]}
+  read -r _ _ _ _ window_start window_end < <(grep "^capacity window" "$OUT/capacity.log" | tail -n 1)
+  say "capacity exit $capacity_exit; GPU busy in its window: $(gpu_busy "${window_start:-$capacity_start}" "${window_end:-$(date +%s.%N)}")"
 else
   say "no time left for the in-process capacity (${capacity_limit} s)"
 fi

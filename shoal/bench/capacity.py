@@ -104,8 +104,11 @@ async def measure(engine, args: argparse.Namespace) -> Capacity:
     try:
         await asyncio.sleep(args.warmup_seconds)
         before = (time.perf_counter(), tally.samples, tally.finished, tally.finished_samples)
+        window_start = time.time()
         await asyncio.sleep(args.seconds)
         after = (time.perf_counter(), tally.samples, tally.finished, tally.finished_samples)
+        # wall-clock bounds, so a GPU monitor's samples can be matched to the window
+        print(f"capacity window (epoch s): {window_start:.2f} {time.time():.2f}", flush=True)
     finally:
         failed = [task.exception() for task in tasks if task.done() and not task.cancelled()]
         for task in tasks:  # the requests still running are aborted (their pages freed)
