@@ -261,8 +261,8 @@ for path in ("/v1/health", "/metrics"):
     lines = [line for line in text.splitlines() if not line.startswith("#") and "python_" not in line]
     print(f"== {path}\n" + "\n".join(lines))
 EOF
-grep -E "^shoal_(time_to_first_audio_seconds_(sum|count)|audio_seconds_total|requests_total)" "$OUT/after.txt" \
-  | head -n 12 | sed 's/^/    /'
+grep -E "^shoal_(time_to_first_audio_seconds_(sum|count)|audio_seconds_total|requests_total|streams_underrun_total|underrun_seconds_total|audio_delivery_lag_seconds_(sum|count|bucket.*le=\"0.1\"))" \
+  "$OUT/after.txt" | head -n 24 | sed 's/^/    /'
 stop_server
 
 # (6) the in-process capacity: the same engine options, the same mix of lengths and voices

@@ -141,7 +141,7 @@ def test_compressed_chunks_add_up_to_the_audio_encoded(audio_format, rate):
 
 def result_at(rate: float, ok: bool) -> open_loop.RateResult:
     return open_loop.RateResult(
-        rate, 10.0, 10, 10, {}, 0.0, 0.0, 50.0, 90.0, 99.0, 1.0, 21.5, 1.0, 0.0, 0.0, 1.0, 0.0, 10.0, ok
+        rate, 10.0, 10, 10, {}, 0.0, 0.0, 50.0, 90.0, 99.0, 1.0, 21.5, 1.0, 0.0, 0.0, 1.0, 0.0, 0.1, 10.0, ok
     )
 
 
@@ -206,6 +206,7 @@ def test_open_loop_run_against_the_real_server(server, tmp_path, capsys):
         rate["audio_seconds_per_second"] * 44100 / 2048, rel=0.01
     )
     assert 0 <= rate["underrun_share"] <= 1 and rate["share_503"] == 0
+    assert 0 < rate["client_cpu_share"] < 4  # the load generator's own CPU time was counted
     assert "stored voice" in rate["by_kind"]
     traces = [json.loads(line) for line in traces_path.read_text().splitlines()]
     assert len(traces) == rate["sent"]

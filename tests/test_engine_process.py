@@ -86,9 +86,9 @@ def test_a_field_the_receiver_does_not_know_is_dropped():
 def test_audio_chunk_round_trip_is_exact_and_writable():
     samples = np.random.default_rng(0).uniform(-1, 1, 4096).astype(np.float32)
     frames = np.arange(44, dtype=np.int32).reshape(4, 11)
-    chunk = AudioChunk(samples, 44100, frames, segment=2, segment_text="the third batch")
+    chunk = AudioChunk(samples, 44100, frames, segment=2, segment_text="the third batch", ready_at=1234.5)
     decoded = wire.decode_chunk(through_the_wire(wire.encode_chunk(chunk)))
-    assert decoded.sample_rate == 44100
+    assert decoded.sample_rate == 44100 and decoded.ready_at == 1234.5
     assert decoded.segment == 2 and decoded.segment_text == "the third batch"
     assert decoded.samples.dtype == np.float32 and np.array_equal(decoded.samples, samples)
     assert decoded.frames.dtype == np.int32 and np.array_equal(decoded.frames, frames)

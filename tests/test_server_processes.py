@@ -107,8 +107,13 @@ def test_metrics_sum_every_api_process_and_show_the_engine_once(server):
             "shoal_engine_time_to_first_audio_seconds_sum",
         )
         engine_count = "shoal_engine_time_to_first_audio_seconds_count"
+        lag_count, lag_sum = (
+            'shoal_audio_delivery_lag_seconds_count{route="tts"}',
+            'shoal_audio_delivery_lag_seconds_sum{route="tts"}',
+        )
         page = httpx.get(f"{server.url}/metrics").text
         before, audio_before = metric(page, route), metric(page, first_audio)
+        lags_before = metric(page, lag_count), metric(page, lag_sum)
         sums_before = metric(page, api_sum), metric(page, engine_sum), metric(page, engine_count)
         headers = {**bearer(server.key_a), "Content-Type": "application/msgpack"}
         for count, client in zip((3, 2), connections.values(), strict=True):
@@ -131,6 +136,10 @@ def test_metrics_sum_every_api_process_and_show_the_engine_once(server):
                 assert len(re.findall(rf"^{name} ", page, re.MULTILINE)) == 1, name
             assert metric(page, "shoal_engine_up") == 1.0
             assert 'shoal_queue_wait_seconds_bucket{le="+Inf"}' in page
+            # Every chunk of both responses, timed from the engine process's handover to its
+            # bytes on the connection in this process: the shared monotonic clock, so positive.
+            chunks = metric(page, lag_count) - lags_before[0]
+            assert chunks >= 2 and 0 < metric(page, lag_sum) - lags_before[1] < 5 * chunks
         # The engine's own first-audio time (booked as each stream ends, seen with the next
         # heartbeat) lies inside the server's for the same two requests.
         deadline = time.monotonic() + 10

@@ -1,5 +1,5 @@
 """What the API processes of one server share, each piece across real processes: the per-key
-stream slots (`limits.SharedStreamLimiter`), the job runner's role (`jobs.JobLeadership`), and
+stream counts (`limits.SharedStreamLimiter`), the job runner's role (`jobs.JobLeadership`), and
 `shoal serve --api-workers`' default."""
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def test_stream_slots_hold_across_processes_and_free_when_one_dies(tmp_path, hol
 
 
 def test_a_lowered_limit_counts_the_streams_already_open(tmp_path):
-    """Slot 0 is free but slots 1 and 2 are held (opened under a limit of 3): with the key's
-    limit lowered to 1, no new stream until both have ended."""
+    """Two streams are open (under a limit of 3, in the second process): with the key's limit
+    lowered to 1, no new stream until both have ended."""
     first, second = SharedStreamLimiter(tmp_path, 16), SharedStreamLimiter(tmp_path, 16)  # two processes'
     three = Principal(tenant="t", key_id="key_x", max_streams=3)
     first.acquire(three)
@@ -128,3 +128,24 @@ def test_api_workers_default_splits_on_a_gpu_only(monkeypatch):
     assert cli.api_workers(parse_serve(["--device", "cpu"])) == 2
     with pytest.raises(SystemExit):
         parse_serve(["--api-workers", "-1"])
+
+
+def test_a_stream_costs_one_count_file_per_process_whatever_the_limit(tmp_path, holders):
+    """The files of a key are its guard and one count per process holding its streams, so an
+    acquire reads a few files, not one per allowed stream; a process whose streams all ended
+    leaves none."""
+    many = Principal(tenant="t", key_id="key_many", max_streams=1024)
+    limiter = SharedStreamLimiter(tmp_path, default_limit=16)
+    for _ in range(3):
+        limiter.acquire(many)
+    holders.append(
+        Holder(
+            tmp_path,
+            "SharedStreamLimiter(directory, 16).acquire(Principal('t', 'key_many', max_streams=1024))",
+        )
+    )
+    files = set(os.listdir(tmp_path / "key_many"))
+    assert len(files) == 3 and {".guard", limiter.owner} < files and limiter.total == 4
+    for _ in range(3):
+        limiter.release(many)
+    assert set(os.listdir(tmp_path / "key_many")) == files - {limiter.owner} and limiter.total == 1

@@ -41,7 +41,7 @@ OPUS_SAMPLE_RATE = 48000  # the only rate both opus and the server's default agr
 VOICE_TEXT = "This is a synthetic reference voice, made up for the load benchmark."
 HEADER = (
     "  rate  sent    ok  503%  err%  first audio ms p50/p95/p99  audio s/s  frames/s  in flight"
-    "  underrun%  stall s  ok?"
+    "  underrun%  stall s  client cpu%  ok?"
 )
 
 
@@ -112,6 +112,9 @@ class RateResult:
     stall_seconds: float  # all completed streams together
     audio_seconds_per_request: float
     client_lag_p99_ms: float  # how late the load generator started requests against the schedule
+    # The load generator's CPU time over the rate's wall time: near 1 its own event loop is the
+    # bottleneck, and late chunks may be its lateness, not the server's.
+    client_cpu_share: float
     wall_seconds: float
     sustainable: bool
     by_kind: dict[str, dict] = field(default_factory=dict)  # "http/mp3" -> its own numbers
@@ -333,7 +336,9 @@ def sustainable(result: RateResult, args: argparse.Namespace) -> bool:
     )
 
 
-def summarize(rate: float, start: float, traces: list[Trace], wall: float, args) -> RateResult:
+def summarize(
+    rate: float, start: float, traces: list[Trace], wall: float, args, cpu_seconds: float = 0.0
+) -> RateResult:
     numbers = stream_numbers(traces)
     ramp = min(args.ramp_seconds, args.duration / 2)
     window = (start + ramp, start + args.duration)
@@ -374,6 +379,7 @@ def summarize(rate: float, start: float, traces: list[Trace], wall: float, args)
         stall_seconds=numbers["stall_seconds"],
         audio_seconds_per_request=round(numbers["audio_seconds"] / max(1, numbers["completed"]), 3),
         client_lag_p99_ms=ms(percentile(lags, 0.99)) or 0.0,
+        client_cpu_share=round(cpu_seconds / wall, 3) if wall > 0 else 0.0,
         wall_seconds=round(wall, 2),
         sustainable=False,
         by_kind=by_kind,
@@ -424,12 +430,12 @@ async def wait_until_idle(client, limit: float = 15.0) -> None:
 
 async def run_rate(client, rate: float, workload: Workload, voice_ids: list[str], args) -> RateResult:
     planned = plan_requests(workload, rate, args.duration, args.seed)
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     start, traces = await run_schedule(client, planned, voice_ids, args)
-    wall = time.perf_counter() - began
+    wall, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu_began
     measure_audio(traces, args)
     write_traces(args.traces_path, rate, start, traces)
-    return summarize(rate, start, traces, wall, args)
+    return summarize(rate, start, traces, wall, args, cpu_seconds)
 
 
 # ---- the sustainable rate ----------------------------------------------------------------------
@@ -526,8 +532,8 @@ def format_row(result: RateResult) -> str:
         f"{result.rate:6.2f} {result.sent:>5} {result.completed:>5} {100 * result.share_503:>5.1f} "
         f"{100 * result.error_share:>5.1f}  {waits:>26} {result.audio_seconds_per_second:>10.2f} "
         f"{result.frames_per_second:>9.0f} {result.mean_concurrency:>10.1f} "
-        f"{100 * result.underrun_share:>10.1f} {result.stall_seconds:>8.2f}  "
-        f"{'yes' if result.sustainable else 'no'}"
+        f"{100 * result.underrun_share:>10.1f} {result.stall_seconds:>8.2f} "
+        f"{100 * result.client_cpu_share:>12.0f}  {'yes' if result.sustainable else 'no'}"
     )
 
 

@@ -99,6 +99,9 @@ class AudioChunk:
     # its index and its text, so a consumer can time each segment.
     segment: int = 0
     segment_text: str = ""
+    # time.monotonic() when the engine handed this audio over (the clock every process of one
+    # host shares): a consumer's delay after it is the API's part of the chunk's latency.
+    ready_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,9 @@ class SynthesisHandle(QueuedHandle):
 
     # Vocoder thread (or engine thread without a codec)
     def _on_audio(self, segment: int, samples: np.ndarray, frames: np.ndarray) -> None:
-        chunk = AudioChunk(samples, self._link.sample_rate, frames, segment, self.texts[segment])
+        chunk = AudioChunk(
+            samples, self._link.sample_rate, frames, segment, self.texts[segment], time.monotonic()
+        )
         if not self._to_loop(chunk):
             self._link.abort(self.request_id)  # nobody can read it any more
 

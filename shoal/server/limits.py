@@ -2,9 +2,10 @@
 one API key may hold at once before a new one gets 429.
 
 `StreamLimiter` counts in memory, for a server of one process. `SharedStreamLimiter` counts for
-every API process of one server (`shoal serve --api-workers N`) with lock files: a stream holds
-an exclusive `flock` on one slot file of its key, and the kernel drops every lock of a process
-that dies, so the slots of a crashed worker free themselves with no lease to expire.
+every API process of one server (`shoal serve --api-workers N`) in files: each process keeps its
+count of a key's streams in a file it holds an exclusive `flock` on, and the kernel drops every
+lock of a process that dies, so the streams of a crashed worker stop counting with no lease to
+expire.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import itertools
 import os
 import re
+import secrets
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,24 +66,28 @@ class StreamLimiter:
 
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-GUARD_SUFFIX = ".guard"
+GUARD = ".guard"
+COUNT_WIDTH = 20  # bytes of a count file: a right-aligned decimal, rewritten in place
 
 
 class SharedStreamLimiter:
-    """Stream slots shared by the API processes of one server, as files in `directory` (local,
-    per server run): slot i of a key is `<key>.<i>`, held by an exclusive flock on its own open
-    file for as long as its stream lasts. Slot files are created in order and never removed.
+    """Stream counts shared by the API processes of one server, as files in `directory` (local,
+    per server run). Each key has a folder; in it each process (each limiter) that holds streams
+    of the key keeps one count file, exclusively `flock`ed for as long as it exists, and the
+    kernel drops the lock of a process that dies: a count file nobody holds is a crashed
+    process's, and its streams no longer count.
 
-    `acquire` counts the held slots of the key and takes a free one while holding the key's
-    guard file (`<key>.guard`), so two processes never both take the last slot; `total` counts
-    under the same guard, so its probing never makes `acquire` see a free slot as held. Each
-    call opens its own guard file: flock excludes other open files, in this process too."""
+    `acquire` sums the live count files of the key while holding the key's guard file, so two
+    processes never both take the last stream, then raises its own count. An acquire costs a few
+    system calls per API process, whatever the limit. Each call opens its own guard file: flock
+    excludes other open files, in this process too."""
 
     def __init__(self, directory: Path, default_limit: int) -> None:
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.default_limit = default_limit
-        self._held: dict[str, list[int]] = defaultdict(list)  # key -> this process's slot files
+        self.owner = f"{os.getpid()}-{secrets.token_hex(4)}"  # this limiter's count file name
+        self._mine: dict[str, tuple[int, int]] = {}  # key folder -> (its count file's fd, count)
 
     def _name(self, key_id: str) -> str:
         if SAFE_NAME.fullmatch(key_id):
@@ -90,86 +95,81 @@ class SharedStreamLimiter:
         return "k" + hashlib.sha256(key_id.encode()).hexdigest()[:32]
 
     @contextlib.contextmanager
-    def _guard(self, name: str) -> Iterator[None]:
-        fd = os.open(self.directory / f"{name}{GUARD_SUFFIX}", os.O_RDWR | os.O_CREAT, 0o600)
+    def _guard(self, name: str) -> Iterator[Path]:
+        folder = self.directory / name
+        folder.mkdir(exist_ok=True)
+        fd = os.open(folder / GUARD, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            yield folder
         finally:
             os.close(fd)  # drops the lock
 
-    def _open_slot(self, name: str, index: int, create: bool) -> int | None:
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        try:
-            return os.open(self.directory / f"{name}.{index}", flags, 0o600)
-        except FileNotFoundError:
-            return None
+    def _others(self, folder: Path) -> int:
+        """Streams the other live limiters hold in this key's folder (guard held); the count
+        files of dead ones are removed."""
+        count = 0
+        for entry in os.scandir(folder):
+            if entry.name == GUARD or entry.name == self.owner:
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError as error:
+                    if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                    count += int(os.pread(fd, COUNT_WIDTH, 0) or b"0")  # held: its owner lives
+                else:
+                    os.unlink(entry.path)  # nobody holds it: its process died
+            finally:
+                os.close(fd)
+        return count
 
-    @staticmethod
-    def _try_lock(fd: int, mode: int) -> bool:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
-        return True
+    def _write_mine(self, folder: Path, name: str, count: int) -> None:
+        """Set this limiter's count for the key (guard held); at 0 its file goes."""
+        fd = self._mine.pop(name, (None, 0))[0]
+        if count == 0:
+            if fd is not None:
+                os.unlink(folder / self.owner)
+                os.close(fd)
+            return
+        if fd is None:
+            fd = os.open(folder / self.owner, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.pwrite(fd, str(count).rjust(COUNT_WIDTH).encode(), 0)
+        self._mine[name] = (fd, count)
 
     def acquire(self, principal: Principal) -> None:
         limit = principal.max_streams or self.default_limit
         name = self._name(principal.key_id)
-        taken: int | None = None
-        held = 0
-        with self._guard(name):
-            # Slots past the limit exist when a key's limit was lowered: they count while held.
-            for index in itertools.count():
-                fd = self._open_slot(name, index, create=index < limit)
-                if fd is None:
-                    break
-                if taken is None and index < limit and self._try_lock(fd, fcntl.LOCK_EX):
-                    taken = fd
-                    continue
-                if not self._try_lock(fd, fcntl.LOCK_SH):
-                    held += 1
-                os.close(fd)
-            if taken is not None and held >= limit:
-                os.close(taken)
-                taken = None
-        if taken is None:
-            raise too_many_streams(limit)
-        self._held[name].append(taken)
+        with self._guard(name) as folder:
+            mine = self._mine.get(name, (None, 0))[1]
+            # A lowered limit counts the streams opened under the old one until they end.
+            if mine + self._others(folder) >= limit:
+                raise too_many_streams(limit)
+            self._write_mine(folder, name, mine + 1)
 
     def release(self, principal: Principal) -> None:
-        """Free one of this process's slots of the key (they are interchangeable)."""
         name = self._name(principal.key_id)
-        slots = self._held.get(name)
-        if slots:
-            os.close(slots.pop())
-            if not slots:
-                del self._held[name]
+        if name not in self._mine:
+            return
+        with self._guard(name) as folder:
+            mine = self._mine.get(name, (None, 0))[1]
+            self._write_mine(folder, name, max(0, mine - 1))
 
     def held(self, name: str) -> int:
-        """Slots of one key (its file name) held by any process."""
-        count = 0
-        with self._guard(name):
-            for index in itertools.count():
-                fd = self._open_slot(name, index, create=False)
-                if fd is None:
-                    break
-                if not self._try_lock(fd, fcntl.LOCK_SH):
-                    count += 1
-                os.close(fd)
-        return count
+        """Streams of one key (its folder name) held by any process."""
+        with self._guard(name) as folder:
+            return self._mine.get(name, (None, 0))[1] + self._others(folder)
 
     @property
     def total(self) -> int:
         """Streams open in every process of the server."""
-        names = {
-            entry.name.removesuffix(GUARD_SUFFIX)
-            for entry in os.scandir(self.directory)
-            if entry.name.endswith(GUARD_SUFFIX)
-        }
-        return sum(self.held(name) for name in names)
+        return sum(self.held(entry.name) for entry in os.scandir(self.directory) if entry.is_dir())
 
 
 __all__ = ["Limiter", "SharedStreamLimiter", "StreamLimiter", "too_many_streams"]

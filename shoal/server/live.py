@@ -53,7 +53,13 @@ from shoal.server.limits import Limiter
 from shoal.server.payload import MalformedPayload, decode_payload
 from shoal.server.schemas import TTSRequestBody
 from shoal.server.settings import ServerSettings
-from shoal.server.synthesis import SynthesisFailed, build_synthesis_request, encode_chunk, make_encoder
+from shoal.server.synthesis import (
+    DeliveryWatch,
+    SynthesisFailed,
+    build_synthesis_request,
+    encode_chunk,
+    make_encoder,
+)
 from shoal.server.timestamps import SegmentTimer
 
 log = logging.getLogger("shoal.server.live")
@@ -313,6 +319,7 @@ class LiveSession:
         self.timer = timer  # `alignment` events (opt-in at `start`): each text batch's timing
         self.engine = connection.engine
         self.settings = connection.settings
+        self.delivery_lag = connection.metrics.delivery_lag_observer("live")
         self.body = body
         self.references = references
         self.encoder = encoder
@@ -390,7 +397,7 @@ class LiveSession:
         request = build_synthesis_request(
             self.body, self.references, Priority.REALTIME, self.settings, text=segment.text
         )
-        handle = self.engine.submit(request)
+        handle = DeliveryWatch(self.engine.submit(request), self.delivery_lag)
         self.current = handle
         try:
             async for chunk in handle:

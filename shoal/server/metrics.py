@@ -28,6 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shoal.engine.api import QUEUE_WAIT_BUCKETS, Engine, EngineStats, EngineUnavailable
 from shoal.engine.router import EngineStatus, RoutedEngine
 
+# From the engine's handover of a chunk to its bytes on the client's connection.
+DELIVERY_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TTFA_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -201,6 +203,12 @@ class ServerMetrics:
             "shoal_time_to_first_audio_seconds", "From request arrival to the first audio bytes",
             ["route"], buckets=TTFA_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.delivery_lag = Histogram(
+            "shoal_audio_delivery_lag_seconds",
+            "From the engine's handover of an audio chunk to its bytes written to the client's "
+            "connection (the wire from the engine, format encoding, the event loop)",
+            ["route"], buckets=DELIVERY_LAG_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.audio_seconds = Counter(
             "shoal_audio_seconds", "Seconds of audio delivered to clients", registry=self.registry
         )
@@ -215,6 +223,10 @@ class ServerMetrics:
 
     def observe_first_audio(self, route: str, seconds: float) -> None:
         self.time_to_first_audio.labels(route=route).observe(seconds)
+
+    def delivery_lag_observer(self, route: str) -> Callable[[float], None]:
+        """What `synthesis.DeliveryWatch` calls with each chunk's delay on `route`."""
+        return self.delivery_lag.labels(route=route).observe
 
     def observe_audio(self, seconds: float) -> None:
         self.audio_seconds.inc(seconds)

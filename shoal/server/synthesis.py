@@ -5,7 +5,8 @@ piping an engine request's audio through the request's format encoder.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import anyio.to_thread
@@ -13,6 +14,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from shoal.engine.api import (
+    AudioChunk,
     FinishReason,
     Priority,
     RequestHandle,
@@ -91,6 +93,30 @@ async def encode_chunk(encoder: audio.AudioEncoder, samples) -> bytes:
     if encoder.cheap:  # a hop to a worker thread would cost ten times the work
         return encoder.write(samples)
     return await anyio.to_thread.run_sync(encoder.write, samples)
+
+
+class DeliveryWatch(RequestHandle):
+    """`handle`, timing each audio chunk from the engine's handover (`AudioChunk.ready_at`) to
+    the moment its consumer asks for the next one, which it does once this one is encoded and
+    written to the client's connection: the delay a listener hears that the engine did not make
+    (the wire from the engine process, format encoding, a busy event loop)."""
+
+    def __init__(self, handle: RequestHandle, observe: Callable[[float], None]) -> None:
+        self.handle, self.observe = handle, observe
+        self.request_id = handle.request_id
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        async for chunk in self.handle:
+            yield chunk
+            if chunk.ready_at is not None:
+                self.observe(time.monotonic() - chunk.ready_at)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.handle.finish_reason
+
+    async def aclose(self) -> None:
+        await self.handle.aclose()
 
 
 class EncodedAudio:

@@ -30,7 +30,13 @@ from shoal.server.limits import Limiter
 from shoal.server.openapi import audio_response, body, errors
 from shoal.server.schemas import OpenAISpeechBody, TTSRequestBody
 from shoal.server.settings import ServerSettings
-from shoal.server.synthesis import EncodedAudio, build_synthesis_request, make_encoder, parse_model
+from shoal.server.synthesis import (
+    DeliveryWatch,
+    EncodedAudio,
+    build_synthesis_request,
+    make_encoder,
+    parse_model,
+)
 
 log = logging.getLogger("shoal.server.tts")
 OPENAI_BUILTIN_VOICES = frozenset(
@@ -171,7 +177,14 @@ async def open_synthesis(
     limiter.acquire(principal)
     try:
         stream, first, rest = await while_connected(
-            request, lambda: start_stream(engine, synthesis, lambda handle: stream_of(handle, encoder))
+            request,
+            lambda: start_stream(
+                engine,
+                synthesis,
+                lambda handle: stream_of(
+                    DeliveryWatch(handle, state.metrics.delivery_lag_observer(route)), encoder
+                ),
+            ),
         )
     except BaseException:
         limiter.release(principal)

@@ -11,7 +11,7 @@
                  (several: a `RoutedEngine` over them, `engine/router.py`).
 
 What the processes share lives in a runtime directory the main process creates and removes: the
-engines' ipc sockets, the stream slots' lock files (`limits.SharedStreamLimiter`) and
+engines' ipc sockets, the per-key stream counts' files (`limits.SharedStreamLimiter`) and
 prometheus_client's multiprocess files. The job runner's lock is `jobs.lock` in the data
 directory, so one process runs the jobs of a data directory (`jobs.JobLeadership`).
 
