@@ -149,6 +149,12 @@ def test_metrics_sum_every_api_process_and_show_the_engine_once(server):
         assert metric(page, engine_count) == sums_before[2] + 2
         engine_part = metric(page, engine_sum) - sums_before[1]
         assert 0 < engine_part < metric(page, api_sum) - sums_before[0]
+        # Each process froze its start-up heap out of the collector's walks (engine/gc_pauses.py).
+        log_text = (server.data_dir.parent / "server.log").read_text()
+        assert len(re.findall(r"garbage collector: \d+ start-up objects frozen", log_text)) >= 3, log_text[
+            -3000:
+        ]
+        assert metric(page, "shoal_engine_gc_longest_pause_seconds") >= 0
         names = set(re.findall(r"^# TYPE (\w+) ", page, re.MULTILINE))
         documented = set(re.findall(r"`(shoal_\w+)", (REPO / "docs" / "deployment.md").read_text()))
         documented = {name for name in documented if not PER_ENGINE_METRIC.match(name)}

@@ -133,6 +133,10 @@ class EngineStats:
     # (the server's `shoal_time_to_first_audio_seconds` adds the API's own part).
     first_audio_sum: float = 0.0
     first_audio_count: int = 0
+    # Since start: the garbage collector's pauses in the engine's process (`gc_pauses`), which
+    # stop the GPU loop and the vocoder with it: their total and the longest.
+    gc_pause_seconds: float = 0.0
+    gc_longest_pause_seconds: float = 0.0
 
 
 # Upper bounds (seconds) of the queue-wait histogram in `EngineStats.queue_wait_buckets`.

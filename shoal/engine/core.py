@@ -41,6 +41,7 @@ from shoal.engine.playback import PlaybackClock
 from shoal.engine.request import Request, RequestStatus, SamplingParams
 from shoal.engine.runner import ModelRunner, PendingDecode
 from shoal.engine.scheduler import Scheduler, StepPlan
+from shoal.engine.stalls import StallWatch
 from shoal.models.prompt import voice_prefix_key
 
 _ids = itertools.count()
@@ -113,6 +114,7 @@ class EngineCore:
         self.first_audio_seconds = 0.0  # ended streams' time from submission to first audio
         self.first_audio_streams = 0
         self._last_decode_booked: float | None = None
+        self.step_stalls = StallWatch("an engine step")
         self.runner = ModelRunner(model, config, num_pages, self.max_seq_len)
         self.im_end_id = model.config.im_end_id
         self.requests: dict[str, Request] = {}
@@ -328,6 +330,7 @@ class EngineCore:
             if self._last_decode_booked is not None:
                 seconds, prefilled = now - self._last_decode_booked, sum(n for _, n in plan.prefills)
                 self.scheduler.gate.observe_step(seconds, len(plan.decodes), prefilled)
+                self.step_stalls.observe(seconds, f"{len(plan.decodes)} rows, {prefilled} prefill tokens")
             self._last_decode_booked = now
         else:
             self._last_decode_booked = None

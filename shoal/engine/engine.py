@@ -41,6 +41,7 @@ from shoal.engine.api import (
     VoiceReference,
 )
 from shoal.engine.core import EngineCore, new_request_id
+from shoal.engine.gc_pauses import GcPauses
 from shoal.engine.handles import EngineLink, FrameStream, SynthesisHandle
 from shoal.engine.request import Request, SamplingParams
 from shoal.engine.vocoder import Vocoder
@@ -176,6 +177,7 @@ class LocalEngine(Engine):
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._admission = Admission(lambda: self.config.queue_limits)
+        self.gc_pauses = GcPauses()  # counted while the engine runs (`start` to `stop`)
         self._drained = {p: 0 for p in Priority}
         self._thread: threading.Thread | None = None
         self.last_error: BaseException | None = None
@@ -311,6 +313,7 @@ class LocalEngine(Engine):
         self.stop_thread()
 
     def start_thread(self) -> None:
+        self.gc_pauses.install()
         if self.vocoder is not None:
             self.vocoder.start()
         if self._thread is None:
@@ -324,6 +327,7 @@ class LocalEngine(Engine):
             self._inbox.put(_STOP)
             self._thread.join()
             self._thread = None
+        self.gc_pauses.uninstall()
         # No engine thread: this thread owns the state now. Apply what is left in the inbox
         # (commands posted after the stop, or before a start), then end everything.
         while not self._inbox.empty():
@@ -515,6 +519,8 @@ class LocalEngine(Engine):
             underrun_seconds=core.underrun_seconds,
             first_audio_sum=core.first_audio_seconds,
             first_audio_count=core.first_audio_streams,
+            gc_pause_seconds=self.gc_pauses.seconds,
+            gc_longest_pause_seconds=self.gc_pauses.longest,
         )
 
     # Frame-level API (tests, benchmarks) ---------------------------------------------------

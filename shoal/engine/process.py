@@ -394,6 +394,7 @@ def engine_process_main(spec: EngineSpec) -> int:
     )
     import torch
 
+    from shoal.engine.gc_pauses import freeze_startup_heap
     from shoal.engine.load import load_engine
 
     if spec.torch_threads is not None:
@@ -413,6 +414,7 @@ def engine_process_main(spec: EngineSpec) -> int:
         warmup=spec.warmup,
     )
     loaded.set()
+    freeze_startup_heap()
 
     async def serve() -> None:
         stop = asyncio.Event()

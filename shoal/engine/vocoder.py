@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from shoal.engine.playback import PlaybackClock
+from shoal.engine.stalls import StallWatch
 
 log = logging.getLogger("shoal.engine.vocoder")
 
@@ -240,6 +241,7 @@ class Vocoder:
         self.low_latency_first_chunk = low_latency_first_chunk_frames or first_chunk_frames
         self.max_streams = max_streams
         self.pool = codec.stream_pool(max_streams)
+        self.call_stalls = StallWatch("a codec call")
         self.policy = ChunkPolicy(
             chunk_frames, first_chunk_frames, max_chunk_frames=max_chunk_frames, refill_seconds=refill_seconds
         )
@@ -442,11 +444,16 @@ class Vocoder:
                     stream.codec_stream = self.pool.open()
             stacked = [np.stack(frames) for _, frames in with_frames]
             codes = [torch.from_numpy(f[:, 1:].T) for f in stacked]  # on the host: sent in one copy
+            started = time.monotonic()
             audio = self.pool.step([s.codec_stream for s, _ in with_frames], codes)
             # One read-back for the whole call (on CUDA one copy and one sync, not one per stream).
             host = self.read_back(torch.cat([samples.float() for samples in audio]))
             pieces = np.split(host, np.cumsum([samples.shape[0] for samples in audio])[:-1])
             delivered = time.monotonic()
+            frames_taken = sorted({len(frames) for _, frames in with_frames})
+            self.call_stalls.observe(
+                delivered - started, f"{len(with_frames)} streams, chunks of {frames_taken} frames"
+            )
             for (stream, _), samples, frames in zip(with_frames, pieces, stacked, strict=True):
                 stream.chunks += 1
                 if stream.clock is not None:

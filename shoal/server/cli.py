@@ -475,6 +475,7 @@ def serve_in_process(args: argparse.Namespace, settings: ServerSettings) -> int:
     """`--api-workers 0`: the engine, the routes and the jobs in this one process."""
     import uvicorn
 
+    from shoal.engine.gc_pauses import freeze_startup_heap
     from shoal.server.app import create_app
     from shoal.server.store import Store
     from shoal.server.workers import jobs_lock_path
@@ -482,6 +483,7 @@ def serve_in_process(args: argparse.Namespace, settings: ServerSettings) -> int:
     store = Store.in_directory(args.data_dir, args.database_url, args.blob_url)
     engine = build_engine(args)
     app = create_app(engine, store, settings, jobs_lock=jobs_lock_path(args.data_dir))
+    freeze_startup_heap()
     uvicorn.run(
         app,
         host=args.host,

@@ -168,6 +168,16 @@ def engine_metrics(stats: EngineStats) -> Iterator[Metric]:
         count_value=stats.first_audio_count,
         sum_value=stats.first_audio_sum,
     )
+    yield CounterMetricFamily(
+        "shoal_engine_gc_pause_seconds",
+        "Seconds the garbage collector paused the engine's process (its GPU loop and vocoder too)",
+        value=stats.gc_pause_seconds,
+    )
+    yield gauge(
+        "shoal_engine_gc_longest_pause_seconds",
+        "The longest garbage-collector pause in the engine's process since it started",
+        stats.gc_longest_pause_seconds,
+    )
 
 
 def queue_wait_histogram(stats: EngineStats) -> HistogramMetricFamily:

@@ -108,6 +108,7 @@ def stop_when_parent_dies(parent: int) -> None:
 def create_worker_app() -> FastAPI:
     """One API process's app (uvicorn's factory): its config comes from the environment."""
     from shoal.config import RoutingPolicy
+    from shoal.engine.gc_pauses import freeze_startup_heap
     from shoal.engine.remote import RemoteEngine
     from shoal.engine.router import RoutedEngine
     from shoal.server.app import create_app
@@ -131,7 +132,7 @@ def create_worker_app() -> FastAPI:
         for address in config.engine_addresses
     ]
     engine = engines[0] if len(engines) == 1 else RoutedEngine(engines, RoutingPolicy(**config.routing))
-    return create_app(
+    app = create_app(
         engine,
         Store.in_directory(data_dir, config.database_url, config.blob_url),
         settings,
@@ -140,6 +141,8 @@ def create_worker_app() -> FastAPI:
         jobs_lock=jobs_lock_path(data_dir),
         sweep_blobs=False,
     )
+    freeze_startup_heap()  # an API process's loop pauses like the engine's: see gc_pauses
+    return app
 
 
 def engine_environment(gpu: str | None) -> dict[str, str] | None:
