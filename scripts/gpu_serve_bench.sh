@@ -20,6 +20,7 @@
 # [1500]), MAX_UNDERRUN_SHARE (0.01 [1]), CAPACITY_CONCURRENCY (64 [4]), CAPACITY_S (window, 10
 # [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]),
 # OVERLOAD (after the search, one run at this multiple of the sustainable rate, 1.5 [none]),
+# OVERLOAD_RATE (that run at this rate instead, requests/s, even if no rate was sustainable),
 # SEARCH=0 (no search: only RATES, then the overload),
 # HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default; CLOSED_ARGS more
 # of its options, e.g. "--ws-sessions 3"; LATENCIES one sweep per mode, e.g. "low balanced normal";
@@ -244,7 +245,7 @@ timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals 
   --duration "$DURATION" --frames "$FRAMES" --formats "$FORMATS" --ws-share "$WS_SHARE" \
   --voice-share "$VOICE_SHARE" --voices "$VOICES" ${SEARCH_ARG} --max-p95-ms "$MAX_P95_MS" \
   --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$budget" --drain-timeout 15 --timeout 60 \
-  ${OVERLOAD:+--overload "$OVERLOAD"} \
+  ${OVERLOAD:+--overload "$OVERLOAD"} ${OVERLOAD_RATE:+--overload-rate "$OVERLOAD_RATE"} \
   --json "$OUT/open_loop.json" --traces "$OUT/open_loop_traces.jsonl" 2>&1 | tee -a "$OUT/bench.log"
 say "open loop exit ${PIPESTATUS[0]}; GPU busy during it: $(gpu_busy "$open_loop_start" "$(date +%s.%N)")"
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from server_process import ShoalServer, demo_checkpoint
 
-from shoal.bench import capacity, open_loop, serve, serve_playback
+from shoal.bench import capacity, open_loop, serve, serve_playback, server_metrics
 from shoal.server import audio
 
 # ---- the schedule ------------------------------------------------------------------------------
@@ -258,6 +258,55 @@ def test_overload_offers_a_multiple_of_the_sustainable_rate_once(server):
     report = open_loop.report([result_at(1.0, True)], workload, args, result)
     assert report["overload"]["factor"] == 2.0 and report["overload"]["sent"] == result.sent
     assert "overload 2x the sustainable rate: 2.00/s" in capacity.summary_table(report, None)
+    # What the server saw in that run, from its /metrics before and after.
+    view = result.server
+    assert view is not None and view["queue_wait_ms"] is not None and view["delivery_lag_ms"] > 0
+    assert 0 < view["engine_first_audio_ms"] < view["server_first_audio_ms"] + 5  # the engine's part
+    assert view["engine_underrun_streams"] >= 0 and view["gc_pause_ms"] >= 0
+
+    fixed = bench_args(
+        server, server.key_a, "--rate", "1", "--duration", "1", "--frames", "8", "--ws-share", "0",
+        "--voices", "0", "--overload-rate", "1.5",
+    )  # fmt: skip
+
+    async def at_a_fixed_rate():
+        async with open_loop.http_client(fixed) as client:
+            return await open_loop.run_overload(
+                client, [result_at(1.0, False)], workload, [], fixed, time.perf_counter()
+            )
+
+    result = asyncio.run(at_a_fixed_rate())  # runs although nothing was sustainable
+    assert result.rate == 1.5 and result.sent > 0
+    report = open_loop.report([result_at(1.0, False)], workload, fixed, result)
+    assert report["overload"]["factor"] is None
+    assert "overload with no sustainable rate found: 1.50/s" in capacity.summary_table(report, None)
+
+
+def test_server_view_from_two_metrics_pages():
+    def page(waits: float, lag_count: float, on_time: float, underruns: float) -> str:
+        return "\n".join([
+            "# TYPE shoal_queue_wait_seconds histogram",
+            f"shoal_queue_wait_seconds_sum {0.02 * waits}",
+            f"shoal_queue_wait_seconds_count {waits}",
+            "# TYPE shoal_audio_delivery_lag_seconds histogram",
+            f'shoal_audio_delivery_lag_seconds_bucket{{le="0.1",route="tts"}} {on_time}',
+            f'shoal_audio_delivery_lag_seconds_bucket{{le="0.1",route="live"}} {on_time}',
+            f'shoal_audio_delivery_lag_seconds_sum{{route="tts"}} {0.004 * lag_count}',
+            f'shoal_audio_delivery_lag_seconds_sum{{route="live"}} {0.006 * lag_count}',
+            f'shoal_audio_delivery_lag_seconds_count{{route="tts"}} {lag_count}',
+            f'shoal_audio_delivery_lag_seconds_count{{route="live"}} {lag_count}',
+            "# TYPE shoal_streams_underrun counter",
+            f"shoal_streams_underrun_total {underruns}",
+            "",
+        ])  # fmt: skip
+
+    before = server_metrics.parse_snapshot(page(10, 100, 100, 1))
+    after = server_metrics.parse_snapshot(page(30, 300, 299, 3))
+    view = server_metrics.server_view(before, after)
+    assert view.queue_wait_ms == 20.0 and view.delivery_lag_ms == 5.0  # both routes' chunks
+    assert view.late_delivery_share == pytest.approx(2 / 400) and view.engine_underrun_streams == 2
+    assert view.engine_first_audio_ms is None  # nothing counted: no mean
+    assert "queue wait 20 ms" in view.line() and "0.50% over 100 ms" in view.line()
 
 
 # ---- the in-process capacity and the summary ---------------------------------------------------

@@ -34,9 +34,11 @@ from dataclasses import asdict, dataclass, field
 
 from shoal.bench import serve_playback
 from shoal.bench.serve import describe, percentile, text_events, websocket_url
+from shoal.bench.server_metrics import ServerView, parse_snapshot, server_view
 from shoal.engine.api import DEFAULT_FRAME_RATE
 
 FORMATS = ("pcm", "wav", "mp3", "opus")
+HEARTBEAT_SECONDS = 0.6  # the engine's counters reach the API processes with its pongs (0.5 s)
 OPUS_SAMPLE_RATE = 48000  # the only rate both opus and the server's default agree on
 VOICE_TEXT = "This is a synthetic reference voice, made up for the load benchmark."
 HEADER = (
@@ -119,6 +121,7 @@ class RateResult:
     sustainable: bool
     by_kind: dict[str, dict] = field(default_factory=dict)  # "http/mp3" -> its own numbers
     error_examples: list[str] = field(default_factory=list)
+    server: dict | None = None  # `server_metrics.ServerView` of the run (None: no /metrics)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -428,14 +431,31 @@ async def wait_until_idle(client, limit: float = 15.0) -> None:
         await asyncio.sleep(0.1)
 
 
+async def metrics_snapshot(client) -> dict[str, float] | None:
+    """The server's counters now (`server_metrics`); None when it has no readable /metrics."""
+    try:
+        reply = await client.get("/metrics")
+        return parse_snapshot(reply.text) if reply.status_code == 200 else None
+    except Exception:  # noqa: BLE001 (a server without metrics: the client's numbers still stand)
+        return None
+
+
 async def run_rate(client, rate: float, workload: Workload, voice_ids: list[str], args) -> RateResult:
     planned = plan_requests(workload, rate, args.duration, args.seed)
+    before = await metrics_snapshot(client)
     began, cpu_began = time.perf_counter(), time.process_time()
     start, traces = await run_schedule(client, planned, voice_ids, args)
     wall, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu_began
     measure_audio(traces, args)
     write_traces(args.traces_path, rate, start, traces)
-    return summarize(rate, start, traces, wall, args, cpu_seconds)
+    result = summarize(rate, start, traces, wall, args, cpu_seconds)
+    if before is not None:
+        await wait_until_idle(client)  # every stream ended, and its engine counters booked
+        await asyncio.sleep(HEARTBEAT_SECONDS)  # ... and sent to the API processes
+        after = await metrics_snapshot(client)
+        if after is not None:
+            result.server = asdict(server_view(before, after))
+    return result
 
 
 # ---- the sustainable rate ----------------------------------------------------------------------
@@ -537,6 +557,11 @@ def format_row(result: RateResult) -> str:
     )
 
 
+def print_server_view(result: RateResult) -> None:
+    if result.server is not None:
+        print(f"        {ServerView(**result.server).line()}", flush=True)
+
+
 def criteria(args: argparse.Namespace) -> str:
     return (
         f"p95 first audio <= {args.max_p95_ms:g} ms, underruns <= {100 * args.max_underrun_share:g}%, "
@@ -582,8 +607,16 @@ def report(
         },
         "criteria": criteria(args),
         # --overload: one run at that multiple of the sustainable rate (what admission protects)
-        "overload": None if overload is None else {"factor": args.overload, **asdict(overload)},
+        "overload": None
+        if overload is None
+        else {"factor": overload_factor(results, overload), **asdict(overload)},
     }
+
+
+def overload_factor(results: list[RateResult], overload: RateResult) -> float | None:
+    """The overload's rate over the sustainable one (None: nothing was sustainable)."""
+    best = highest_sustainable(results)
+    return round(overload.rate / best.rate, 4) if best else None
 
 
 def write_json(path: str | None, payload: dict) -> None:
@@ -626,6 +659,7 @@ async def sweep(args: argparse.Namespace) -> list[RateResult]:
                 probe_wall = max(probe_wall, result.wall_seconds + 2.0)
                 results.append(result)
                 print(format_row(result), flush=True)
+                print_server_view(result)
                 for example in result.error_examples:
                     print(f"        error: {example}", flush=True)
                 write_json(args.json_path, report(results, workload, args))
@@ -654,18 +688,23 @@ async def sweep(args: argparse.Namespace) -> list[RateResult]:
 async def run_overload(
     client, results: list[RateResult], workload: Workload, voice_ids: list[str], args, started: float
 ) -> RateResult | None:
-    """With --overload F: offer F times the sustainable rate once. Past capacity the admitted
-    streams should still play without gaps while the excess gets 503 (realtime admission); it is
-    reported apart and never counts as a sustainable rate."""
+    """With --overload F: offer F times the sustainable rate once (--overload-rate R: R requests/s,
+    whatever the rates before found). Past capacity the admitted streams should still play
+    without gaps while the excess gets 503 (realtime admission); it is reported apart and never
+    counts as a sustainable rate."""
     best = highest_sustainable(results)
-    if not args.overload or best is None:
+    fixed = getattr(args, "overload_rate", None)
+    if fixed is None and (not args.overload or best is None):
         return None
+    rate = fixed if fixed is not None else best.rate * args.overload
+    label = f"{rate / best.rate:.3g}x the sustainable rate" if best else "no sustainable rate found"
     left = args.time_budget - (time.perf_counter() - started) if args.time_budget else math.inf
     if left < args.duration + 5.0:
-        print(f"overload {args.overload:g}x skipped: {left:.0f} s left of --time-budget", flush=True)
+        print(f"overload at {rate:.2f}/s skipped: {left:.0f} s left of --time-budget", flush=True)
         return None
-    result = await run_rate(client, best.rate * args.overload, workload, voice_ids, args)
-    print(f"{format_row(result)}  <- overload {args.overload:g}x the sustainable rate", flush=True)
+    result = await run_rate(client, rate, workload, voice_ids, args)
+    print(f"{format_row(result)}  <- overload, {label}", flush=True)
+    print_server_view(result)
     await wait_until_idle(client)
     return result
 
@@ -754,6 +793,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--overload",
         type=positive,
         help="after --find-sustainable: offer this multiple of the sustainable rate once (e.g. 1.5)",
+    )
+    group.add_argument(
+        "--overload-rate",
+        type=positive,
+        help="the overload run at this rate (requests/s) instead, even when no rate was sustainable",
     )
     group.add_argument("--traces", dest="traces_path", help="write every request's chunks (JSON lines)")
 
