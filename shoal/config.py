@@ -39,7 +39,9 @@ class RealtimePolicy:
     streams)."""
 
     enabled: bool | None = None
-    min_speed: float = 1.5
+    # Past the GPU's capacity more streams add no frames per second, only longer steps: the floor
+    # sets how slow every admitted stream's steps, and so a newcomer's first audio, may get.
+    min_speed: float = 2.5
     min_headroom_seconds: float = 0.1
     grace_seconds: float = 0.5
     max_queue_wait_seconds: float = 2.0
