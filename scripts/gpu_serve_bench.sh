@@ -24,7 +24,8 @@
 # SEARCH=0 (no search: only RATES, then the overload),
 # HTTP_LEVELS / WS_LEVELS (a closed-loop sweep first, e.g. 1,8,32; none by default; CLOSED_ARGS more
 # of its options, e.g. "--ws-sessions 3"; LATENCIES one sweep per mode, e.g. "low balanced normal";
-# CLOSED_VOICE=1 one more with a stored voice), PYSPY_S
+# CLOSED_VOICE=1 one more with a stored voice), MIXES (instead of the mixed open loop, one search
+# per "format:ws-share" on the same server, e.g. "pcm:0 mp3:0 pcm:1"), PYSPY_S
 # (seconds of py-spy sampling of the server and its engine and API processes 15 s into the
 # open-loop sweep, 0 = none; needs a py-spy wheel among the carried ones).
 set -uo pipefail
@@ -235,19 +236,53 @@ if [ "${PYSPY_S:-0}" -gt 0 ] && [ -x /tmp/site/bin/py-spy ]; then
   done
 fi
 budget=$(($(left) - CAPACITY_RESERVE_S - 15))
+open_loop_start=$(date +%s.%N)
 SEARCH_ARG=--find-sustainable
 [ "${SEARCH:-1}" = 0 ] && SEARCH_ARG=  # SEARCH=0: only the RATES given (and the overload)
-say "open loop: rates $RATES, ${DURATION} s each, frames $FRAMES, $FORMATS, ws share $WS_SHARE," \
-  "voice share $VOICE_SHARE; sustainable-rate search within ${budget} s"
-open_loop_start=$(date +%s.%N)
+if [ -n "${MIXES:-}" ]; then
+  # MIXES="pcm:0 mp3:0 pcm:1": one sustainable-rate search per format:WebSocket-share on this server
+  # (issue 40's ratios: mp3 against pcm, the WebSocket against HTTP), the budget split evenly.
+  # shellcheck disable=SC2206  # MIXES is a list
+  mixes=($MIXES)
+  each=$((budget / ${#mixes[@]}))
+  for mix in "${mixes[@]}"; do
+    format=${mix%%:*} share=${mix##*:}
+    say "open loop, mix $format over ${share} WebSocket share: rates $RATES, search within ${each} s"
+    # shellcheck disable=SC2086  # RATES is a list
+    timeout $((each + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
+      --duration "$DURATION" --frames "$FRAMES" --formats "$format" --ws-share "$share" \
+      --voice-share "$VOICE_SHARE" --voices "$VOICES" --find-sustainable --max-p95-ms "$MAX_P95_MS" \
+      --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$each" --drain-timeout 15 --timeout 60 \
+      --json "$OUT/open_loop_${format}_ws${share}.json" 2>&1 | tee -a "$OUT/bench.log" | grep -E "^ +[0-9]|server:|sustainable"
+  done
+  "$PY" - "$OUT" "${mixes[@]}" <<'EOF' | tee -a "$OUT/bench.log"
+import json, sys
+from pathlib import Path
+
+out, mixes = Path(sys.argv[1]), sys.argv[2:]
+first = None
+print("sustainable frames/s per mix (format, WebSocket share), and against the first mix:")
+for mix in mixes:
+    name, share = mix.split(":")
+    path = out / f"open_loop_{name}_ws{share}.json"
+    best = json.loads(path.read_text()).get("sustainable") if path.exists() else None
+    fps = best["frames_per_second"] if best else None
+    first = fps if first is None else first
+    ratio = f"{fps / first:.2f}" if fps and first else "-"
+    print(f"  {name:5} ws {share:>4}  {'-' if fps is None else f'{fps:,.0f}':>8}  {ratio}")
+EOF
+  RATES= OVERLOAD= OVERLOAD_RATE=  # the mixes replace the mixed open loop below
+fi
+[ -n "$RATES" ] && say "open loop: rates $RATES, ${DURATION} s each, frames $FRAMES, $FORMATS, ws share" \
+  "$WS_SHARE, voice share $VOICE_SHARE; sustainable-rate search within ${budget} s"
 # shellcheck disable=SC2086  # RATES is a list
-timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
+[ -n "$RATES" ] && timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
   --duration "$DURATION" --frames "$FRAMES" --formats "$FORMATS" --ws-share "$WS_SHARE" \
   --voice-share "$VOICE_SHARE" --voices "$VOICES" ${SEARCH_ARG} --max-p95-ms "$MAX_P95_MS" \
   --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$budget" --drain-timeout 15 --timeout 60 \
   ${OVERLOAD:+--overload "$OVERLOAD"} ${OVERLOAD_RATE:+--overload-rate "$OVERLOAD_RATE"} \
   --json "$OUT/open_loop.json" --traces "$OUT/open_loop_traces.jsonl" 2>&1 | tee -a "$OUT/bench.log"
-say "open loop exit ${PIPESTATUS[0]}; GPU busy during it: $(gpu_busy "$open_loop_start" "$(date +%s.%N)")"
+say "open loop exit ${PIPESTATUS[0]}; GPU busy during the open loop: $(gpu_busy "$open_loop_start" "$(date +%s.%N)")"
 
 # (5) what the server saw, then stop it (the capacity run needs the GPU to itself)
 "$PY" - "$URL" >"$OUT/after.txt" 2>&1 <<'EOF'
