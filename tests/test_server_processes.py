@@ -164,6 +164,15 @@ def test_metrics_sum_every_api_process_and_show_the_engine_once(server):
             client.close()
 
 
+def test_the_engine_process_keeps_its_compiled_kernels_in_the_data_directory(server):
+    """Triton's and Inductor's caches outlive a restarted engine process or container."""
+    environ = Path(f"/proc/{server.engine_pid()}/environ").read_bytes().split(b"\0")
+    variables = dict(entry.decode().split("=", 1) for entry in environ if b"=" in entry)
+    cache = server.data_dir / "compile-cache"
+    assert variables["TRITON_CACHE_DIR"] == str(cache / "triton")
+    assert variables["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor")
+
+
 def test_a_keys_stream_limit_holds_across_api_processes(server):
     server.wait_healthy()
     connections = server.connections_to_each_api_process()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shoal.engine.compile_cache import compile_cache_dir, compile_cache_environment
 from shoal.engine.process import EngineNotReady, EngineSpec, EngineSupervisor
 from shoal.tuning import ENV_PREFIX, environment
 
@@ -145,12 +146,14 @@ def create_worker_app() -> FastAPI:
     return app
 
 
-def engine_environment(gpu: str | None) -> dict[str, str] | None:
+def engine_environment(gpu: str | None, data_dir: Path) -> dict[str, str]:
     """An engine process's environment: this one's, with only its GPU visible (so that CUDA
-    graphs, Triton and torch's current device are that GPU's without any device index)."""
-    if gpu is None:
-        return None
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    graphs, Triton and torch's current device are that GPU's without any device index), and its
+    compilers' caches in the data directory (`engine/compile_cache.py`)."""
+    environment = {**os.environ, **compile_cache_environment(compile_cache_dir(data_dir))}
+    if gpu is not None:
+        environment["CUDA_VISIBLE_DEVICES"] = gpu
+    return environment
 
 
 def start_engines(supervisors: list[EngineSupervisor]) -> None:
@@ -222,7 +225,9 @@ def serve_split(
         os.environ[MULTIPROC_VARIABLE] = str(config.metrics_dir)
         os.environ[ENV_PREFIX + WORKER_CONFIG_VARIABLE] = config.to_json()
         supervisors = [
-            EngineSupervisor(dataclasses.replace(spec, address=address), env=engine_environment(gpu))
+            EngineSupervisor(
+                dataclasses.replace(spec, address=address), env=engine_environment(gpu, data_dir)
+            )
             for address, gpu in zip(config.engine_addresses, engine_gpus, strict=True)
         ]
         log.info("starting %d engine process(es)", len(supervisors))

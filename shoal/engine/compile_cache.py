@@ -1,0 +1,24 @@
+"""Where compiled kernels are kept between starts: Triton's and TorchInductor's caches in the
+server's data directory, not in ~/.triton and /tmp, which a container loses with every restart.
+A cold start compiles the engine's Triton kernels and the codec's Inductor graphs (on an H100 the
+codec graphs alone took 116 s: docs/perf-log/runs-225-.md, run 236); an engine process restarted
+after a crash, or a redeployed pod on the same volume, finds them compiled."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+# Each compiler's cache variable -> its folder under the cache directory.
+CACHE_FOLDERS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+
+
+def compile_cache_dir(data_dir: str | Path) -> Path:
+    return Path(data_dir) / "compile-cache"
+
+
+def compile_cache_environment(directory: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables that point the compilers at `directory`, leaving out any the environment
+    sets already (an operator's own choice wins)."""
+    return {name: str(directory / folder) for name, folder in CACHE_FOLDERS.items() if name not in environ}
