@@ -14,7 +14,7 @@ def test_a_stall_is_logged_after_warm_up_and_a_lasting_slowdown_stops_being_one(
         for _ in range(12):
             assert not watch.observe(0.01)
         assert not watch.observe(0.09)  # 9x: under the factor
-        assert watch.observe(0.6, "64 rows, 0 prefill tokens")
+        assert watch.observe(0.6, lambda: "64 rows, 0 prefill tokens")
         assert not watch.observe(0.05)  # above 10x the fast steps, but under the floor
         for _ in range(10):
             watch.observe(1.0)  # the new normal

@@ -330,7 +330,9 @@ class EngineCore:
             if self._last_decode_booked is not None:
                 seconds, prefilled = now - self._last_decode_booked, sum(n for _, n in plan.prefills)
                 self.scheduler.gate.observe_step(seconds, len(plan.decodes), prefilled)
-                self.step_stalls.observe(seconds, f"{len(plan.decodes)} rows, {prefilled} prefill tokens")
+                self.step_stalls.observe(
+                    seconds, lambda: f"{len(plan.decodes)} rows, {prefilled} prefill tokens"
+                )
             self._last_decode_booked = now
         else:
             self._last_decode_booked = None

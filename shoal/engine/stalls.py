@@ -5,6 +5,7 @@ garbage collection, a compilation, a new graph shape) is easiest to find from wh
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger("shoal.engine.stalls")
 
@@ -29,8 +30,9 @@ class StallWatch:
         self.samples = 0
         self.stalls = 0
 
-    def observe(self, seconds: float, detail: str = "") -> bool:
-        """Book one duration; True (and a warning) when it is a stall."""
+    def observe(self, seconds: float, detail: Callable[[], str] | None = None) -> bool:
+        """Book one duration; True (and a warning, with `detail()` if given) when it is a stall.
+        `detail` is called only then: the common case costs a comparison and an addition."""
         stalled = (
             self.average is not None
             and self.samples >= self.warmup
@@ -41,7 +43,7 @@ class StallWatch:
             log.warning(
                 "%s took %.0f ms, %.0fx its average of %.1f ms%s",
                 self.what, 1000 * seconds, seconds / self.average, 1000 * self.average,
-                f" ({detail})" if detail else "",
+                f" ({detail()})" if detail else "",
             )  # fmt: skip
         self.average = (
             seconds if self.average is None else self.average + self.smoothing * (seconds - self.average)

@@ -450,9 +450,11 @@ class Vocoder:
             host = self.read_back(torch.cat([samples.float() for samples in audio]))
             pieces = np.split(host, np.cumsum([samples.shape[0] for samples in audio])[:-1])
             delivered = time.monotonic()
-            frames_taken = sorted({len(frames) for _, frames in with_frames})
             self.call_stalls.observe(
-                delivered - started, f"{len(with_frames)} streams, chunks of {frames_taken} frames"
+                delivered - started,
+                lambda: (
+                    f"{len(with_frames)} streams, chunks of {sorted({len(f) for _, f in with_frames})} frames"
+                ),
             )
             for (stream, _), samples, frames in zip(with_frames, pieces, stacked, strict=True):
                 stream.chunks += 1
