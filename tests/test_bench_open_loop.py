@@ -263,6 +263,7 @@ def test_overload_offers_a_multiple_of_the_sustainable_rate_once(server):
     assert view is not None and view["queue_wait_ms"] is not None and view["delivery_lag_ms"] > 0
     assert 0 < view["engine_first_audio_ms"] < view["server_first_audio_ms"] + 5  # the engine's part
     assert view["engine_underrun_streams"] >= 0 and view["gc_pause_ms"] >= 0
+    assert 0 <= view["steps_ahead_share"] <= 1  # the engine's steps were counted
 
     fixed = bench_args(
         server, server.key_a, "--rate", "1", "--duration", "1", "--frames", "8", "--ws-share", "0",

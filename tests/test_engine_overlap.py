@@ -53,6 +53,7 @@ def test_steady_decoding_runs_ahead_and_equals_plain_steps(model):
         core.run_until_idle()
         outputs[overlap] = {f"s{i}": sink.output(f"s{i}") for i in range(4)}
         steps[overlap] = core.steps
+        assert (core.stats().steps, core.stats().steps_ahead) == (core.steps, core.steps_ahead)  # /metrics
         assert core.kv.pool.num_used == core.kv.prefix_cache_pages
         if overlap:
             # Prefill (frame 0), one plain decode (frame 1), then frames 2 .. frames-1 ahead.

@@ -26,6 +26,8 @@ SERIES = {
     "engine_underrun_streams": "shoal_streams_underrun_total",
     "engine_underrun_seconds": "shoal_underrun_seconds_total",
     "gc_pause_seconds": "shoal_engine_gc_pause_seconds_total",
+    "steps": "shoal_engine_steps_total",
+    "steps_ahead": "shoal_engine_steps_ahead_total",
 }
 LATE_DELIVERY_SECONDS = 0.1  # a chunk later than this after the engine handed it over is "late"
 
@@ -60,18 +62,20 @@ class ServerView:
     engine_underrun_streams: int
     engine_underrun_seconds: float
     gc_pause_ms: float
+    steps_ahead_share: float | None = None  # of the engine's steps, those launched ahead
 
     def line(self) -> str:
         def ms(value: float | None) -> str:
             return "-" if value is None else f"{value:.0f} ms"
 
         late = "-" if self.late_delivery_share is None else f"{100 * self.late_delivery_share:.2f}%"
+        ahead = "-" if self.steps_ahead_share is None else f"{100 * self.steps_ahead_share:.0f}%"
         return (
             f"server: queue wait {ms(self.queue_wait_ms)}, first audio in the engine "
             f"{ms(self.engine_first_audio_ms)}, at the server {ms(self.server_first_audio_ms)}; "
             f"delivery lag {ms(self.delivery_lag_ms)} ({late} over {1000 * LATE_DELIVERY_SECONDS:.0f} ms); "
             f"engine underruns {self.engine_underrun_streams} ({self.engine_underrun_seconds:.2f} s); "
-            f"GC pauses {self.gc_pause_ms:.0f} ms"
+            f"GC pauses {self.gc_pause_ms:.0f} ms; steps run ahead {ahead}"
         )
 
 
@@ -92,4 +96,5 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> ServerView
         engine_underrun_streams=round(delta["engine_underrun_streams"]),
         engine_underrun_seconds=round(delta["engine_underrun_seconds"], 3),
         gc_pause_ms=round(1000 * delta["gc_pause_seconds"], 1),
+        steps_ahead_share=round(delta["steps_ahead"] / delta["steps"], 4) if delta["steps"] > 0 else None,
     )

@@ -137,6 +137,11 @@ class EngineStats:
     # stop the GPU loop and the vocoder with it: their total and the longest.
     gc_pause_seconds: float = 0.0
     gc_longest_pause_seconds: float = 0.0
+    # Since start: steps booked, and decode steps launched before the step before them was
+    # booked (`overlap_steps`: the GPU computes while the host books; arrivals, prefills and
+    # requests ending drain that pipeline, and the GPU then waits for the host).
+    steps: int = 0
+    steps_ahead: int = 0
 
 
 # Upper bounds (seconds) of the queue-wait histogram in `EngineStats.queue_wait_buckets`.

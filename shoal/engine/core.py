@@ -388,6 +388,8 @@ class EngineCore:
             queue_wait_buckets=tuple(waits.counts),
             first_audio_sum=self.first_audio_seconds,
             first_audio_count=self.first_audio_streams,
+            steps=self.steps,
+            steps_ahead=self.steps_ahead,
         )
 
     def book_playback(self, clock: PlaybackClock, submitted_at: float | None = None) -> None:

@@ -168,6 +168,12 @@ def engine_metrics(stats: EngineStats) -> Iterator[Metric]:
         count_value=stats.first_audio_count,
         sum_value=stats.first_audio_sum,
     )
+    yield CounterMetricFamily("shoal_engine_steps", "Engine steps booked", value=stats.steps)
+    yield CounterMetricFamily(
+        "shoal_engine_steps_ahead",
+        "Decode steps launched before the previous step was booked (the GPU busy while the host books)",
+        value=stats.steps_ahead,
+    )
     yield CounterMetricFamily(
         "shoal_engine_gc_pause_seconds",
         "Seconds the garbage collector paused the engine's process (its GPU loop and vocoder too)",
