@@ -174,17 +174,15 @@ async def open_synthesis(
     encoder = make_encoder(body, engine.sample_rate)
     references = await state.voices.resolve(principal, body)
     synthesis = build_synthesis_request(body, references, priority, settings)
+    observe_lag = state.metrics.delivery_lag_observer(route)
+
+    def response_stream(handle: RequestHandle) -> ResponseStream:
+        return stream_of(DeliveryWatch(handle, observe_lag), encoder)
+
     limiter.acquire(principal)
     try:
         stream, first, rest = await while_connected(
-            request,
-            lambda: start_stream(
-                engine,
-                synthesis,
-                lambda handle: stream_of(
-                    DeliveryWatch(handle, state.metrics.delivery_lag_observer(route)), encoder
-                ),
-            ),
+            request, lambda: start_stream(engine, synthesis, response_stream)
         )
     except BaseException:
         limiter.release(principal)
