@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from shoal.engine.compile_cache import CACHE_FOLDERS
 from shoal.server import audio, keys_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +159,11 @@ class ShoalServer:
         command += ["--max-upload-mb", str(MAX_UPLOAD_MB), "--queue-limit", f"batch={BATCH_QUEUE_LIMIT}"]
         command += ["--api-workers", str(api_workers), *extra_args]
         log = (workdir / "server.log").open("w")
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        # As a user's shell starts it: not with the compiler cache locations that torch exports
+        # into this test process once it has compiled something (they would win over the data
+        # directory's, `engine/compile_cache.py`).
+        environment = {k: v for k, v in os.environ.items() if k not in CACHE_FOLDERS}
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=environment)
         server = cls(f"http://127.0.0.1:{port}", process, *keys, api_workers=api_workers, data_dir=data_dir)
         try:
             server.wait_ready(workdir / "server.log")
