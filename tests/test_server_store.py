@@ -340,3 +340,52 @@ def test_pods_sharing_the_database_and_bucket_never_read_stale_blobs(tmp_path, m
     finally:
         pod_a.close()
         pod_b.close()
+
+
+def test_voice_uses_are_added_in_one_write_on_every_backend(open_store):
+    store = open_store()
+    first = store.create_voice("t1", "one", [])
+    second = store.create_voice("t1", "two", [])
+    store.count_uses({first.id: 3, second.id: 1, "deleted-meanwhile": 2})
+    store.count_uses({first.id: 1})
+    assert (store.get_voice(first.id).task_count, store.get_voice(second.id).task_count) == (4, 1)
+
+
+def test_sqlite_runs_with_a_write_ahead_log(tmp_path):
+    """Several API processes share the file: with the log a write never blocks their reads."""
+    store = Store.in_directory(tmp_path)
+    try:
+        with store.engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert connection.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+            assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
+    finally:
+        store.close()
+
+
+def test_a_voices_uses_are_written_after_the_request_and_at_shutdown(tmp_path):
+    """`VoiceResolver.count_use` books in memory; one write per `USE_FLUSH_SECONDS` adds them,
+    and closing writes what is still pending, so no use is lost and no request waits."""
+    import asyncio
+
+    from shoal.server import voices
+    from shoal.server.settings import ServerSettings
+
+    store = Store.in_directory(tmp_path)
+    voice = store.create_voice("t1", "v", [])
+
+    async def scenario() -> tuple[int, int, int]:
+        resolver = voices.VoiceResolver(None, store, ServerSettings())
+        resolver.count_use(voice.id)
+        resolver.count_use(voice.id)
+        right_after = store.get_voice(voice.id).task_count
+        await asyncio.sleep(voices.USE_FLUSH_SECONDS + 0.5)
+        flushed = store.get_voice(voice.id).task_count
+        resolver.count_use(voice.id)
+        await resolver.close()
+        return right_after, flushed, store.get_voice(voice.id).task_count
+
+    try:
+        assert asyncio.run(scenario()) == (0, 2, 3)
+    finally:
+        store.close()

@@ -116,6 +116,7 @@ def create_app(
         finally:
             await app.state.jobs.stop()  # aborts in-flight job items; the jobs stay resumable
             await engine.stop()
+            await app.state.voices.close()  # the voices' last use counts
             store.close()
 
     app = FastAPI(title="Shoal", summary="Fish Audio compatible TTS server", lifespan=lifespan)

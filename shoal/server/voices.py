@@ -2,14 +2,19 @@
 routes, and resolving a request's voice (stored id or inline samples) into encoded references.
 
 A voice's audio is codec-encoded once, at upload; requests reuse the stored codes. Inline
-references are encoded once per distinct clip and kept in a small in-memory cache.
+references are encoded once per distinct clip and kept in a small in-memory cache. A voice's
+use count (`task_count`) is written in batches, off the request's path: a request does not wait
+for a database write before its first audio.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Annotated, Literal
 
 import anyio.to_thread
@@ -41,9 +46,11 @@ from shoal.server.schemas import (
 from shoal.server.settings import ServerSettings
 from shoal.server.store import NewSample, Store, VoiceExistsError, VoiceRow
 
+log = logging.getLogger("shoal.server.voices")
 VOICE_ID_PATTERN = re.compile(REFERENCE_ID_PATTERN)
 INLINE_CACHE_SIZE = 256
 STORED_CACHE_SIZE = 512
+USE_FLUSH_SECONDS = 0.5  # how long a voice's new uses wait in memory before one write books them
 
 
 def reference_voice_id(tenant: str, name: str) -> str:
@@ -105,6 +112,8 @@ class VoiceResolver:
         # deleted voice's id taken again) and another API process may have done it, so the id
         # alone could name other samples than the ones cached here.
         self._stored: OrderedDict[tuple[str, ...], tuple[VoiceReference, ...]] = OrderedDict()
+        self._uses: Counter[str] = Counter()  # voice id -> uses not yet written
+        self._flush: asyncio.Task | None = None
 
     async def encode_upload(self, data: bytes) -> np.ndarray:
         """Decode an uploaded clip (in a thread) and codec-encode it with the engine."""
@@ -167,8 +176,35 @@ class VoiceResolver:
                 self._stored.popitem(last=False)
         else:
             self._stored.move_to_end(key)
-        await anyio.to_thread.run_sync(self.store.count_use, row.id)
+        self.count_use(row.id)
         return cached
+
+    def count_use(self, voice_id: str) -> None:
+        """Book one use of a voice: written with the others of the next `USE_FLUSH_SECONDS`."""
+        self._uses[voice_id] += 1
+        if self._flush is None or self._flush.done():
+            self._flush = asyncio.get_running_loop().create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(USE_FLUSH_SECONDS)
+        try:
+            await self.flush_uses()
+        except Exception:  # a use count is not worth a request: log it and carry on
+            log.exception("could not write the voices' use counts")
+
+    async def flush_uses(self) -> None:
+        """Write the uses booked so far (also at shutdown, so none is lost)."""
+        uses, self._uses = self._uses, Counter()
+        if uses:
+            await anyio.to_thread.run_sync(self.store.count_uses, dict(uses))
+
+    async def close(self) -> None:
+        """Stop the pending write and make it now (the app's shutdown, before the store closes)."""
+        if self._flush is not None and not self._flush.done():
+            self._flush.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flush
+        await self.flush_uses()
 
     async def resolve(self, principal: Principal, body: TTSRequestBody) -> tuple[VoiceReference, ...]:
         """The request's references: stored ids win over inline samples. Requests with equal
