@@ -182,28 +182,40 @@ class VoiceResolver:
     def count_use(self, voice_id: str) -> None:
         """Book one use of a voice: written with the others of the next `USE_FLUSH_SECONDS`."""
         self._uses[voice_id] += 1
-        if self._flush is None or self._flush.done():
-            self._flush = asyncio.get_running_loop().create_task(self._flush_later())
+        loop = asyncio.get_running_loop()
+        # (a task of another loop, e.g. a test client's that has ended, would never run)
+        if self._flush is None or self._flush.done() or self._flush.get_loop() is not loop:
+            self._flush = loop.create_task(self._flush_later())
 
     async def _flush_later(self) -> None:
-        await asyncio.sleep(USE_FLUSH_SECONDS)
-        try:
-            await self.flush_uses()
-        except Exception:  # a use count is not worth a request: log it and carry on
-            log.exception("could not write the voices' use counts")
+        """Write every `USE_FLUSH_SECONDS` while uses come in (also those booked during a write)."""
+        while True:
+            await asyncio.sleep(USE_FLUSH_SECONDS)
+            try:
+                await self.flush_uses()
+            except Exception:  # a use count is not worth a request: log it and carry on
+                log.exception("could not write the voices' use counts")
+            if not self._uses:
+                return
 
     async def flush_uses(self) -> None:
         """Write the uses booked so far (also at shutdown, so none is lost)."""
         uses, self._uses = self._uses, Counter()
         if uses:
-            await anyio.to_thread.run_sync(self.store.count_uses, dict(uses))
+            try:
+                await anyio.to_thread.run_sync(self.store.count_uses, dict(uses))
+            except BaseException:  # kept for the next write (a failure, or a shutdown mid-write)
+                self._uses.update(uses)
+                raise
 
     async def close(self) -> None:
         """Stop the pending write and make it now (the app's shutdown, before the store closes)."""
-        if self._flush is not None and not self._flush.done():
-            self._flush.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flush
+        flush, self._flush = self._flush, None
+        if flush is not None and not flush.done():
+            flush.cancel()
+            if flush.get_loop() is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flush
         await self.flush_uses()
 
     async def resolve(self, principal: Principal, body: TTSRequestBody) -> tuple[VoiceReference, ...]:
