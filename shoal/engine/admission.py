@@ -81,10 +81,10 @@ class RealtimeGate:
             self.step_seconds += weight * (seconds - self.step_seconds)
             self.rows += weight * (rows - self.rows)
         if not prefill_tokens:
-            self.decode_seconds = _average(self.decode_seconds, seconds, weight)
+            self.decode_seconds = moving_average(self.decode_seconds, seconds, weight)
         elif self.decode_seconds is not None:
             per_token = max(0.0, seconds - self.decode_seconds) / prefill_tokens
-            self.prefill_seconds_per_token = _average(self.prefill_seconds_per_token, per_token, weight)
+            self.prefill_seconds_per_token = moving_average(self.prefill_seconds_per_token, per_token, weight)
 
     def prefill_token_budget(self, limit: int) -> int:
         """Prefill tokens for the next step while listened streams play: as many as keep the
@@ -145,6 +145,6 @@ class RealtimeGate:
         return GateState(True, speed, lowest)
 
 
-def _average(current: float | None, sample: float, weight: float) -> float:
+def moving_average(current: float | None, sample: float, weight: float) -> float:
     """Exponential moving average; the first sample starts it."""
     return sample if current is None else current + weight * (sample - current)

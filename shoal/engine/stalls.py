@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from shoal.engine.admission import moving_average
+
 log = logging.getLogger("shoal.engine.stalls")
 
 
@@ -45,8 +47,6 @@ class StallWatch:
                 self.what, 1000 * seconds, seconds / self.average, 1000 * self.average,
                 f" ({detail()})" if detail else "",
             )  # fmt: skip
-        self.average = (
-            seconds if self.average is None else self.average + self.smoothing * (seconds - self.average)
-        )
+        self.average = moving_average(self.average, seconds, self.smoothing)
         self.samples += 1
         return stalled
