@@ -239,6 +239,17 @@ budget=$(($(left) - CAPACITY_RESERVE_S - 15))
 open_loop_start=$(date +%s.%N)
 SEARCH_ARG=--find-sustainable
 [ "${SEARCH:-1}" = 0 ] && SEARCH_ARG=  # SEARCH=0: only the RATES given (and the overload)
+# One `shoal bench serve` open loop on this server, the workload's options as set above:
+# open_loop TIME_BUDGET FORMATS WS_SHARE [more options]
+open_loop() {
+  local limit=$1 formats=$2 share=$3
+  shift 3
+  # shellcheck disable=SC2086  # RATES is a list
+  timeout $((limit + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
+    --duration "$DURATION" --frames "$FRAMES" --formats "$formats" --ws-share "$share" \
+    --voice-share "$VOICE_SHARE" --voices "$VOICES" --max-p95-ms "$MAX_P95_MS" \
+    --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$limit" --drain-timeout 15 --timeout 60 "$@"
+}
 if [ -n "${MIXES:-}" ]; then
   # MIXES="pcm:0 mp3:0 pcm:1": one sustainable-rate search per format:WebSocket-share on this server
   # (issue 40's ratios: mp3 against pcm, the WebSocket against HTTP), the budget split evenly.
@@ -248,12 +259,8 @@ if [ -n "${MIXES:-}" ]; then
   for mix in "${mixes[@]}"; do
     format=${mix%%:*} share=${mix##*:}
     say "open loop, mix $format over ${share} WebSocket share: rates $RATES, search within ${each} s"
-    # shellcheck disable=SC2086  # RATES is a list
-    timeout $((each + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
-      --duration "$DURATION" --frames "$FRAMES" --formats "$format" --ws-share "$share" \
-      --voice-share "$VOICE_SHARE" --voices "$VOICES" --find-sustainable --max-p95-ms "$MAX_P95_MS" \
-      --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$each" --drain-timeout 15 --timeout 60 \
-      --json "$OUT/open_loop_${format}_ws${share}.json" 2>&1 | tee -a "$OUT/bench.log" | grep -E "^ +[0-9]|server:|sustainable"
+    open_loop "$each" "$format" "$share" --find-sustainable --json "$OUT/open_loop_${format}_ws${share}.json" \
+      2>&1 | tee -a "$OUT/bench.log" | grep -E "^ +[0-9]|server:|sustainable"
   done
   "$PY" - "$OUT" "${mixes[@]}" <<'EOF' | tee -a "$OUT/bench.log"
 import json, sys
@@ -275,11 +282,8 @@ EOF
 fi
 [ -n "$RATES" ] && say "open loop: rates $RATES, ${DURATION} s each, frames $FRAMES, $FORMATS, ws share" \
   "$WS_SHARE, voice share $VOICE_SHARE; sustainable-rate search within ${budget} s"
-# shellcheck disable=SC2086  # RATES is a list
-[ -n "$RATES" ] && timeout $((budget + 45)) "$PY" -m shoal.cli bench serve --url "$URL" --arrivals poisson --rate $RATES \
-  --duration "$DURATION" --frames "$FRAMES" --formats "$FORMATS" --ws-share "$WS_SHARE" \
-  --voice-share "$VOICE_SHARE" --voices "$VOICES" ${SEARCH_ARG} --max-p95-ms "$MAX_P95_MS" \
-  --max-underrun-share "$MAX_UNDERRUN_SHARE" --time-budget "$budget" --drain-timeout 15 --timeout 60 \
+# shellcheck disable=SC2086  # SEARCH_ARG is one option or none
+[ -n "$RATES" ] && open_loop "$budget" "$FORMATS" "$WS_SHARE" ${SEARCH_ARG} \
   ${OVERLOAD:+--overload "$OVERLOAD"} ${OVERLOAD_RATE:+--overload-rate "$OVERLOAD_RATE"} \
   --json "$OUT/open_loop.json" --traces "$OUT/open_loop_traces.jsonl" 2>&1 | tee -a "$OUT/bench.log"
 say "open loop exit ${PIPESTATUS[0]}; GPU busy during the open loop: $(gpu_busy "$open_loop_start" "$(date +%s.%N)")"

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from shoal.bench.open_loop import VOICE_TEXT, frame_range, share, synthetic_voice_samples
+from shoal.bench.open_loop import VOICE_TEXT, frame_range, overload_label, share, synthetic_voice_samples
 from shoal.bench.serve import percentile
 
 TEXT = "The quick brown fox jumps over the lazy dog. Shoal streams speech while it is generated."
@@ -159,11 +159,6 @@ async def measure_checkpoint(args: argparse.Namespace) -> Capacity:
 # ---- the summary table -------------------------------------------------------------------------
 
 
-def overload_label(overload: dict) -> str:
-    factor = overload.get("factor")
-    return "with no sustainable rate found" if factor is None else f"{factor:g}x the sustainable rate"
-
-
 def summary_table(open_loop: dict, capacity: dict | None) -> str:
     """The open-loop rates, the sustainable one, the in-process capacity and their ratio."""
     lines = [f"open loop over HTTP + WebSocket ({open_loop.get('criteria', '')}):"]
@@ -184,7 +179,7 @@ def summary_table(open_loop: dict, capacity: dict | None) -> str:
     overload = open_loop.get("overload")
     if overload:
         lines.append(
-            f"  overload {overload_label(overload)}: {overload['rate']:.2f}/s, "
+            f"  overload {overload_label(overload.get('factor'))}: {overload['rate']:.2f}/s, "
             f"{100 * overload['share_503']:.1f}% got 503, admitted streams underran "
             f"{100 * overload['underrun_share']:.1f}%, first audio p95 {overload['first_audio_p95_ms']} ms, "
             f"{overload['frames_per_second']:.0f} frames/s"

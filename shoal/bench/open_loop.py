@@ -36,9 +36,11 @@ from shoal.bench import serve_playback
 from shoal.bench.serve import describe, percentile, text_events, websocket_url
 from shoal.bench.server_metrics import ServerView, parse_snapshot, server_view
 from shoal.engine.api import DEFAULT_FRAME_RATE
+from shoal.engine.remote import DEFAULT_PING_INTERVAL
 
 FORMATS = ("pcm", "wav", "mp3", "opus")
-HEARTBEAT_SECONDS = 0.6  # the engine's counters reach the API processes with its pongs (0.5 s)
+# The engine's counters reach the API processes with its pongs: one ping interval and a margin.
+HEARTBEAT_SECONDS = DEFAULT_PING_INTERVAL + 0.1
 OPUS_SAMPLE_RATE = 48000  # the only rate both opus and the server's default agree on
 VOICE_TEXT = "This is a synthetic reference voice, made up for the load benchmark."
 HEADER = (
@@ -449,8 +451,8 @@ async def run_rate(client, rate: float, workload: Workload, voice_ids: list[str]
     measure_audio(traces, args)
     write_traces(args.traces_path, rate, start, traces)
     result = summarize(rate, start, traces, wall, args, cpu_seconds)
+    await wait_until_idle(client)  # so rates do not overlap; every stream's counters are booked
     if before is not None:
-        await wait_until_idle(client)  # every stream ended, and its engine counters booked
         await asyncio.sleep(HEARTBEAT_SECONDS)  # ... and sent to the API processes
         after = await metrics_snapshot(client)
         if after is not None:
@@ -609,14 +611,18 @@ def report(
         # --overload: one run at that multiple of the sustainable rate (what admission protects)
         "overload": None
         if overload is None
-        else {"factor": overload_factor(results, overload), **asdict(overload)},
+        else {"factor": overload_factor(results, overload.rate), **asdict(overload)},
     }
 
 
-def overload_factor(results: list[RateResult], overload: RateResult) -> float | None:
-    """The overload's rate over the sustainable one (None: nothing was sustainable)."""
+def overload_factor(results: list[RateResult], rate: float) -> float | None:
+    """An overload rate over the sustainable one (None: nothing was sustainable)."""
     best = highest_sustainable(results)
-    return round(overload.rate / best.rate, 4) if best else None
+    return round(rate / best.rate, 4) if best else None
+
+
+def overload_label(factor: float | None) -> str:
+    return "with no sustainable rate found" if factor is None else f"{factor:g}x the sustainable rate"
 
 
 def write_json(path: str | None, payload: dict) -> None:
@@ -663,7 +669,6 @@ async def sweep(args: argparse.Namespace) -> list[RateResult]:
                 for example in result.error_examples:
                     print(f"        error: {example}", flush=True)
                 write_json(args.json_path, report(results, workload, args))
-                await wait_until_idle(client)
                 if not rates and args.find_sustainable:
                     following = next_rate(results, args.growth, args.precision, floor=2 / args.duration)
                     if following is not None and all(abs(r.rate - following) > 1e-9 for r in results):
@@ -697,15 +702,13 @@ async def run_overload(
     if fixed is None and (not args.overload or best is None):
         return None
     rate = fixed if fixed is not None else best.rate * args.overload
-    label = f"{rate / best.rate:.3g}x the sustainable rate" if best else "no sustainable rate found"
     left = args.time_budget - (time.perf_counter() - started) if args.time_budget else math.inf
     if left < args.duration + 5.0:
         print(f"overload at {rate:.2f}/s skipped: {left:.0f} s left of --time-budget", flush=True)
         return None
     result = await run_rate(client, rate, workload, voice_ids, args)
-    print(f"{format_row(result)}  <- overload, {label}", flush=True)
+    print(f"{format_row(result)}  <- overload, {overload_label(overload_factor(results, rate))}", flush=True)
     print_server_view(result)
-    await wait_until_idle(client)
     return result
 
 
