@@ -5,17 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.engine.compile_cache import compile_cache_dir, compile_cache_environment
+from shoal.engine.compile_cache import compile_cache_environment
 
 
 def test_caches_in_the_data_directory_unless_already_set():
-    cache = compile_cache_dir("/srv/shoal")
-    assert cache == Path("/srv/shoal/compile-cache")
-    assert compile_cache_environment(cache, environ={}) == {
+    assert compile_cache_environment(Path("/srv/shoal"), environ={}) == {
         "TRITON_CACHE_DIR": "/srv/shoal/compile-cache/triton",
         "TORCHINDUCTOR_CACHE_DIR": "/srv/shoal/compile-cache/inductor",
     }
     chosen = {"TRITON_CACHE_DIR": "/fast-disk/triton"}
-    assert compile_cache_environment(cache, environ=chosen) == {
+    assert compile_cache_environment("/srv/shoal", environ=chosen) == {
         "TORCHINDUCTOR_CACHE_DIR": "/srv/shoal/compile-cache/inductor"
     }

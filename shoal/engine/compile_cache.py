@@ -14,11 +14,10 @@ from pathlib import Path
 CACHE_FOLDERS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 
 
-def compile_cache_dir(data_dir: str | Path) -> Path:
-    return Path(data_dir) / "compile-cache"
-
-
-def compile_cache_environment(directory: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The variables that point the compilers at `directory`, leaving out any the environment
-    sets already (an operator's own choice wins)."""
+def compile_cache_environment(
+    data_dir: str | Path, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The variables that point the compilers at `<data_dir>/compile-cache`, leaving out any the
+    environment sets already (an operator's own choice wins)."""
+    directory = Path(data_dir) / "compile-cache"
     return {name: str(directory / folder) for name, folder in CACHE_FOLDERS.items() if name not in environ}

@@ -475,14 +475,14 @@ def serve_in_process(args: argparse.Namespace, settings: ServerSettings) -> int:
     """`--api-workers 0`: the engine, the routes and the jobs in this one process."""
     import uvicorn
 
-    from shoal.engine.compile_cache import compile_cache_dir, compile_cache_environment
+    from shoal.engine.compile_cache import compile_cache_environment
     from shoal.engine.gc_pauses import freeze_startup_heap
     from shoal.server.app import create_app
     from shoal.server.store import Store
     from shoal.server.workers import jobs_lock_path
 
     store = Store.in_directory(args.data_dir, args.database_url, args.blob_url)
-    os.environ.update(compile_cache_environment(compile_cache_dir(args.data_dir)))  # before torch loads
+    os.environ.update(compile_cache_environment(args.data_dir))  # before torch loads
     engine = build_engine(args)
     app = create_app(engine, store, settings, jobs_lock=jobs_lock_path(args.data_dir))
     freeze_startup_heap()

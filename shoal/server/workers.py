@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal.engine.compile_cache import compile_cache_dir, compile_cache_environment
+from shoal.engine.compile_cache import compile_cache_environment
 from shoal.engine.process import EngineNotReady, EngineSpec, EngineSupervisor
 from shoal.tuning import ENV_PREFIX, environment
 
@@ -150,7 +150,7 @@ def engine_environment(gpu: str | None, data_dir: Path) -> dict[str, str]:
     """An engine process's environment: this one's, with only its GPU visible (so that CUDA
     graphs, Triton and torch's current device are that GPU's without any device index), and its
     compilers' caches in the data directory (`engine/compile_cache.py`)."""
-    environment = {**os.environ, **compile_cache_environment(compile_cache_dir(data_dir))}
+    environment = {**os.environ, **compile_cache_environment(data_dir)}
     if gpu is not None:
         environment["CUDA_VISIBLE_DEVICES"] = gpu
     return environment
