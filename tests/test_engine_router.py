@@ -219,15 +219,19 @@ def test_voice_key_depends_on_text_and_codes_only():
 
 def test_combined_stats_sum_counts_and_keep_the_worst_stream():
     first = stats(3, 1, generation_speed=2.5, min_headroom_seconds=0.8, queue_wait_count=4,
-                  queue_wait_buckets=(1, 2, 4), streams_underrun=1)  # fmt: skip
+                  queue_wait_buckets=(1, 2, 4), streams_underrun=1, gc_pause_seconds=0.02,
+                  gc_longest_pause_seconds=0.01, steps=100, steps_ahead=60)  # fmt: skip
     second = stats(1, 2, admitting=False, generation_speed=1.8, min_headroom_seconds=1.5,
-                   queue_wait_count=2, queue_wait_buckets=(0, 1, 2))  # fmt: skip
+                   queue_wait_count=2, queue_wait_buckets=(0, 1, 2), gc_pause_seconds=0.03,
+                   gc_longest_pause_seconds=0.03, steps=50, steps_ahead=10)  # fmt: skip
     idle = stats(0, 0, generation_speed=9.0)
     combined = combine_stats([first, second, idle])
     assert combined.running == 4 and combined.waiting == {"standard": 3}
     assert combined.admitting and combined.generation_speed == 1.8  # the idle engine's speed is not one
     assert combined.min_headroom_seconds == 0.8 and combined.streams_underrun == 1
     assert combined.queue_wait_count == 6 and combined.queue_wait_buckets == (1, 3, 6)
+    assert combined.gc_pause_seconds == 0.05 and combined.gc_longest_pause_seconds == 0.03
+    assert (combined.steps, combined.steps_ahead) == (150, 70)
     assert combine_stats([first]) is first
 
 

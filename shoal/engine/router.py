@@ -105,6 +105,10 @@ def combine_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
         queue_wait_sum=sum(stats.queue_wait_sum for stats in snapshots),
         queue_wait_count=sum(stats.queue_wait_count for stats in snapshots),
         queue_wait_buckets=buckets,
+        gc_pause_seconds=sum(stats.gc_pause_seconds for stats in snapshots),
+        gc_longest_pause_seconds=max(stats.gc_longest_pause_seconds for stats in snapshots),
+        steps=sum(stats.steps for stats in snapshots),
+        steps_ahead=sum(stats.steps_ahead for stats in snapshots),
     )
 
 
