@@ -1,8 +1,8 @@
 """Where compiled kernels are kept between starts: Triton's and TorchInductor's caches in the
 server's data directory, not in ~/.triton and /tmp, which a container loses with every restart.
-A cold start compiles the engine's Triton kernels and the codec's Inductor graphs (on an H100 the
-codec graphs alone took 116 s: docs/perf-log/runs-225-.md, run 236); an engine process restarted
-after a crash, or a redeployed pod on the same volume, finds them compiled."""
+A cold start compiles the engine's Triton kernels and the codec's Inductor graphs, minutes on a GPU
+(docs/performance.md's ledger); an engine process restarted after a crash, or a redeployed pod on
+the same volume, finds them compiled."""
 
 from __future__ import annotations
 

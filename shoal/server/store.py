@@ -197,8 +197,7 @@ def database_url_for(url: str) -> str:
 def sqlite_for_several_processes(connection, _record) -> None:
     """SQLite as the API processes of one server share it: write-ahead logging, so a write never
     blocks the readers (in the default rollback journal every write locked them out, and a
-    request that hit the lock slept in SQLite's busy handler: a 235 ms p99 for a read or a
-    one-row update beside three writing processes on this project's VM, 10 ms with the log);
+    request that hit the lock slept in SQLite's busy handler: docs/performance.md's ledger);
     `synchronous=NORMAL`, the durable setting for that log (a commit survives a crash of the
     process; a power cut may lose the last ones, never corrupt the file); and a busy wait of up
     to 5 s before "database is locked". The log needs one host's shared memory: keep the file on
