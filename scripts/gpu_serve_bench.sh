@@ -7,8 +7,8 @@
 # (p95 first audio <= 200 ms, <= 1% underruns, <= 1% failures); then the server is stopped and
 # `python -m shoal.bench.capacity` measures the engine + codec alone in process (closed loop,
 # same engine options), and one table prints both and their ratio. Logs and JSON go to $OUT.
-# First run (FP8): server ready after 172 s, the search's 6 rates 138 s, the capacity 80 s (its
-# engine loads in 64 s on the server's compile caches): 394 s in all.
+# The compile cache in the data directory is kept between runs, so a second run in one call (an
+# A/B of SERVE_ARGS) starts warm and the capacity run loads on the server's compiled kernels.
 #
 # GPU (device tool; carry .whl):   bash scripts/gpu_serve_bench.sh
 # CPU rehearsal (local venv):      SIZE=demo DEVICE=cpu PY=.venv/bin/python bash scripts/gpu_serve_bench.sh
@@ -18,7 +18,7 @@
 # start from, "4 8" ["0.5"]), DURATION (s of arrivals per rate, 20 [5]), FRAMES (64-384 [8-32]),
 # FORMATS (pcm,wav,mp3,opus), WS_SHARE (0.25), VOICE_SHARE (0.5), VOICES (2), MAX_P95_MS (200
 # [1500]), MAX_UNDERRUN_SHARE (0.01 [1]), CAPACITY_CONCURRENCY (64 [4]), CAPACITY_S (window, 10
-# [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]),
+# [4]), CAPACITY_RESERVE_S (kept for the capacity run: engine load + window, 120 [40]; CAPACITY=0: none),
 # OVERLOAD (after the search, one run at this multiple of the sustainable rate, 1.5 [none]),
 # OVERLOAD_RATE (that run at this rate instead, requests/s, even if no rate was sustainable),
 # SEARCH=0 (no search: only RATES, then the overload),
@@ -110,8 +110,10 @@ print('web stack ok: fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version
       websockets.__version__, 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/setup.log"
 [ "${PIPESTATUS[0]}" = 0 ] || { say "the web stack does not import"; exit 1; }
 
-# (3) the server
-rm -rf "$DATA_DIR"
+# (3) the server, on a fresh data directory but its compile cache (kept, as on a user's volume:
+# a second run in the same call starts warm, and the capacity run below loads on it)
+mkdir -p "$DATA_DIR"
+find "$DATA_DIR" -mindepth 1 -maxdepth 1 ! -name compile-cache -exec rm -rf {} +
 say "starting shoal serve"
 # shellcheck disable=SC2086  # SERVE_ARGS is a list of options
 "$PY" -m shoal.cli serve --checkpoint "$CKPT" --no-auth --host 127.0.0.1 --port "$PORT" --device "$DEVICE" \
@@ -307,11 +309,14 @@ stop_server
 
 # (6) the in-process capacity: the same engine options, the same mix of lengths and voices
 capacity_limit=$(($(left) - 10))
-if [ "$capacity_limit" -gt 20 ]; then
+if [ "${CAPACITY:-1}" = 0 ]; then
+  say "in-process capacity not measured (CAPACITY=0)"
+elif [ "$capacity_limit" -gt 20 ]; then
   say "in-process capacity: $CAPACITY_CONCURRENCY in flight, ${CAPACITY_S} s window (limit ${capacity_limit} s)"
   capacity_start=$(date +%s.%N) window_start= window_end=
   # shellcheck disable=SC2086
-  timeout "$capacity_limit" "$PY" -m shoal.bench.capacity --checkpoint "$CKPT" --device "$DEVICE" $SERVE_ARGS \
+  timeout "$capacity_limit" "$PY" -m shoal.bench.capacity --checkpoint "$CKPT" --device "$DEVICE" \
+    --data-dir "$DATA_DIR" $SERVE_ARGS \
     --concurrency "$CAPACITY_CONCURRENCY" --frames "$FRAMES" --voice-share "$VOICE_SHARE" --voices "$VOICES" \
     --seconds "$CAPACITY_S" --warmup-seconds 3 --json "$OUT/capacity.json" 2>&1 | tee "$OUT/capacity.log" \
     | grep -vE "^\s*$" | tail -n 5

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from shoal.bench.open_loop import VOICE_TEXT, frame_range, overload_label, share, synthetic_voice_samples
 from shoal.bench.serve import percentile
+from shoal.engine.compile_cache import compile_cache_environment
 
 TEXT = "The quick brown fox jumps over the lazy dog. Shoal streams speech while it is generated."
 
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
+    # The engine compiles what `shoal serve --data-dir` compiled: found there, not compiled again.
+    os.environ.update(compile_cache_environment(args.data_dir))
     result = asyncio.run(measure_checkpoint(args))
     print(
         f"in-process capacity at {result.concurrency} in flight: {result.frames_per_second:.0f} frames/s, "
