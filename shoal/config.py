@@ -40,8 +40,10 @@ class RealtimePolicy:
 
     enabled: bool | None = None
     # Past the GPU's capacity more streams add no frames per second, only longer steps: the floor
-    # sets how slow every admitted stream's steps, and so a newcomer's first audio, may get.
-    min_speed: float = 2.5
+    # sets how slow every admitted stream's steps, and so a newcomer's first audio, may get. Lower
+    # lets the steps run too close to real time (streams stutter); higher closes the gate while the
+    # GPU could still take more, and the waiting outweighs the shorter steps.
+    min_speed: float = 2.0
     min_headroom_seconds: float = 0.1
     grace_seconds: float = 0.5
     max_queue_wait_seconds: float = 2.0
