@@ -121,13 +121,21 @@ def parse_serve(argv: list[str]) -> argparse.Namespace:
 def test_api_workers_default_splits_on_a_gpu_only(monkeypatch):
     monkeypatch.delenv("SHOAL_API_WORKERS", raising=False)
     assert cli.api_workers(parse_serve(["--device", "cpu"])) == 0
-    assert cli.api_workers(parse_serve(["--device", "cuda"])) == min(4, os.cpu_count())
+    assert cli.api_workers(parse_serve(["--device", "cuda"])) == cli.default_api_workers(cli.usable_cores())
     assert cli.api_workers(parse_serve(["--device", "cuda", "--api-workers", "0"])) == 0
     assert cli.api_workers(parse_serve(["--device", "cpu", "--api-workers", "3"])) == 3
     monkeypatch.setenv("SHOAL_API_WORKERS", "2")
     assert cli.api_workers(parse_serve(["--device", "cpu"])) == 2
     with pytest.raises(SystemExit):
         parse_serve(["--api-workers", "-1"])
+
+
+def test_default_api_workers_grow_with_the_cores_and_the_engines():
+    """Format encoding scales with processes, not threads (one GIL each): half the cores, never
+    fewer than the old min(4, cores), at most 8 per engine."""
+    assert [cli.default_api_workers(cores) for cores in (1, 2, 4, 8, 16, 32, 128)] == [1, 2, 4, 4, 8, 8, 8]
+    assert cli.default_api_workers(128, engines=8) == 64
+    assert cli.default_api_workers(16, engines=2) == 8
 
 
 def test_a_stream_costs_one_count_file_per_process_whatever_the_limit(tmp_path, holders):

@@ -2,10 +2,12 @@
 (REST and WebSocket). Every option can also be set by an environment variable (the epilog).
 
 `--api-workers N` (N >= 1) runs the engine in a process of its own and N API processes
-(`shoal.server.workers`); 0 runs everything in this one process. By default: the split with
-min(4, cores) API processes when the engine runs on a GPU, one process on the CPU (the demo),
-where a second copy of the interpreter and the web stack per core buys nothing: the engine's
-torch threads use the same few cores as the encoders."""
+(`shoal.server.workers`); 0 runs everything in this one process. By default: the split when the
+engine runs on a GPU, with half the cores as API processes (at least min(4, cores), at most 8 per
+engine): mp3 and opus encoding is their heaviest work, and one process encodes only about as much
+as one core does (its threads share a GIL), while a GPU's streams need several cores of it. On the
+CPU (the demo) one process, where a second copy of the interpreter and the web stack per core buys
+nothing: the engine's torch threads use the same few cores as the encoders."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from shoal.tuning import ENV_PREFIX, environment
 
 DEFAULTS = ServerSettings()  # the options default to the server's own defaults (server/settings.py)
 MIB = 1024 * 1024
-MAX_DEFAULT_API_WORKERS = 4
+MAX_DEFAULT_API_WORKERS_PER_ENGINE = 8
 
 log = logging.getLogger("shoal.server")
 
@@ -61,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=api_worker_count(env("API_WORKERS", "auto") or "auto"),
         metavar="N|auto",
         help="API processes (HTTP, WebSocket, audio encoding) beside one engine process; 0: the engine "
-        f"and the API in this one process. auto (default): min({MAX_DEFAULT_API_WORKERS}, cores) when the "
-        "engine runs on a GPU, 0 on the CPU",
+        "and the API in this one process. auto (default): on a GPU half the cores, at least min(4, cores), "
+        f"at most {MAX_DEFAULT_API_WORKERS_PER_ENGINE} per engine; 0 on the CPU",
     )
     parser.add_argument(
         "--gpus",
@@ -410,7 +412,7 @@ def api_workers(args: argparse.Namespace, engines: int = 1) -> int:
     if args.api_workers is not None:
         workers = args.api_workers
     elif engine_on_gpu(args.device):
-        workers = min(MAX_DEFAULT_API_WORKERS, os.cpu_count() or 1)
+        workers = default_api_workers(usable_cores(), engines)
     else:
         workers = 0
     if engines > 1 and workers == 0:
@@ -418,6 +420,17 @@ def api_workers(args: argparse.Namespace, engines: int = 1) -> int:
             log.warning("--api-workers 0 cannot hold %d engines: running one API process", engines)
         return 1
     return workers
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's cpuset, not the whole host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_api_workers(cores: int, engines: int = 1) -> int:
+    """Half the cores (the other half for the engine processes and the encoders' threads), at
+    least min(4, cores), at most `MAX_DEFAULT_API_WORKERS_PER_ENGINE` per engine."""
+    return max(min(4, cores), min(cores // 2, MAX_DEFAULT_API_WORKERS_PER_ENGINE * engines))
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
