@@ -1,4 +1,4 @@
-"""`shoal bench engine|codec|gemm|attention|profile|ab|serve`: dispatch to one benchmark module.
+"""`shoal bench engine|codec|gemm|attention|profile|ab|serve|formats`: dispatch to one benchmark module.
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`, and is imported only when
 chosen, so the engine benchmark runs on a GPU box without the web stack."""
@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "profile": ("shoal.bench.profile", "one decode step, kernel by kernel (marginal time)"),
     "ab": ("shoal.bench.ab", "decode-step tunables A/B in one process, variants interleaved"),
     "serve": ("shoal.bench.serve", "HTTP/WebSocket load against a running server"),
+    "formats": ("shoal.bench.formats", "audio format encoding per API process count (sizes --api-workers)"),
 }
 
 
