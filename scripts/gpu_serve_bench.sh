@@ -65,8 +65,9 @@ T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*"; }
 left() { echo $((BUDGET_S - (SECONDS - T0))); }
 
-say "size=$SIZE device=$DEVICE budget=${BUDGET_S}s out=$OUT serve args: ${SERVE_ARGS:-none}" \
-  "commit=$(git rev-parse --short HEAD 2>/dev/null || echo -)"
+# No commit printed: the device tool copies the working tree, not the repository's HEAD (its copy's
+# git HEAD can be older), so the run's entry in the perf log names the commit.
+say "size=$SIZE device=$DEVICE budget=${BUDGET_S}s out=$OUT serve args: ${SERVE_ARGS:-none}"
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # GPU busy share (nvidia-smi's utilization: time with a kernel running) every 0.5 s, stamped, so
 # each phase's mean tells a GPU-bound phase from a host-bound one.
