@@ -137,10 +137,13 @@ def _decode(data: bytes, sample_rate: int, max_seconds: float) -> np.ndarray:
 # ----------------------------------------------------------------------------- shared helpers
 
 
-def _frame(samples: np.ndarray, sample_rate: int, pts: int | None = None) -> av.AudioFrame:
-    """A mono float32 PyAV frame around `samples`."""
+def _frame(
+    samples: np.ndarray, sample_rate: int, pts: int | None = None, sample_format: str = "flt"
+) -> av.AudioFrame:
+    """A mono float32 PyAV frame around `samples`. In mono, `flt` and `fltp` are the same bytes:
+    build the frame in the encoder's own format, or PyAV converts every frame before encoding."""
     frame = av.AudioFrame.from_ndarray(
-        np.ascontiguousarray(samples, dtype=np.float32)[None, :], format="flt", layout="mono"
+        np.ascontiguousarray(samples, dtype=np.float32)[None, :], format=sample_format, layout="mono"
     )
     frame.sample_rate = sample_rate
     if pts is not None:
@@ -303,7 +306,7 @@ class Mp3Encoder(AudioEncoder):
     def _encode(self, samples: np.ndarray) -> bytes:
         if samples.size == 0:
             return b""
-        frame = _frame(samples, self.sample_rate, self._pts)
+        frame = _frame(samples, self.sample_rate, self._pts, self._codec.format.name)
         self._pts += samples.size
         return b"".join(bytes(packet) for packet in self._codec.encode(frame))
 
