@@ -79,7 +79,9 @@ def measure(fmt: str, processes: int, streams: int, chunk: int, seconds: float) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--formats", nargs="+", default=["mp3", "opus", "wav"])
+    from shoal.server.audio import FORMATS
+
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["mp3", "opus", "wav"])
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--streams", type=int, default=16, help="streams per process")
     parser.add_argument("--chunk-frames", type=int, default=8, help="model frames per encoded chunk")
