@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import queue
 import time
 
 import numpy as np
@@ -72,7 +73,15 @@ def measure(fmt: str, processes: int, streams: int, chunk: int, seconds: float) 
     ]
     for worker in workers:
         worker.start()
-    total = sum(results.get(timeout=seconds + 120) for _ in workers)
+    total, reported = 0.0, 0
+    while reported < len(workers):
+        try:
+            total += results.get(timeout=1.0)
+            reported += 1
+        except queue.Empty:
+            failed = [worker.exitcode for worker in workers if worker.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"an encoding process exited with {failed[0]} (error above)") from None
     for worker in workers:
         worker.join()
     return total / seconds
