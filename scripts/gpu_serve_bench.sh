@@ -181,23 +181,13 @@ if [ -n "$HTTP_LEVELS$WS_LEVELS" ] && [ "$closed_limit" -gt 10 ]; then
         --concurrency "${HTTP_LEVELS:-1}" --ws-concurrency "${WS_LEVELS:-1}" --requests-per-level 4 --rounds 2 \
         --warmup 2 --max-new-tokens 256 --timeout 120 --json "$OUT/closed_loop_${name}_$one.json" \
         "$@" ${CLOSED_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
-      # The server's own first-audio mean over the run (parsed request to first bytes) and the
-      # engine's (submission to first audio), beside the client's figures above.
+      # What the server saw over the run (`shoal.bench.server_metrics`, as each open-loop rate
+      # prints it): the engine's and the server's first audio beside the client's figures above.
       metrics | "$PY" -c '
-import re, sys
-def read(text):
-    out = {}
-    for kind, route, value in re.findall(r"shoal_time_to_first_audio_seconds_(sum|count)[{]route=\"(\w+)\"[}] (\S+)", text):
-        out[(kind, "server, " + route)] = float(value)
-    for kind, value in re.findall(r"^shoal_engine_time_to_first_audio_seconds_(sum|count) (\S+)", text, re.M):
-        out[(kind, "inside the engine")] = float(value)
-    return out
-before, after = read(open(sys.argv[1]).read()), read(sys.stdin.read())
-for place in sorted({p for _, p in after}):
-    count = after.get(("count", place), 0) - before.get(("count", place), 0)
-    total = after.get(("sum", place), 0) - before.get(("sum", place), 0)
-    if count:
-        print(f"    first audio {place}: mean {total / count * 1000:.1f} ms over {count:.0f} requests")
+import sys
+from shoal.bench.server_metrics import parse_snapshot, server_view
+before, after = parse_snapshot(open(sys.argv[1]).read()), parse_snapshot(sys.stdin.read())
+print("    " + server_view(before, after).line())
 ' "$OUT/metrics_before_${name}_$one.txt" | tee -a "$OUT/bench.log"
     done
   }
