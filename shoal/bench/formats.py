@@ -1,12 +1,13 @@
 """`shoal bench formats`: how much audio the API processes can encode, per format and process count.
 
-Sizes `--api-workers`: mp3 and opus encoding is an API process's heaviest work, and a process's
-encoder threads share one GIL, so encoding scales with processes more than with threads. Each of
-N processes runs what an API worker runs for its streams: an event loop with `--streams` streams,
+Sizes `--api-workers` and the cores a GPU's server needs: mp3 and opus encoding is an API
+process's heaviest work, on its worker threads, beside the engine process on the same cores. Each
+of N processes runs what an API worker runs for its streams: an event loop with `--streams` streams,
 each passing chunks of `--chunk-frames` model frames through `synthesis.encode_chunk` (in place for
 plain PCM, else on a worker thread) back to back. The result is the encoded audio seconds per wall
 second of all N together: past the rate a server's streams need, its delivery falls behind (the
-`shoal_audio_delivery_lag_seconds` metric). No GPU and no model: synthetic speech-like audio.
+`shoal_audio_delivery_lag_seconds` metric). No GPU and no model: the open-loop benchmark's
+synthetic voice (`open_loop.synthetic_voice_samples`), a pitched buzz under a syllable envelope.
 """
 
 from __future__ import annotations
@@ -17,29 +18,17 @@ import multiprocessing
 import queue
 import time
 
-import numpy as np
+from shoal.bench.open_loop import synthetic_voice_samples
+from shoal.server import audio
+from shoal.server.synthesis import encode_chunk
 
-SAMPLE_RATE = 44100
+SAMPLE_RATE = audio.SAMPLE_RATE  # the codec's
 SAMPLES_PER_FRAME = 2048  # the codec's hop: one model frame of audio
-
-
-def speech_like(seconds: float, seed: int = 0) -> np.ndarray:
-    """A voiced, pitch-gliding, syllable-paced signal: closer to speech for a psychoacoustic
-    encoder than a sine or white noise."""
-    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
-    pitch = 120.0 * (1 + 0.2 * np.sin(2 * np.pi * 0.7 * t))
-    phase = 2 * np.pi * np.cumsum(pitch) / SAMPLE_RATE
-    voiced = sum(np.sin(k * phase) / k for k in range(1, 30)) * (0.5 + 0.5 * np.sin(2 * np.pi * 4 * t)) ** 2
-    noise = np.random.default_rng(seed).standard_normal(t.size)
-    return (0.3 * voiced / np.abs(voiced).max() + 0.01 * noise).astype(np.float32)
 
 
 async def encode_streams(fmt: str, streams: int, chunk: int, seconds: float) -> float:
     """Encoded audio seconds of `streams` streams encoding back to back for `seconds`."""
-    from shoal.server import audio
-    from shoal.server.synthesis import encode_chunk
-
-    source = speech_like(8.0)
+    source = synthetic_voice_samples(0, 8.0, SAMPLE_RATE)
     deadline = time.perf_counter() + seconds
     done = 0
 
@@ -88,9 +77,7 @@ def measure(fmt: str, processes: int, streams: int, chunk: int, seconds: float) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shoal.server.audio import FORMATS
-
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["mp3", "opus", "wav"])
+    parser.add_argument("--formats", nargs="+", choices=audio.FORMATS, default=["mp3", "opus", "wav"])
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--streams", type=int, default=16, help="streams per process")
     parser.add_argument("--chunk-frames", type=int, default=8, help="model frames per encoded chunk")
