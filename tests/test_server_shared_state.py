@@ -131,8 +131,8 @@ def test_api_workers_default_splits_on_a_gpu_only(monkeypatch):
 
 
 def test_default_api_workers_grow_with_the_cores_and_the_engines():
-    """Format encoding scales with processes, not threads (one GIL each): half the cores, never
-    fewer than the old min(4, cores), at most 8 per engine."""
+    """Half the cores (format encoding needs several per GPU), never fewer than the old
+    min(4, cores), at most 8 per engine."""
     assert [cli.default_api_workers(cores) for cores in (1, 2, 4, 8, 16, 32, 128)] == [1, 2, 4, 4, 8, 8, 8]
     assert cli.default_api_workers(128, engines=8) == 64
     assert cli.default_api_workers(16, engines=2) == 8

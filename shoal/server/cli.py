@@ -4,10 +4,10 @@
 `--api-workers N` (N >= 1) runs the engine in a process of its own and N API processes
 (`shoal.server.workers`); 0 runs everything in this one process. By default: the split when the
 engine runs on a GPU, with half the cores as API processes (at least min(4, cores), at most 8 per
-engine): mp3 and opus encoding is their heaviest work and a GPU's streams need several cores of
-it, which more processes reach better than one process's encoder threads (docs/deployment.md).
-On the CPU (the demo) one process, where a second copy of the interpreter and the web stack per
-core buys nothing: the engine's torch threads use the same few cores as the encoders."""
+engine): mp3 and opus encoding is their heaviest work, and a GPU's streams need several cores of
+it (docs/deployment.md sizes them with `shoal bench formats`). On the CPU (the demo) one
+process, where a second copy of the interpreter and the web stack per core buys nothing: the
+engine's torch threads use the same few cores as the encoders."""
 
 from __future__ import annotations
 
