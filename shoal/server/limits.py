@@ -129,6 +129,10 @@ class SharedStreamLimiter:
                 os.close(fd)
         return count
 
+    def _my_count(self, name: str) -> int:
+        """This limiter's streams of a key (its folder name)."""
+        return self._mine.get(name, (None, 0))[1]
+
     def _write_mine(self, folder: Path, name: str, count: int) -> None:
         """Set this limiter's count for the key (guard held); at 0 its file goes."""
         fd = self._mine.pop(name, (None, 0))[0]
@@ -147,7 +151,7 @@ class SharedStreamLimiter:
         limit = principal.max_streams or self.default_limit
         name = self._name(principal.key_id)
         with self._guard(name) as folder:
-            mine = self._mine.get(name, (None, 0))[1]
+            mine = self._my_count(name)
             # A lowered limit counts the streams opened under the old one until they end.
             if mine + self._others(folder) >= limit:
                 raise too_many_streams(limit)
@@ -158,13 +162,12 @@ class SharedStreamLimiter:
         if name not in self._mine:
             return
         with self._guard(name) as folder:
-            mine = self._mine.get(name, (None, 0))[1]
-            self._write_mine(folder, name, max(0, mine - 1))
+            self._write_mine(folder, name, max(0, self._my_count(name) - 1))
 
     def held(self, name: str) -> int:
         """Streams of one key (its folder name) held by any process."""
         with self._guard(name) as folder:
-            return self._mine.get(name, (None, 0))[1] + self._others(folder)
+            return self._my_count(name) + self._others(folder)
 
     @property
     def total(self) -> int:
